@@ -1,0 +1,390 @@
+"""Model configuration: one frozen dataclass for every family, and strict HF translation.
+
+`from_hf_config` turns a Hugging Face `config.json` dict into a `ModelConfig` and refuses
+anything it does not understand: an unknown key, or a known key with a value dlmjax does not
+implement (rope scaling, sliding windows, ...). The error names the keys and the fix.
+`to_hf_config` is its inverse, so an exported checkpoint carries a config its family's loader
+(transformers for Qwen3/Qwen2/Llama, dlmjax for every family) reads back to the same `ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A checkpoint config that dlmjax cannot represent faithfully."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    attention: str = "causal"  # causal | bidirectional | block_causal
+    block_size: int | None = None  # block-causal attention and block decoding
+    shift_logits: bool = False  # Dream: logits at i come from position i-1 (AR-initialised)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, SDAR)
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"  # the checkpoint's parameter dtype
+    mask_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"attention={self.attention!r}; choose one of {ATTENTION_KINDS}")
+        if self.attention == "block_causal" and not self.block_size:
+            raise ConfigError("block_causal attention needs block_size (e.g. 4); set it in config.json")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Families
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # config.json `model_type` values that select this family
+    layout: str  # weight-name layout: "hf" (Qwen/Llama names) or "llada"
+    attention: str
+    shift_logits: bool
+    qk_norm: bool
+    architecture: str  # `architectures[0]` written on export
+    default_mask_token_id: int | None = None
+    mask_tokens: tuple[str, ...] = ()  # token strings that name the mask token in the tokenizer
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("qwen3", ("qwen3",), "hf", "causal", False, True, "Qwen3ForCausalLM"),
+        Family("qwen2", ("qwen2",), "hf", "causal", False, False, "Qwen2ForCausalLM"),
+        Family("llama", ("llama",), "hf", "causal", False, False, "LlamaForCausalLM"),
+        Family("sdar", ("sdar",), "hf", "block_causal", False, True, "SDARForCausalLM", 151669, ("<|MASK|>",)),
+        Family("dream", ("dream", "Dream"), "hf", "bidirectional", True, False, "DreamModel", 151666, ("<|mask|>",)),
+        Family("llada", ("llada", "LLaDA"), "llada", "bidirectional", False, False, "LLaDAModelLM", 126336, ("<|mdm_mask|>",)),
+    )
+}
+
+
+def family_for_model_type(model_type: str | None) -> Family:
+    for fam in FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam
+    known = sorted(t for f in FAMILIES.values() for t in f.model_types)
+    raise ConfigError(
+        f"config.json model_type={model_type!r} is not supported; supported model types: {', '.join(known)}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# HF -> ModelConfig
+
+# Keys that carry no numerics (bookkeeping of transformers and of training code).
+_METADATA_KEYS = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "initializer_range", "auto_map", "_name_or_path", "tokenizer_class", "output_attentions",
+    "output_hidden_states", "return_dict", "bos_token_id", "eos_token_id", "pad_token_id",
+    "mask_token_id", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
+    "is_encoder_decoder", "tie_encoder_decoder", "max_window_layers", "sliding_window",
+    "attention_dropout", "embd_pdrop", "resid_pdrop", "init_device", "init_fn", "init_std",
+    "init_cutoff_factor", "fuse_cross_entropy", "use_flash_attention", "debug",
+    # SDAR-4B/8B training-infrastructure switches; none changes the forward's numerics.
+    "attn_implementation", "ep_size", "micro_forward", "skip_checkpoint", "use_deepep",
+    "_from_model_config",
+}
+
+# Keys dlmjax understands only at one value (or a set of harmless values); anything else is refused.
+def _must_equal(expected, note):
+    return lambda v: (v in expected, note)
+
+
+_HF_FIXED: dict[str, Any] = {
+    "hidden_act": _must_equal(("silu",), "only SiLU-gated MLPs are implemented"),
+    "rope_scaling": _must_equal((None,), "rope scaling (YaRN, linear, dynamic, llama3) is not implemented"),
+    "use_sliding_window": _must_equal((False, None), "sliding-window attention is not implemented"),
+    "mlp_bias": _must_equal((False,), "MLP biases are not implemented"),
+    "pretraining_tp": _must_equal((1,), "tensor-parallel pretraining splits are not implemented"),
+    "use_mrope": _must_equal((False,), "multimodal RoPE is not implemented"),
+}
+
+
+def _rope_theta(raw: dict) -> float:
+    params = raw.get("rope_parameters")
+    if params is None:
+        return float(raw.get("rope_theta", 10000.0))
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise ConfigError(f"rope_parameters={params!r} has no rope_theta; expected {{'rope_type': 'default', 'rope_theta': ...}}")
+    unknown = set(params) - {"rope_type", "rope_theta", "partial_rotary_factor"}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default" or params.get("partial_rotary_factor", 1.0) != 1.0 or unknown:
+        raise ConfigError(
+            f"config key `rope_parameters` = {params!r} is not supported: only rope_type 'default' "
+            "with full rotary dimension is implemented (no scaling)"
+        )
+    return float(params["rope_theta"])
+
+
+def _eos_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _dtype(raw: dict) -> str:
+    value = raw.get("dtype", raw.get("torch_dtype")) or "float32"
+    if value not in DTYPES:
+        raise ConfigError(f"config.json dtype {value!r} is unknown; supported: {', '.join(DTYPES)}")
+    return value
+
+
+def _check_fixed(raw: dict, fixed: dict, family: str) -> list[str]:
+    problems = []
+    for key, check in fixed.items():
+        if key in raw:
+            ok, note = check(raw[key])
+            if not ok:
+                problems.append(f"`{key}` = {raw[key]!r} ({note})")
+    return problems
+
+
+def _refuse(family: str, unknown: set[str], problems: list[str]) -> None:
+    msgs = []
+    if unknown:
+        msgs.append(
+            f"unknown config keys {sorted(unknown)} for family {family}: dlmjax refuses keys it does not "
+            "implement rather than ignore them; remove them from config.json if they do not change the model"
+        )
+    if problems:
+        msgs.append(f"unsupported values for family {family}: " + "; ".join(problems))
+    if msgs:
+        raise ConfigError(". ".join(msgs))
+
+
+_HF_KEYS = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "block_size", "layer_types",
+}
+
+
+def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
+    unknown = set(raw) - _HF_KEYS - _METADATA_KEYS - set(_HF_FIXED)
+    problems = _check_fixed(raw, _HF_FIXED, fam.name)
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        problems.append(f"`layer_types` = {sorted(set(layer_types))} (only full_attention layers are implemented)")
+    if raw.get("attention_dropout", 0.0) not in (0, 0.0):
+        problems.append(f"`attention_dropout` = {raw['attention_dropout']} (dlmjax has no dropout; set 0.0)")
+    _refuse(fam.name, unknown, problems)
+    num_heads = raw["num_attention_heads"]
+    # Qwen2 (and Dream) always carry q/k/v biases and no o bias; Qwen3/Llama/SDAR have `attention_bias`.
+    always_qkv_bias = fam.name in ("qwen2", "dream")
+    attention_bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        family=fam.name,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(raw),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        attention=fam.attention,
+        # Real SDAR configs carry no block_size (it is a generation argument); 4 is SDAR's default.
+        block_size=raw.get("block_size", 4) if fam.attention == "block_causal" else None,
+        shift_logits=fam.shift_logits,
+        qkv_bias=always_qkv_bias or attention_bias,
+        o_bias=attention_bias and not always_qkv_bias,
+        qk_norm=fam.qk_norm,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        dtype=_dtype(raw),
+        mask_token_id=raw.get("mask_token_id", fam.default_mask_token_id),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+# LLaDA's own config (configuration_llada.py, OLMo-derived names).
+_LLADA_KEYS = {
+    "d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "mlp_ratio", "vocab_size",
+    "embedding_size", "rope_theta", "rms_norm_eps", "max_sequence_length", "weight_tying",
+    "include_qkv_bias", "rope_full_precision", "flash_attention", "attention_layer_norm_with_affine",
+    "precision", "alibi_bias_max",
+}
+_LLADA_FIXED = {
+    "activation_type": _must_equal(("silu", "swiglu"), "only SiLU-gated MLPs are implemented"),
+    "block_type": _must_equal(("llama",), "only the llama block type is implemented"),
+    "layer_norm_type": _must_equal(("rms",), "only RMSNorm is implemented"),
+    "alibi": _must_equal((False,), "ALiBi is not implemented"),
+    "scale_logits": _must_equal((False,), "logit scaling is not implemented"),
+    "clip_qkv": _must_equal((None,), "q/k/v clipping is not implemented"),
+    "attention_layer_norm": _must_equal((False,), "attention layer norm is not implemented"),
+    "include_bias": _must_equal((False,), "linear biases other than q/k/v are not implemented"),
+    "rope": _must_equal((True,), "LLaDA without RoPE is not implemented"),
+    "multi_query_attention": _must_equal((None, False), "use n_kv_heads instead"),
+    "input_emb_norm": _must_equal((False, None), "input embedding norm is not implemented"),
+    "residual_dropout": _must_equal((0, 0.0), "dlmjax has no dropout"),
+    "embedding_dropout": _must_equal((0, 0.0), "dlmjax has no dropout"),
+    "block_group_size": _must_equal((1,), "grouped blocks are not implemented"),
+    "bias_for_layer_norm": _must_equal((None, False), "layer-norm biases are not implemented"),
+    "layer_norm_with_affine": _must_equal((True,), "norms without a learned scale are not implemented"),
+}
+
+
+def _from_llada(raw: dict, fam: Family) -> ModelConfig:
+    unknown = set(raw) - _LLADA_KEYS - _METADATA_KEYS - set(_LLADA_FIXED)
+    _refuse(fam.name, unknown, _check_fixed(raw, _LLADA_FIXED, fam.name))
+    d_model, n_heads = raw["d_model"], raw["n_heads"]
+    vocab = raw.get("embedding_size") or raw["vocab_size"]
+    if vocab != raw["vocab_size"]:
+        raise ConfigError(
+            f"LLaDA embedding_size={vocab} differs from vocab_size={raw['vocab_size']}; "
+            "dlmjax needs them equal (pad the tokenizer vocab or set embedding_size=vocab_size)"
+        )
+    return ModelConfig(
+        family=fam.name,
+        vocab_size=vocab,
+        hidden_size=d_model,
+        intermediate_size=raw.get("mlp_hidden_size") or raw.get("mlp_ratio", 4) * d_model,
+        num_layers=raw["n_layers"],
+        num_heads=n_heads,
+        num_kv_heads=raw.get("n_kv_heads") or n_heads,
+        head_dim=d_model // n_heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        max_position_embeddings=raw.get("max_sequence_length", 4096),
+        attention=fam.attention,
+        shift_logits=fam.shift_logits,
+        qkv_bias=bool(raw.get("include_qkv_bias", False)),
+        qk_norm=False,
+        tie_word_embeddings=bool(raw.get("weight_tying", False)),
+        dtype=_dtype(raw),
+        mask_token_id=raw.get("mask_token_id", fam.default_mask_token_id),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+def from_hf_config(raw: dict, family: str | None = None) -> ModelConfig:
+    """Translate a config.json dict. `family` overrides the family chosen by `model_type`."""
+    if family is not None and family not in FAMILIES:
+        raise ConfigError(f"unknown family {family!r}; supported: {', '.join(FAMILIES)}")
+    fam = FAMILIES[family] if family else family_for_model_type(raw.get("model_type"))
+    missing = [k for k in _required_keys(fam) if k not in raw]
+    if missing:
+        raise ConfigError(f"config.json for family {fam.name} lacks required keys {missing}")
+    return (_from_llada if fam.layout == "llada" else _from_hf_layout)(raw, fam)
+
+
+def _required_keys(fam: Family) -> tuple[str, ...]:
+    if fam.layout == "llada":
+        return ("d_model", "n_heads", "n_layers", "vocab_size")
+    return ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+# ----------------------------------------------------------------------------------------------
+# ModelConfig -> HF
+
+
+def _token_ids(cfg: ModelConfig) -> dict:
+    eos = list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_id
+    out = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos, "pad_token_id": cfg.pad_token_id}
+    if cfg.mask_token_id is not None and FAMILIES[cfg.family].default_mask_token_id is not None:
+        out["mask_token_id"] = cfg.mask_token_id
+    return out
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    fam = FAMILIES[cfg.family]
+    if fam.layout == "llada":
+        return {
+            "architectures": [fam.architecture],
+            "model_type": "llada",
+            "d_model": cfg.hidden_size,
+            "n_heads": cfg.num_heads,
+            "n_kv_heads": cfg.num_kv_heads,
+            "n_layers": cfg.num_layers,
+            "mlp_hidden_size": cfg.intermediate_size,
+            "vocab_size": cfg.vocab_size,
+            "embedding_size": cfg.vocab_size,
+            "rope_theta": cfg.rope_theta,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "max_sequence_length": cfg.max_position_embeddings,
+            "weight_tying": cfg.tie_word_embeddings,
+            "include_qkv_bias": cfg.qkv_bias,
+            "include_bias": False,
+            "activation_type": "silu",
+            "block_type": "llama",
+            "layer_norm_type": "rms",
+            "rope": True,
+            "torch_dtype": cfg.dtype,
+            **_token_ids(cfg),
+        }
+    out = {
+        "architectures": [fam.architecture],
+        "model_type": fam.model_types[0],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "dtype": cfg.dtype,
+        **_token_ids(cfg),
+    }
+    if cfg.family in ("qwen2", "dream"):
+        if not cfg.qkv_bias or cfg.o_bias:
+            raise ConfigError(f"family {cfg.family} always has q/k/v biases and no o bias")
+    else:
+        if cfg.qkv_bias != cfg.o_bias:
+            raise ConfigError(
+                f"family {cfg.family} has one `attention_bias` flag for q/k/v/o; "
+                f"qkv_bias={cfg.qkv_bias} and o_bias={cfg.o_bias} cannot be exported"
+            )
+        out["attention_bias"] = cfg.qkv_bias
+    if cfg.attention == "block_causal":
+        out["block_size"] = cfg.block_size
+    return out

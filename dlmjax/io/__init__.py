@@ -1,0 +1,1 @@
+"""Checkpoint and tokenizer I/O: Hugging Face directories in and out."""

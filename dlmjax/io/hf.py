@@ -1,0 +1,295 @@
+"""Hugging Face checkpoint directories in and out.
+
+Import: config.json -> `ModelConfig` (strict, see dlmjax.config), then every tensor of every
+safetensors shard is mapped by a `KeyRule` onto one model parameter. Loading fails on a tensor
+no rule claims, a parameter two tensors claim, a shape mismatch, or a parameter left unset.
+Each rule pairs its import transform with the inverse used on export, so the two cannot drift.
+
+Export: parameters -> safetensors shards (+ index) with metadata `format: pt`, a config.json
+from `to_hf_config`, and the tokenizer files of the source directory. Qwen3/Qwen2/Llama
+exports load in transformers' `from_pretrained`; every family loads back into dlmjax.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlmjax.config import ConfigError, FAMILIES, ModelConfig, from_hf_config, to_hf_config
+from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
+from dlmjax.models.transformer import Transformer, abstract_model
+from dlmjax.sharding import DEFAULT_RULES, ShardingRules, param_sharding, put_array
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt",
+)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+# ----------------------------------------------------------------------------------------------
+# Key rules
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A tensor transform and its inverse (torch layout <-> dlmjax layout)."""
+
+    name: str
+    to_jax: Callable[[np.ndarray], np.ndarray]
+    to_torch: Callable[[np.ndarray], np.ndarray]
+
+
+IDENTITY = Transform("identity", lambda a: a, lambda a: a)
+TRANSPOSE = Transform("transpose", lambda a: a.T, lambda a: a.T)  # torch Linear [out, in] <-> [in, out]
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """One HF tensor name template <-> one dlmjax param path template; `{i}` is the layer."""
+
+    hf: str
+    ours: str
+    transform: Transform = IDENTITY
+
+    @staticmethod
+    def _regex(template: str) -> re.Pattern:
+        return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)"))
+
+    def match_hf(self, name: str) -> str | None:
+        m = self._regex(self.hf).fullmatch(name)
+        return None if m is None else self.ours.format(**m.groupdict())
+
+    def match_ours(self, path: str) -> str | None:
+        m = self._regex(self.ours).fullmatch(path)
+        return None if m is None else self.hf.format(**m.groupdict())
+
+
+def _layer_rules(prefix: str, names: dict[str, str]) -> list[KeyRule]:
+    out = []
+    for hf_name, ours in names.items():
+        transform = TRANSPOSE if ours.endswith(".kernel") else IDENTITY
+        out.append(KeyRule(f"{prefix}{hf_name}", f"layers.{{i}}.{ours}", transform))
+    return out
+
+
+HF_RULES: tuple[KeyRule, ...] = (
+    KeyRule("model.embed_tokens.weight", "embed"),
+    KeyRule("model.norm.weight", "final_norm.scale"),
+    KeyRule("lm_head.weight", "lm_head.kernel", TRANSPOSE),
+    *_layer_rules(
+        "model.layers.{i}.",
+        {
+            **{f"self_attn.{p}_proj.weight": f"attn.{p}.kernel" for p in "qkvo"},
+            **{f"self_attn.{p}_proj.bias": f"attn.{p}.bias" for p in "qkvo"},
+            "self_attn.q_norm.weight": "attn.q_norm.scale",
+            "self_attn.k_norm.weight": "attn.k_norm.scale",
+            **{f"mlp.{p}_proj.weight": f"mlp.{p}.kernel" for p in ("gate", "up", "down")},
+            "input_layernorm.weight": "attn_norm.scale",
+            "post_attention_layernorm.weight": "mlp_norm.scale",
+        },
+    ),
+)
+
+LLADA_RULES: tuple[KeyRule, ...] = (
+    KeyRule("model.transformer.wte.weight", "embed"),
+    KeyRule("model.transformer.ln_f.weight", "final_norm.scale"),
+    KeyRule("model.transformer.ff_out.weight", "lm_head.kernel", TRANSPOSE),
+    *_layer_rules(
+        "model.transformer.blocks.{i}.",
+        {
+            **{f"{p}_proj.weight": f"attn.{p}.kernel" for p in "qkv"},
+            **{f"{p}_proj.bias": f"attn.{p}.bias" for p in "qkv"},
+            "attn_out.weight": "attn.o.kernel",
+            "ff_proj.weight": "mlp.gate.kernel",  # LLaDA: ff_out(silu(ff_proj x) * up_proj x)
+            "up_proj.weight": "mlp.up.kernel",
+            "ff_out.weight": "mlp.down.kernel",
+            "attn_norm.weight": "attn_norm.scale",
+            "ff_norm.weight": "mlp_norm.scale",
+        },
+    ),
+)
+
+
+def key_rules(cfg: ModelConfig) -> tuple[KeyRule, ...]:
+    return LLADA_RULES if FAMILIES[cfg.family].layout == "llada" else HF_RULES
+
+
+def hf_name_for(path: str, rules) -> str:
+    for rule in rules:
+        name = rule.match_ours(path)
+        if name is not None:
+            return name
+    raise KeyError(f"no key rule exports parameter {path!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Import
+
+
+def read_config(ckpt_dir: str | Path) -> dict:
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
+    path = ckpt_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"missing config.json in {ckpt_dir}: a Hugging Face checkpoint directory needs config.json "
+            "beside its *.safetensors files (save it with `model.config.save_pretrained(dir)`)"
+        )
+    return json.loads(path.read_text())
+
+
+def open_shards(ckpt_dir: str | Path) -> dict[str, SafetensorsFile]:
+    """tensor name -> the shard holding it (via the index when there is one)."""
+    ckpt_dir = Path(ckpt_dir)
+    index = ckpt_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"no *.safetensors in {ckpt_dir}; dlmjax reads safetensors only "
+            "(convert a PyTorch .bin checkpoint with transformers: `model.save_pretrained(dir)`)"
+        )
+    where: dict[str, SafetensorsFile] = {}
+    for file in files:
+        if not (ckpt_dir / file).is_file():
+            raise CheckpointError(f"{INDEX_FILE} lists shard {file}, which is missing from {ckpt_dir}")
+        shard = SafetensorsFile(ckpt_dir / file)
+        for name in shard.keys():
+            if name in where:
+                raise CheckpointError(f"duplicate tensor {name!r} in {where[name].path.name} and {file}")
+            where[name] = shard
+    return where
+
+
+def load_config(ckpt_dir: str | Path, *, family: str | None = None, dtype: str | None = None) -> ModelConfig:
+    cfg = from_hf_config(read_config(ckpt_dir), family=family)
+    return cfg.replace(dtype=dtype) if dtype else cfg
+
+
+def _flat_params(model_or_state) -> dict[str, nnx.Variable]:
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    return {".".join(str(k) for k in path): var for path, var in nnx.to_flat_state(state)}
+
+
+def load_model(
+    ckpt_dir: str | Path,
+    *,
+    family: str | None = None,
+    dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: ShardingRules = DEFAULT_RULES,
+) -> Transformer:
+    """Load a HF checkpoint directory into a `Transformer` (params sharded on `mesh` if given).
+
+    `dtype` (float32/bfloat16/float16) overrides the checkpoint's parameter dtype.
+    """
+    cfg = load_config(ckpt_dir, family=family, dtype=dtype)
+    graphdef, abstract_state = nnx.split(abstract_model(cfg))
+    expected = _flat_params(abstract_state)
+    key_map = key_rules(cfg)
+    target_dtype = jnp.dtype(cfg.dtype)
+    loaded: dict[str, jax.Array] = {}
+    source: dict[str, str] = {}
+    for name, shard in open_shards(ckpt_dir).items():
+        path = next((p for p in (r.match_hf(name) for r in key_map) if p is not None), None)
+        if path is None:
+            raise CheckpointError(f"tensor {name!r} in {shard.path.name} matches no {cfg.family} weight name")
+        if path == "lm_head.kernel" and cfg.tie_word_embeddings:
+            continue  # a tied head saved explicitly: the embedding is the head
+        if path not in expected:
+            raise CheckpointError(
+                f"tensor {name!r} has no place in a {cfg.family} model with this config "
+                f"(qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias}, qk_norm={cfg.qk_norm}, "
+                f"tie_word_embeddings={cfg.tie_word_embeddings}); check config.json"
+            )
+        if path in source:
+            raise CheckpointError(f"duplicate: tensors {source[path]!r} and {name!r} both map to {path}")
+        rule = next(r for r in key_map if r.match_hf(name) is not None)
+        array = rule.transform.to_jax(shard.get(name))
+        want = expected[path].shape
+        if tuple(array.shape) != tuple(want):
+            raise CheckpointError(
+                f"shape mismatch for {name!r}: checkpoint {tuple(array.shape)} after {rule.transform.name}, "
+                f"config expects {tuple(want)}"
+            )
+        sharding = param_sharding(path, want, cfg, mesh, rules) if mesh is not None else None
+        loaded[path] = put_array(np.asarray(array).astype(target_dtype), sharding)
+        source[path] = name
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        names = [hf_name_for(p, key_map) for p in missing]
+        raise CheckpointError(f"checkpoint {ckpt_dir} is missing tensors {names[:8]}{' ...' if len(names) > 8 else ''}")
+    state = nnx.from_flat_state(
+        [(tuple(int(k) if k.isdigit() else k for k in p.split(".")), expected[p].replace(loaded[p])) for p in expected]
+    )
+    return nnx.merge(graphdef, state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+
+
+def export_model(
+    model: Transformer,
+    out_dir: str | Path,
+    *,
+    tokenizer_from: str | Path | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> Path:
+    """Write `model` as a HF checkpoint directory in PyTorch format; returns `out_dir`."""
+    cfg = model.config
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    key_map = key_rules(cfg)
+    tensors: dict[str, np.ndarray] = {}
+    for path, var in sorted(_flat_params(model).items()):
+        rule = next(r for r in key_map if r.match_ours(path) is not None)
+        value = np.asarray(jax.device_get(var[...]))
+        tensors[rule.match_ours(path)] = np.ascontiguousarray(rule.transform.to_torch(value))
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], out_dir / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out_dir / file, metadata={"format": "pt"})
+            weight_map.update({name: file for name in shard})
+        total = sum(a.nbytes for a in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (out_dir / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
+    if tokenizer_from is not None:
+        for file in TOKENIZER_FILES:
+            src = Path(tokenizer_from) / file
+            if src.is_file():
+                shutil.copy2(src, out_dir / file)
+    return out_dir
+
+
+__all__ = [
+    "CheckpointError", "ConfigError", "KeyRule", "Transform", "export_model", "key_rules",
+    "load_config", "load_model", "open_shards", "read_config",
+]

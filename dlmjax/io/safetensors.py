@@ -1,0 +1,102 @@
+"""Minimal safetensors reader/writer over numpy memory maps, with errors that name the file.
+
+The format is an 8-byte little-endian header length, a JSON header
+`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the
+raw little-endian bytes. Reading through `np.memmap` keeps host memory at one tensor at a time
+and gives bfloat16 via ml_dtypes (numpy has no native bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as it stands."""
+
+
+class SafetensorsFile:
+    """Lazy view of one .safetensors file: `keys()`, `get(name)` -> np.ndarray (memory-mapped)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{self.path}: truncated shard ({size} bytes, no safetensors header)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if 8 + header_len > size:
+                raise CheckpointError(
+                    f"{self.path}: truncated shard: header claims {header_len} bytes but the file has {size}; "
+                    "re-download or re-export this file"
+                )
+            try:
+                header = json.loads(f.read(header_len))
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from e
+        self.metadata = header.pop("__metadata__", {}) or {}
+        self._entries = header
+        self._data_start = 8 + header_len
+        end = max((e["data_offsets"][1] for e in header.values()), default=0)
+        if self._data_start + end > size:
+            raise CheckpointError(
+                f"{self.path}: truncated shard: tensors need {self._data_start + end} bytes, the file has {size}; "
+                "re-download or re-export this file"
+            )
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def get(self, name: str) -> np.ndarray:
+        entry = self._entries[name]
+        code = entry["dtype"]
+        if code not in SAFETENSORS_DTYPES:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has dtype {code!r}, which dlmjax cannot load; "
+                f"supported: {', '.join(SAFETENSORS_DTYPES)}"
+            )
+        dtype = SAFETENSORS_DTYPES[code]
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise CheckpointError(f"{self.path}: tensor {name!r}: byte range does not match shape {shape} {code}")
+        if not shape or 0 in shape:
+            return np.zeros(shape, dtype)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=self._data_start + begin, shape=shape)
+
+
+def save_file(tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """Write tensors (float64/32/16, bfloat16) to one safetensors file."""
+    header, offset = {}, 0
+    arrays = {}
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype not in _CODES:
+            raise CheckpointError(f"cannot save {name!r} with dtype {arr.dtype}; supported: {list(_CODES)}")
+        arrays[name] = arr
+        header[name] = {"dtype": _CODES[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays.values():
+            f.write(arr.tobytes())

@@ -1,0 +1,94 @@
+"""Pure numerics of the decoder stack: RMSNorm, RoPE, attention masks, grouped-query attention.
+
+Every function here is shape-polymorphic and free of parameters; `transformer.py` holds the
+weights. Softmax and normalisation statistics are computed in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# A large finite negative instead of -inf: a query with no visible key (a padding row) gets a
+# uniform softmax rather than NaNs, and its output is never read.
+MASK_VALUE = -1e30
+
+
+def rms_norm(x, scale, eps: float):
+    """HF RMSNorm: statistics in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale * normed.astype(x.dtype)
+
+
+def rope_angles(positions_bl, head_dim: int, theta: float):
+    """cos, sin of shape [B, L, head_dim] in float32 (HF layout: the two halves repeat)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions_bl.astype(jnp.float32)[..., None] * inv_freq  # [B, L, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_blhd, cos_bld, sin_bld):
+    """Rotate-half RoPE (Llama/Qwen convention), computed in float32."""
+    x32 = x_blhd.astype(jnp.float32)
+    half = x32.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos_bld[:, :, None, :] + rotated * sin_bld[:, :, None, :]
+    return out.astype(x_blhd.dtype)
+
+
+def visibility(
+    q_pos_bq, q_seg_bq, k_pos_bk, k_seg_bk, k_valid_bk, *, attention: str, block_size: int | None
+):
+    """Which keys each query may attend to: [B, Lq, Lk] bool.
+
+    One rule serves every caller (prefill, block denoising against a cache, packed verification):
+    - a key must be valid (a real token in a filled slot);
+    - segment 0 is shared context that every query sees; otherwise query and key segments must
+      match (packed candidate copies use segments 1..K+1 and never see each other);
+    - the topology on positions: causal (k <= q), block_causal (block(k) <= block(q)),
+      bidirectional (all).
+    """
+    q_pos, k_pos = q_pos_bq[:, :, None], k_pos_bk[:, None, :]
+    if attention == "causal":
+        topo = k_pos <= q_pos
+    elif attention == "block_causal":
+        topo = (k_pos // block_size) <= (q_pos // block_size)
+    elif attention == "bidirectional":
+        topo = jnp.ones_like(k_pos <= q_pos)
+    else:
+        raise ValueError(f"attention={attention!r}; choose causal, bidirectional or block_causal")
+    k_seg = k_seg_bk[:, None, :]
+    same_segment = (k_seg == 0) | (k_seg == q_seg_bq[:, :, None])
+    return topo & same_segment & k_valid_bk[:, None, :]
+
+
+def attention(q_blhd, kv_parts):
+    """Grouped-query attention over one or more key/value parts with one joint softmax.
+
+    kv_parts: [(k [B,S,Hkv,hd], v [B,S,Hkv,hd], visible [B,L,S]), ...]. Splitting the keys
+    (cached prefix, this chunk) avoids concatenating the cache into a new buffer every step.
+    q has H heads, k/v have Hkv heads; H % Hkv == 0.
+    """
+    b, l, h, d = q_blhd.shape
+    hkv = kv_parts[0][0].shape[2]
+    q = q_blhd.reshape(b, l, hkv, h // hkv, d)
+    scores = []
+    for k, _, visible in kv_parts:
+        s = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32) * d**-0.5
+        scores.append(jnp.where(visible[:, None, None, :, :], s, MASK_VALUE))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out, start = 0.0, 0
+    for k, v, _ in kv_parts:
+        p = probs[..., start : start + k.shape[1]].astype(v.dtype)
+        out = out + jnp.einsum("bkgls,bskd->blkgd", p, v, preferred_element_type=jnp.float32)
+        start += k.shape[1]
+    return out.astype(q_blhd.dtype).reshape(b, l, h, d)
+
+
+def shift_logits_right(logits_blv, previous_bv=None):
+    """Dream alignment: position i takes the logits computed at i-1; position 0 keeps its own
+    unless `previous_bv` (the logits of the token before this chunk) is given."""
+    first = logits_blv[:, :1] if previous_bv is None else previous_bv[:, None]
+    return jnp.concatenate([first, logits_blv[:, :-1]], axis=1)

@@ -1,0 +1,248 @@
+"""One decoder stack for every family (LLaDA, Dream, SDAR, Qwen3, Qwen2, Llama).
+
+Families differ only in `ModelConfig` flags: attention topology, logit alignment, q/k/v bias,
+q/k norm, GQA, tied head, RoPE theta. Weights are 2-D matrices `[in, out]` (fast on CPU and
+simple to shard); layers are unrolled.
+
+The call signature covers every decoder in dlmjax:
+
+    model(tokens_bl, positions_bl, segments_bl=..., valid_bl=..., cache=..., write_cache=...)
+
+- `positions` drive RoPE and the attention topology (block id = position // block_size);
+- `segments` pack several candidate copies of a block in one forward: segment 0 is shared
+  context, copies 1..N see the context and themselves only (MRP/PSD verification);
+- `valid` marks real tokens (left padding is invalid and never attended to);
+- `cache` holds the KV of earlier tokens; every query sees every valid cached key that its
+  topology allows. With `write_cache=True` this chunk's KV is appended (prefill, the store
+  forward of a finished block, AR steps); otherwise the cache is left as it was (denoising).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from dlmjax.config import ModelConfig
+from dlmjax.models import layers
+from dlmjax.sharding import constrain
+
+_INIT_STD = 0.02
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype):
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD).astype(dtype)
+
+
+class Linear(nnx.Module):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x):
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return layers.rms_norm(x, self.scale[...], self.eps)
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys/values of earlier tokens, with their positions and validity."""
+
+    k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, hd]
+    v: tuple[jax.Array, ...]
+    positions: jax.Array  # [B, S] int32
+    valid: jax.Array  # [B, S] bool: slot written and holds a real token
+    length: jax.Array  # int32 scalar: slots written so far (same for every row)
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+        dtype = dtype or jnp.dtype(cfg.dtype)
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        return cls(
+            k=zeros,
+            v=zeros,
+            positions=jnp.zeros((batch, max_len), jnp.int32),
+            valid=jnp.zeros((batch, max_len), bool),
+            length=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.positions.shape[1]
+
+    def append(self, layer_kv, positions_bl, valid_bl) -> "KVCache":
+        """Write one chunk (all layers' k/v) at `length` and advance it."""
+        start = self.length
+
+        def put(buf, new):
+            return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), start, axis=1)
+
+        return KVCache(
+            k=tuple(put(buf, k) for buf, (k, _) in zip(self.k, layer_kv)),
+            v=tuple(put(buf, v) for buf, (_, v) in zip(self.v, layer_kv)),
+            positions=put(self.positions, positions_bl.astype(jnp.int32)),
+            valid=put(self.valid, valid_bl),
+            length=start + positions_bl.shape[1],
+        )
+
+
+@struct.dataclass
+class ModelOutput:
+    logits: jax.Array | None  # [B, L, V] float32, aligned so position i scores token i (or i+1 for AR)
+    hidden: jax.Array  # [B, L, D] final hidden state after the final norm
+    cache: KVCache | None
+    layer_hidden: tuple[jax.Array, ...] = ()  # residual stream at the requested `hidden_layers`
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, hkv, hd, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+        self.q = Linear(d, h * hd, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+        self.k = Linear(d, hkv * hd, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+        self.v = Linear(d, hkv * hd, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+        self.o = Linear(h * hd, d, bias=cfg.o_bias, dtype=dt, rngs=rngs)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
+
+    def project_kv(self, x_bld, cos, sin):
+        b, l, _ = x_bld.shape
+        k = self.k(x_bld).reshape(b, l, self.num_kv_heads, self.head_dim)
+        v = self.v(x_bld).reshape(b, l, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return layers.apply_rope(k, cos, sin), v
+
+    def __call__(self, x_bld, cos, sin, self_visible, cached=None):
+        """Attend to this chunk (`self_visible` [B, L, L]) and, if given, to
+        `cached` = (k [B,S,Hkv,hd], v, visible [B, L, S]). Returns (out, this chunk's (k, v))."""
+        b, l, _ = x_bld.shape
+        q = self.q(x_bld).reshape(b, l, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = layers.apply_rope(q, cos, sin)
+        k, v = self.project_kv(x_bld, cos, sin)
+        parts = [(k, v, self_visible)] if cached is None else [cached, (k, v, self_visible)]
+        out = layers.attention(q, parts)
+        return self.o(out.reshape(b, l, -1)), (k, v)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.dtype
+        self.gate = Linear(d, f, bias=False, dtype=dt, rngs=rngs)
+        self.up = Linear(d, f, bias=False, dtype=dt, rngs=rngs)
+        self.down = Linear(f, d, bias=False, dtype=dt, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, cos, sin, self_visible, cached=None):
+        attn_out, kv = self.attn(self.attn_norm(x), cos, sin, self_visible, cached)
+        x = x + attn_out
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", None, None)), kv
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.dtype))
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, rngs=rngs)
+        )
+
+    def embed_tokens(self, tokens_bl):
+        return jnp.take(self.embed[...], tokens_bl, axis=0)
+
+    def lm_logits(self, hidden_bld):
+        """Final-normed hidden -> float32 logits (no alignment shift)."""
+        w_dv = self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        return jnp.einsum("bld,dv->blv", hidden_bld, w_dv, preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens_bl,
+        positions_bl=None,
+        *,
+        segments_bl=None,
+        valid_bl=None,
+        cache: KVCache | None = None,
+        write_cache: bool = False,
+        attention: str | None = None,
+        compute_logits: bool = True,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ModelOutput:
+        """Forward one chunk. `attention` overrides the config's topology (parity tests).
+
+        `hidden_layers` follows transformers' `hidden_states` indexing: 0 is the embedding
+        output, i the residual stream after layer i.
+        """
+        cfg = self.config
+        b, l = tokens_bl.shape
+        if positions_bl is None:
+            if cache is not None:
+                raise ValueError("pass positions_bl explicitly when forwarding against a cache")
+            positions_bl = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+        segments_bl = jnp.zeros((b, l), jnp.int32) if segments_bl is None else segments_bl
+        valid_bl = jnp.ones((b, l), bool) if valid_bl is None else valid_bl
+        topology = dict(attention=attention or cfg.attention, block_size=cfg.block_size)
+
+        self_visible = layers.visibility(positions_bl, segments_bl, positions_bl, segments_bl, valid_bl, **topology)
+        if cache is not None:
+            cache_segments = jnp.zeros_like(cache.positions)
+            cache_visible = layers.visibility(
+                positions_bl, segments_bl, cache.positions, cache_segments, cache.valid, **topology
+            )
+
+        cos, sin = layers.rope_angles(positions_bl, cfg.head_dim, cfg.rope_theta)
+        x = constrain(self.embed_tokens(tokens_bl), ("batch", None, None))
+        collected = [x] if 0 in hidden_layers else []
+        new_kv = []
+        for i, block in enumerate(self.layers):
+            cached = None if cache is None else (cache.k[i], cache.v[i], cache_visible)
+            x, kv = block(x, cos, sin, self_visible, cached)
+            new_kv.append(kv)
+            if i + 1 in hidden_layers:
+                collected.append(x)
+
+        hidden = self.final_norm(x)
+        logits = None
+        if compute_logits:
+            logits = self.lm_logits(hidden)
+            if cfg.shift_logits:
+                logits = layers.shift_logits_right(logits)
+        if cache is not None and write_cache:
+            cache = cache.append(new_kv, positions_bl, valid_bl)
+        return ModelOutput(logits=logits, hidden=hidden, cache=cache, layer_hidden=tuple(collected))
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model (std 0.02 normal, unit norms)."""
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+    """The model's structure with ShapeDtypeStruct leaves: no memory, no random numbers."""
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
