@@ -1,0 +1,306 @@
+"""The block-diffusion decoding engine: one `jax.jit`, two nested `lax.while_loop`s.
+
+Layout. A batch of left-padded prompts shares one canvas [B, T] = prefix columns [0, C) plus
+`num_blocks` generation blocks of K columns. Each row's positions count from its first real
+token, so its output never depends on the other rows.
+- Block-causal models (SDAR): blocks sit at multiples of K in each row's own positions, as in
+  SDAR's reference. A row whose prompt length is not a multiple of K starts generating inside
+  a block whose first r_b columns hold the end of its prompt (fixed, never masked). The whole
+  prompt blocks before it are prefilled into the exact KV cache (one prefill forward); every
+  finished block is written by one store forward (counted apart from denoising forwards).
+- Bidirectional models (LLaDA, Dream): semi-autoregressive blocks start right after the prompt.
+  Cache mode `none` runs the full canvas each step (exact); `prefix` and `dual` are Fast-dLLM's
+  approximations: once per block a full forward refreshes the KV of the prefix (and, for
+  `dual`, of the suffix too), and steps then forward only the block (dual) or the block and the
+  suffix (prefix) against it.
+
+Loop. Outer loop over blocks; inner loop over rounds until no active row has a masked position
+in the block. A round commits from the block's current logits (`state.logits`), then runs the
+next forward only if something is still masked; its result seeds the next round. Decoders that
+draft and verify (MRP spec, PSD) replace the round and seed the next one from their verification
+forward, so the same loop serves them. Rows that are done (EOS in a finished block, or all their
+tokens generated) stop committing; rows that finished the block wait for the others, which
+changes nothing in their output.
+
+Counters: NFE = denoising forwards (per row: the forwards that row used; per batch: forwards
+run), prefill and store forwards apart, committed = tokens committed into masked positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from dlmjax.decoding.policies import score
+from dlmjax.models.transformer import KVCache, Transformer
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Static shape of a decoding run (a jit static argument)."""
+
+    prefix: int  # C: columns before the first generation block
+    block: int  # K
+    num_blocks: int
+    max_new_tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.prefix + self.block * self.num_blocks
+
+
+@struct.dataclass
+class Rows:
+    """Per-row layout arrays."""
+
+    positions: jax.Array  # [B, T] int32
+    valid: jax.Array  # [B, T] bool: real tokens (prompt or generation), not left padding
+    out_start: jax.Array  # [B] int32 column of the row's first generated token
+    blocks_needed: jax.Array  # [B] int32 blocks that hold the row's max_new_tokens
+    row_ids: jax.Array  # [B] int32 sampling-stream id of each row (its index in the request)
+
+
+@struct.dataclass
+class DecodeState:
+    canvas: jax.Array  # [B, T] int32
+    block: jax.Array  # int32 scalar: current generation block
+    logits: jax.Array  # [B, K, V] float32: the current block's latest logits (seed of the next round)
+    cache: KVCache | None
+    done: jax.Array  # [B] bool
+    rounds: jax.Array  # [B] int32 rounds each row took part in (its sampling-key counter)
+    nfe: jax.Array  # [B] int32 denoising forwards each row used
+    batch_nfe: jax.Array  # int32 denoising forwards run
+    store_forwards: jax.Array  # int32
+    committed: jax.Array  # [B] int32 tokens committed into masked positions
+
+
+@struct.dataclass
+class DecodeOutput:
+    tokens: jax.Array  # [B, max_new_tokens] int32; pad after EOS
+    num_generated: jax.Array  # [B] int32 tokens up to and including EOS
+    nfe: jax.Array  # [B] int32
+    batch_nfe: jax.Array  # int32
+    prefill_forwards: jax.Array  # int32
+    store_forwards: jax.Array  # int32
+    committed: jax.Array  # [B] int32
+
+
+class LayoutError(ValueError):
+    """Prompts and lengths that cannot be laid out for block decoding."""
+
+
+def plan_layout(prompts, *, block: int, max_new_tokens: int, block_causal: bool, pad_id: int, mask_id: int):
+    """Host-side layout: (Geometry, canvas [B, T] int32, Rows of numpy arrays)."""
+    if max_new_tokens < 1 or max_new_tokens % block:
+        lower, upper = (max_new_tokens // block) * block, math.ceil(max_new_tokens / block) * block
+        raise LayoutError(
+            f"max_new_tokens={max_new_tokens} is not a multiple of the decoding block size {block}; "
+            f"use {lower or block} or {upper}"
+        )
+    lengths = np.array([len(p) for p in prompts])
+    if block_causal:
+        block_start = (lengths // block) * block  # where each row's first generation block starts
+        prefix = int(block_start.max())
+        pad = prefix - block_start
+        in_block = lengths - block_start  # prompt tokens inside that first block
+    else:
+        prefix = int(lengths.max())
+        pad = prefix - lengths
+        in_block = np.zeros_like(lengths)
+    blocks_needed = -(-(in_block + max_new_tokens) // block)
+    geometry = Geometry(prefix, block, int(blocks_needed.max()), max_new_tokens)
+    cols = np.arange(geometry.total)[None, :]
+    canvas = np.full((len(prompts), geometry.total), mask_id, np.int32)
+    canvas[cols < pad[:, None]] = pad_id
+    for row, (p, start) in enumerate(zip(prompts, pad)):
+        canvas[row, start : start + len(p)] = p
+    rows = Rows(
+        positions=np.maximum(cols - pad[:, None], 0).astype(np.int32),
+        valid=cols >= pad[:, None],
+        out_start=(prefix + in_block).astype(np.int32),
+        blocks_needed=blocks_needed.astype(np.int32),
+        row_ids=np.arange(len(prompts), dtype=np.int32),
+    )
+    return geometry, canvas, rows
+
+
+@dataclass(frozen=True)
+class BlockForwards:
+    """The forwards of one decoding run: prefill, block-start, step and store, per cache mode."""
+
+    model: Transformer
+    rows: Rows
+    geometry: Geometry
+    cache_mode: str  # "exact" (block-causal KV cache) | "none" | "prefix" | "dual"
+
+    @property
+    def lead(self) -> int:
+        # Shifted-logit models (Dream) need the token before the block to score the block's first position.
+        return 1 if self.model.config.shift_logits else 0
+
+    def block_start(self, block):
+        return self.geometry.prefix + block * self.geometry.block
+
+    def _columns(self, start, size):
+        positions = jax.lax.dynamic_slice_in_dim(self.rows.positions, start, size, axis=1)
+        valid = jax.lax.dynamic_slice_in_dim(self.rows.valid, start, size, axis=1)
+        return positions, valid
+
+    def _full(self, canvas, cache=None):
+        return self.model(canvas, self.rows.positions, valid_bl=self.rows.valid, cache=cache, write_cache=cache is not None)
+
+    def prefill(self, canvas) -> tuple[KVCache | None, int]:
+        """Cache after the prompt's whole blocks, and the number of prefill forwards (static)."""
+        if self.cache_mode != "exact" or self.geometry.prefix == 0:
+            cache = None if self.cache_mode == "none" else self._empty_cache(canvas.shape[0])
+            return cache, 0
+        c = self.geometry.prefix
+        out = self.model(
+            canvas[:, :c], self.rows.positions[:, :c], valid_bl=self.rows.valid[:, :c],
+            cache=self._empty_cache(canvas.shape[0]), write_cache=True, compute_logits=False,
+        )
+        return out.cache, 1
+
+    def _empty_cache(self, batch):
+        return KVCache.init(self.model.config, batch, self.geometry.total)
+
+    def begin_block(self, canvas, cache, block):
+        """(logits [B, K, V], cache) at the start of a block. prefix/dual refresh their cache here."""
+        if self.cache_mode in ("prefix", "dual"):
+            out = self._full(canvas, self._empty_cache(canvas.shape[0]))
+            logits = jax.lax.dynamic_slice_in_dim(out.logits, self.block_start(block), self.geometry.block, axis=1)
+            return logits, out.cache
+        return self.step(canvas, cache, block), cache
+
+    def step(self, canvas, cache, block):
+        """Logits [B, K, V] of the current block for the canvas as it is now."""
+        k, start = self.geometry.block, self.block_start(block)
+        if self.cache_mode == "none":
+            return jax.lax.dynamic_slice_in_dim(self._full(canvas).logits, start, k, axis=1)
+        if self.cache_mode == "exact":
+            positions, valid = self._columns(start, k)
+            tokens = jax.lax.dynamic_slice_in_dim(canvas, start, k, axis=1)
+            return self.model(tokens, positions, valid_bl=valid, cache=cache).logits
+        # prefix: queries [C - lead, T) against the cached prefix [0, start); dual: the block
+        # (and its lead) against the cached prefix and suffix, the block's own cached KV hidden.
+        window = self.geometry.prefix - self.lead if self.cache_mode == "prefix" else start - self.lead
+        size = canvas.shape[1] - window if self.cache_mode == "prefix" else k + self.lead
+        positions, valid = self._columns(window, size)
+        cols = window + jnp.arange(size)
+        tokens = jax.lax.dynamic_slice_in_dim(canvas, window, size, axis=1)
+        all_cols = jnp.arange(cache.capacity)
+        hidden = (all_cols >= start) if self.cache_mode == "prefix" else (all_cols >= start) & (all_cols < start + k)
+        visible_cache = cache.replace(valid=cache.valid & ~hidden[None, :])
+        logits = self.model(tokens, positions, valid_bl=valid & (cols >= start)[None, :], cache=visible_cache).logits
+        return jax.lax.dynamic_slice_in_dim(logits, start - window, k, axis=1)
+
+    def store(self, canvas, cache, block):
+        """Write a finished block's KV (exact cache only); returns (cache, store forwards)."""
+        if self.cache_mode != "exact":
+            return cache, 0
+        k, start = self.geometry.block, self.block_start(block)
+        positions, valid = self._columns(start, k)
+        tokens = jax.lax.dynamic_slice_in_dim(canvas, start, k, axis=1)
+        out = self.model(tokens, positions, valid_bl=valid, cache=cache, write_cache=True, compute_logits=False)
+        return out.cache, 1
+
+
+def block_tokens(state: DecodeState, fwd: BlockForwards):
+    return jax.lax.dynamic_slice_in_dim(state.canvas, fwd.block_start(state.block), fwd.geometry.block, axis=1)
+
+
+def round_keys(state: DecodeState, rows: Rows, seed_key):
+    """One sampling key per row, from (seed, row id, the row's own round count): batch-invariant."""
+    return jax.vmap(lambda rid, n: jax.random.fold_in(jax.random.fold_in(seed_key, rid), n))(rows.row_ids, state.rounds)
+
+
+def policy_round(decoder, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
+    """Commit by the decoder's policy from the seeded logits, then forward if masks remain."""
+    tokens = block_tokens(state, fwd)
+    masked = (tokens == mask_id) & ~state.done[:, None]
+    keys = round_keys(state, fwd.rows, seed_key) if decoder.temperature > 0 else None
+    scores = score(state.logits, mask_id=mask_id, temperature=decoder.temperature, top_p=decoder.top_p, keys_b=keys)
+    commit = decoder.commit_set(scores, masked)
+    tokens = jnp.where(commit, scores.tokens, tokens)
+    canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, tokens, fwd.block_start(state.block), axis=1)
+    remaining = jnp.any(tokens == mask_id, axis=-1) & ~state.done
+    logits = jax.lax.cond(
+        jnp.any(remaining), lambda: fwd.step(canvas, state.cache, state.block), lambda: state.logits
+    )
+    return state.replace(
+        canvas=canvas,
+        logits=logits,
+        rounds=state.rounds + jnp.any(masked, axis=-1),
+        committed=state.committed + jnp.sum(commit, axis=-1),
+        nfe=state.nfe + remaining,
+        batch_nfe=state.batch_nfe + jnp.any(remaining),
+    )
+
+
+def _eos_seen(canvas, rows: Rows, end_col, eos):
+    cols = jnp.arange(canvas.shape[1])[None, :]
+    region = (cols >= rows.out_start[:, None]) & (cols < end_col)
+    return jnp.any(jnp.isin(canvas, eos) & region, axis=-1)
+
+
+def finalize(canvas, rows: Rows, geometry: Geometry, *, mask_id: int, pad_id: int, eos):
+    """Each row's max_new_tokens generated tokens, pad after its first EOS (EOS kept)."""
+    idx = rows.out_start[:, None] + jnp.arange(geometry.max_new_tokens)[None, :]
+    tokens = jnp.take_along_axis(canvas, idx, axis=1)
+    is_eos = jnp.isin(tokens, eos)
+    first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), geometry.max_new_tokens)
+    keep = (jnp.arange(geometry.max_new_tokens)[None, :] <= first_eos[:, None]) & (tokens != mask_id)
+    tokens = jnp.where(keep, tokens, pad_id)
+    return tokens, jnp.sum(keep, axis=1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "decoder", "geometry", "cache_mode", "mask_id", "pad_id", "eos_ids"))
+def decode(graphdef, params, canvas, rows: Rows, seed_key, *, decoder, geometry, cache_mode, mask_id, pad_id, eos_ids):
+    model = nnx.merge(graphdef, params)
+    fwd = BlockForwards(model, rows, geometry, cache_mode)
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    run_round = getattr(decoder, "run_round", None) or partial(policy_round, decoder)
+    cache, prefill_forwards = fwd.prefill(canvas)
+    batch = canvas.shape[0]
+    zeros_b = jnp.zeros((batch,), jnp.int32)
+    state = DecodeState(
+        canvas=canvas,
+        block=jnp.zeros((), jnp.int32),
+        logits=jnp.zeros((batch, geometry.block, model.config.vocab_size), jnp.float32),
+        cache=cache,
+        done=jnp.zeros((batch,), bool),
+        rounds=zeros_b, nfe=zeros_b, committed=zeros_b,
+        batch_nfe=jnp.zeros((), jnp.int32),
+        store_forwards=jnp.zeros((), jnp.int32),
+    )
+
+    def has_masks(st):
+        return jnp.any(block_tokens(st, fwd) == mask_id, axis=-1) & ~st.done
+
+    def run_block(st: DecodeState) -> DecodeState:
+        active = has_masks(st)
+        logits, cache = fwd.begin_block(st.canvas, st.cache, st.block)
+        st = st.replace(logits=logits, cache=cache, nfe=st.nfe + active, batch_nfe=st.batch_nfe + 1)
+        st = jax.lax.while_loop(
+            lambda s: jnp.any(has_masks(s)),
+            lambda s: run_round(fwd, s, mask_id=mask_id, seed_key=seed_key),
+            st,
+        )
+        cache, stores = fwd.store(st.canvas, st.cache, st.block)
+        end_col = fwd.block_start(st.block) + geometry.block
+        done = st.done | (st.block + 1 >= rows.blocks_needed) | _eos_seen(st.canvas, rows, end_col, eos)
+        return st.replace(cache=cache, done=done, block=st.block + 1, store_forwards=st.store_forwards + stores)
+
+    state = jax.lax.while_loop(lambda s: (s.block < geometry.num_blocks) & ~jnp.all(s.done), run_block, state)
+    tokens, num_generated = finalize(state.canvas, rows, geometry, mask_id=mask_id, pad_id=pad_id, eos=eos)
+    return DecodeOutput(
+        tokens=tokens, num_generated=num_generated, nfe=state.nfe, batch_nfe=state.batch_nfe,
+        prefill_forwards=jnp.asarray(prefill_forwards, jnp.int32), store_forwards=state.store_forwards,
+        committed=state.committed,
+    )

@@ -1,0 +1,76 @@
+"""Scoring a block's logits and choosing which masked positions to commit.
+
+`score` turns logits into a proposed token per position with its confidence (probability
+under the full softmax, float32) and entropy; the mask token is never proposed. A commit
+policy maps scores and the masked set to a boolean commit set; `with_progress_guard` makes
+sure every row with masked positions commits at least its most confident one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Scores:
+    tokens: jax.Array  # [B, K] int32 proposed token per position
+    confidence: jax.Array  # [B, K] float32 probability of the proposed token
+    entropy: jax.Array  # [B, K] float32 entropy of the position's distribution
+
+
+def _nucleus(logits_bkv, top_p: float):
+    sorted_logits = jnp.sort(logits_bkv, axis=-1)[..., ::-1]
+    cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+    cutoff = jnp.take_along_axis(sorted_logits, jnp.sum(cum < top_p, axis=-1, keepdims=True), axis=-1)
+    return jnp.where(logits_bkv < cutoff, -jnp.inf, logits_bkv)
+
+
+def score(logits_bkv, *, mask_id: int, temperature: float = 0.0, top_p: float = 1.0, keys_b=None) -> Scores:
+    """Propose tokens. Greedy at temperature 0; else Gumbel-max per row with `keys_b` [B]."""
+    logits = logits_bkv.astype(jnp.float32).at[..., mask_id].set(-jnp.inf)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    probs = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
+    if temperature == 0.0:
+        tokens = jnp.argmax(logits, axis=-1)
+    else:
+        noisy = _nucleus(logits, top_p) / temperature if top_p < 1.0 else logits / temperature
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
+        tokens = jnp.argmax(noisy + gumbel, axis=-1)
+    tokens = tokens.astype(jnp.int32)
+    confidence = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+    return Scores(tokens=tokens, confidence=confidence, entropy=entropy)
+
+
+def top_k_mask(values_bk, eligible_bk, k: int):
+    """The k largest `values` among eligible positions (first index wins ties)."""
+    ranked = jnp.where(eligible_bk, values_bk, -jnp.inf)
+    _, idx = jax.lax.top_k(ranked, min(k, ranked.shape[-1]))
+    chosen = jnp.zeros_like(eligible_bk).at[jnp.arange(ranked.shape[0])[:, None], idx].set(True)
+    return chosen & eligible_bk
+
+
+def with_progress_guard(commit_bk, scores: Scores, masked_bk):
+    """Every row with a masked position commits at least its most confident one."""
+    top1 = top_k_mask(scores.confidence, masked_bk, 1)
+    return (commit_bk & masked_bk) | (top1 & ~jnp.any(commit_bk & masked_bk, axis=-1, keepdims=True))
+
+
+def static_commit(scores: Scores, masked_bk, k: int):
+    return top_k_mask(scores.confidence, masked_bk, k)
+
+
+def threshold_commit(scores: Scores, masked_bk, tau: float):
+    return masked_bk & (scores.confidence > tau)
+
+
+def entropy_commit(scores: Scores, masked_bk, gamma: float):
+    """Lowest-entropy positions first, while the running sum of entropies stays <= gamma."""
+    ent = jnp.where(masked_bk, scores.entropy, jnp.inf)
+    order = jnp.argsort(ent, axis=-1, stable=True)
+    sorted_ent = jnp.take_along_axis(ent, order, axis=-1)
+    keep_sorted = jnp.cumsum(jnp.where(jnp.isfinite(sorted_ent), sorted_ent, jnp.inf), axis=-1) <= gamma
+    rows = jnp.arange(ent.shape[0])[:, None]
+    return jnp.zeros_like(masked_bk).at[rows, order].set(keep_sorted) & masked_bk

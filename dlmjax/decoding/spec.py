@@ -1,0 +1,160 @@
+"""Decoder configurations and the `NAME:key=value,...` spec strings that select them.
+
+Each decoder is a frozen dataclass (hashable: it is a static argument of the jitted loop).
+`parse_decoder("threshold:tau=0.8")` builds one; an unknown name or option is an error that
+lists the valid ones. Later decoders (MRP, PSD, TSPD) register the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from dlmjax.decoding import policies
+
+CACHE_MODES = ("none", "prefix", "dual")
+
+
+class DecoderSpecError(ValueError):
+    """A decoder spec that names an unknown decoder or option, or a bad value."""
+
+
+@dataclass(frozen=True)
+class DiffusionDecoder:
+    """Options every diffusion decoder shares.
+
+    temperature: 0 is greedy; otherwise Gumbel-max sampling at this temperature (confidence is
+      still the untempered probability of the chosen token, as in LLaDA's reference).
+    top_p: nucleus filter for sampling.
+    block: decoding block size; default: the model's block_size (block-causal models must use
+      it), 32 for bidirectional models.
+    cache: bidirectional models only: none (exact: full forward each step), prefix or dual
+      (Fast-dLLM approximations: prefix KV, or prefix and suffix KV, recomputed once per block).
+    """
+
+    name: ClassVar[str] = ""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    block: int | None = None
+    cache: str = "none"
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise DecoderSpecError(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise DecoderSpecError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.block is not None and self.block < 1:
+            raise DecoderSpecError(f"block={self.block} must be >= 1")
+        if self.cache not in CACHE_MODES:
+            raise DecoderSpecError(f"cache={self.cache!r}; choose one of {', '.join(CACHE_MODES)}")
+
+    def select(self, scores: policies.Scores, masked_bk):
+        """This step's commit set [B, K] (before the progress guard)."""
+        raise NotImplementedError
+
+    def commit_set(self, scores: policies.Scores, masked_bk):
+        """`select` plus the progress guard: every row with a masked position commits >= 1."""
+        return policies.with_progress_guard(self.select(scores, masked_bk), scores, masked_bk)
+
+
+@dataclass(frozen=True)
+class Static(DiffusionDecoder):
+    """Commit the k most confident masked positions per step (k=1: the quality reference)."""
+
+    name: ClassVar[str] = "static"
+    k: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.k < 1:
+            raise DecoderSpecError(f"k={self.k} must be >= 1")
+
+    def select(self, scores, masked_bk):
+        return policies.static_commit(scores, masked_bk, self.k)
+
+
+@dataclass(frozen=True)
+class Threshold(DiffusionDecoder):
+    """Commit every masked position with confidence > tau, and always the most confident one."""
+
+    name: ClassVar[str] = "threshold"
+    tau: float = 0.9
+
+    def select(self, scores, masked_bk):
+        return policies.threshold_commit(scores, masked_bk, self.tau)
+
+
+@dataclass(frozen=True)
+class Entropy(DiffusionDecoder):
+    """Entropy-bounded (dInfer's EB sampler): commit masked positions in order of increasing
+    entropy while their summed entropy stays <= gamma; always at least one."""
+
+    name: ClassVar[str] = "entropy"
+    gamma: float = 0.5
+
+    def select(self, scores, masked_bk):
+        return policies.entropy_commit(scores, masked_bk, self.gamma)
+
+
+@dataclass(frozen=True)
+class AR:
+    """Plain autoregressive decoding with a KV cache (causal models only)."""
+
+    name: ClassVar[str] = "ar"
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+DECODERS: dict[str, type] = {cls.name: cls for cls in (Static, Threshold, Entropy, AR)}
+
+
+def decoder_spec(decoder) -> str:
+    """The spec string that rebuilds `decoder` (only options that differ from the defaults)."""
+    changed = [
+        f"{f.name}={getattr(decoder, f.name)}"
+        for f in dataclasses.fields(decoder)
+        if getattr(decoder, f.name) != f.default
+    ]
+    return decoder.name + (":" + ",".join(changed) if changed else "")
+
+
+def register_decoder(cls: type) -> type:
+    """Class decorator for decoders defined elsewhere (MRP, PSD, TSPD)."""
+    DECODERS[cls.name] = cls
+    return cls
+
+
+def _convert(value: str, annotation, field: str, decoder: str):
+    kinds = {"int": int, "float": float, "str": str, "bool": _parse_bool}
+    kind = str(annotation).replace(" | None", "").strip()
+    try:
+        return kinds[kind](value) if kind in kinds else value
+    except ValueError:
+        raise DecoderSpecError(f"{decoder}: option {field}={value!r} is not a valid {kind}") from None
+
+
+def _parse_bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    if value.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(value)
+
+
+def parse_decoder(spec: str):
+    """`NAME` or `NAME:key=value,key=value` -> a decoder config."""
+    name, _, options = spec.strip().partition(":")
+    if name not in DECODERS:
+        raise DecoderSpecError(f"unknown decoder {name!r}; valid decoders: {', '.join(sorted(DECODERS))}")
+    cls = DECODERS[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for item in filter(None, (o.strip() for o in options.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise DecoderSpecError(f"{name}: option {item!r} needs the form key=value")
+        if key not in fields:
+            raise DecoderSpecError(f"{name}: unknown option {key!r}; valid options: {', '.join(fields)}")
+        kwargs[key] = _convert(value, fields[key].type, key, name)
+    return cls(**kwargs)

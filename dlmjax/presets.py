@@ -1,0 +1,55 @@
+"""Named models usable wherever a checkpoint directory is: `--model random-sdar`.
+
+A preset is materialised once as a real HF checkpoint directory (config.json, model.safetensors,
+tokenizer.json) under `$DLMJAX_CACHE` (default ~/.cache/dlmjax) and then loaded like any other.
+The random presets are untrained: they exercise the whole pipeline, not the quality of text.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from dlmjax.config import ModelConfig
+from dlmjax.io.hf import export_model
+from dlmjax.models.transformer import init_model
+from dlmjax.toy.tokenizer import save_char_tokenizer
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+             max_position_embeddings=512, qk_norm=True)
+PRESETS: dict[str, dict] = {
+    "random-sdar": dict(family="sdar", attention="block_causal", block_size=4, **_TINY),
+    "random-qwen3": dict(family="qwen3", attention="causal", **_TINY),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DLMJAX_CACHE", Path.home() / ".cache" / "dlmjax"))
+
+
+def _build(name: str, out_dir: Path) -> Path:
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ids = save_char_tokenizer(tmp)
+    cfg = ModelConfig(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
+                      pad_token_id=ids["pad"], **PRESETS[name])
+    export_model(init_model(cfg, seed=0), tmp)
+    try:
+        tmp.rename(out_dir)  # atomic: a half-built preset is never picked up
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def resolve_model(name_or_dir: str | os.PathLike) -> Path:
+    """A checkpoint directory for a path or a preset name."""
+    path = Path(name_or_dir)
+    if path.is_dir():
+        return path
+    if str(name_or_dir) in PRESETS:
+        target = cache_dir() / "presets" / str(name_or_dir)
+        return target if (target / "config.json").is_file() else _build(str(name_or_dir), target)
+    raise FileNotFoundError(
+        f"--model {name_or_dir!r} is neither a checkpoint directory nor a preset; presets: {', '.join(PRESETS)}"
+    )

