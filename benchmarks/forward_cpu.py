@@ -211,6 +211,10 @@ def main(argv=None):
             f"{r['dlmjax_tok_s']:>13.0f} {r['torch_tok_s']:>12.0f} {r['max_abs_logit_diff']:>12.1e}"
         )
     print("ratio = torch ms / dlmjax ms (> 1: dlmjax faster)")
+    load = os.getloadavg()[0]
+    print(f"load average at end: {load:.2f}")
+    if load > os.cpu_count() - 0.5:
+        print("WARNING: the CPU was busy with other processes; torch's OpenMP threads suffer most from this")
 
     if args.json:
         meta = dict(

@@ -23,6 +23,12 @@ from dlmjax.io.gguf import GGUFError, convert_gguf  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_NEW = 24
+# float32 rounding, not a modelling difference: SmolLM2's residual stream carries "massive
+# activations" (|h| ~ 25k from layer 12 on, where one float32 ulp is ~0.002), so two correct fp32
+# forwards (XLA CPU vs torch CPU) differ by 1.0e-4..1.5e-4 on logits of magnitude ~38; each is
+# within ~1.2e-4 of a float64 forward. The converter itself is exact: transformers' own GGUF
+# loader gives bit-identical logits to the converted directory.
+LOGITS_ATOL = 5e-4
 PROMPTS = (
     "What is the capital of France? Answer in one sentence.",
     "Write a haiku about the sea.",
@@ -143,7 +149,7 @@ def test_logits_match_transformers(model, hf_model, prompt_ids, torch):
     assert got.shape == want.shape == (1, len(ids), model.config.vocab_size)
     assert got.dtype == np.float32
     diff = float(np.abs(got - want).max())
-    assert diff <= 1e-4, f"max |dlmjax - transformers| logits = {diff:.3g}"
+    assert diff <= LOGITS_ATOL, f"max |dlmjax - transformers| logits = {diff:.3g}"
 
 
 @pytest.mark.slow

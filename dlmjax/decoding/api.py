@@ -139,9 +139,9 @@ def generate(
         out = generate_ar(model, ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
                           top_p=decoder.top_p, seed=seed, eos_ids=eos, pad_id=pad)
         out = jax.device_get(out)
+        # Each token comes from one forward (the prefill gives the first): TPF is 1 by definition.
         counts = np.asarray(out.num_generated)
-        nfe_rows = np.maximum(counts - 1, 0) + 1  # the prefill's logits give the first token
-        committed, batch_nfe, prefill, stores = counts, int(out.nfe) + 1, 1, 0
+        nfe_rows, committed, batch_nfe, prefill, stores = counts, counts, int(out.nfe), 0, 0
     else:
         block = _block_size(decoder, model)
         geometry, canvas, rows = engine.plan_layout(

@@ -20,7 +20,7 @@ from dlmjax.models.transformer import KVCache, Transformer
 class ARResult:
     tokens: jax.Array  # [B, max_new_tokens] int32, `pad_id` after a row's EOS
     num_generated: jax.Array  # [B] int32, EOS included
-    nfe: jax.Array  # int32 scalar: single-token decode forwards (the prefill is not counted)
+    nfe: jax.Array  # int32 scalar: forwards that produced tokens (the prefill produces the first)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[jax.Array, jax.Array]:
@@ -74,8 +74,14 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         token = jnp.where(done, pad_id, token)
         generated = generated.at[:, step].set(token)
         done = done | jnp.isin(token, eos)
-        out = model(token[:, None], (next_pos + step)[:, None], cache=cache, write_cache=True)
-        return step + 1, generated, done, out.logits[:, -1], out.cache, key, nfe + 1
+        more = (step + 1 < max_new_tokens) & ~jnp.all(done)
+
+        def forward():
+            out = model(token[:, None], (next_pos + step)[:, None], cache=cache, write_cache=True)
+            return out.logits[:, -1], out.cache
+
+        logits, cache = jax.lax.cond(more, forward, lambda: (logits, cache))
+        return step + 1, generated, done, logits, cache, key, nfe + more
 
     init = (
         jnp.zeros((), jnp.int32),
@@ -84,7 +90,7 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         out.logits[:, -1],
         out.cache,
         key,
-        jnp.zeros((), jnp.int32),
+        jnp.ones((), jnp.int32),
     )
     _, generated, _, _, _, _, nfe = jax.lax.while_loop(cond, body, init)
     is_eos = jnp.isin(generated, eos)

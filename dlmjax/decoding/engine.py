@@ -95,8 +95,14 @@ class LayoutError(ValueError):
     """Prompts and lengths that cannot be laid out for block decoding."""
 
 
-def plan_layout(prompts, *, block: int, max_new_tokens: int, block_causal: bool, pad_id: int, mask_id: int):
-    """Host-side layout: (Geometry, canvas [B, T] int32, Rows of numpy arrays)."""
+def plan_layout(
+    prompts, *, block: int, max_new_tokens: int, block_causal: bool, pad_id: int, mask_id: int, bucket: int = 16
+):
+    """Host-side layout: (Geometry, canvas [B, T] int32, Rows of numpy arrays).
+
+    The prefix width is rounded up to a multiple of `bucket` (more left padding, which no row
+    can see) so that batches of similar prompt lengths share one compiled program.
+    """
     if max_new_tokens < 1 or max_new_tokens % block:
         lower, upper = (max_new_tokens // block) * block, math.ceil(max_new_tokens / block) * block
         raise LayoutError(
@@ -106,13 +112,12 @@ def plan_layout(prompts, *, block: int, max_new_tokens: int, block_causal: bool,
     lengths = np.array([len(p) for p in prompts])
     if block_causal:
         block_start = (lengths // block) * block  # where each row's first generation block starts
-        prefix = int(block_start.max())
-        pad = prefix - block_start
         in_block = lengths - block_start  # prompt tokens inside that first block
     else:
-        prefix = int(lengths.max())
-        pad = prefix - lengths
+        block_start = lengths
         in_block = np.zeros_like(lengths)
+    prefix = -(-int(block_start.max()) // bucket) * bucket
+    pad = prefix - block_start
     blocks_needed = -(-(in_block + max_new_tokens) // block)
     geometry = Geometry(prefix, block, int(blocks_needed.max()), max_new_tokens)
     cols = np.arange(geometry.total)[None, :]
