@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -47,7 +48,6 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import flax  # noqa: E402
 import dlmjax  # noqa: E402
 from dlmjax.models import KVCache  # noqa: E402
 
@@ -90,6 +90,26 @@ def time_pair(jax_fn, torch_fn, warmup: int, repeats: int, torch_setup=None) -> 
     return statistics.median(times["jax"]), statistics.median(times["torch"])
 
 
+def cpu_snapshot():
+    """(jiffies of all CPUs: total, idle, steal; this process's CPU seconds), or None off Linux."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    t = os.times()
+    return sum(f), f[3] + f[4], f[7], t.user + t.system
+
+
+def cpu_sharing(start, end) -> tuple[float, float] | None:
+    """Percent of all CPU time, between two snapshots, used by other processes and stolen by the
+    hypervisor: the noise this benchmark cannot control on a shared machine."""
+    if start is None or end is None or end[0] <= start[0]:
+        return None
+    total, idle, steal = (e - s for e, s in zip(end[:3], start[:3]))
+    ours = (end[3] - start[3]) * os.sysconf("SC_CLK_TCK")
+    return max(0.0, 100 * (total - idle - steal - ours) / total), 100 * steal / total
+
+
 def build_models(args, ckpt_dir: str):
     cfg = transformers.Qwen3Config(
         vocab_size=args.vocab,
@@ -114,6 +134,7 @@ def main(argv=None):
     args = parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
+    cpu_start = cpu_snapshot()
     transformers.utils.logging.disable_progress_bar()
 
     print("command:", shlex.join([sys.executable] + sys.argv))
@@ -123,7 +144,7 @@ def main(argv=None):
     )
     print(
         f"cpu cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()}, "
-        f"load average at start: {os.getloadavg()[0]:.2f} (other processes skew timings)"
+        f"load average at start: {os.getloadavg()[0]:.2f}"
     )
     print(
         f"model: Qwen3 fp32 hidden={args.hidden} layers={args.layers} heads={args.heads} "
@@ -211,16 +232,18 @@ def main(argv=None):
             f"{r['dlmjax_tok_s']:>13.0f} {r['torch_tok_s']:>12.0f} {r['max_abs_logit_diff']:>12.1e}"
         )
     print("ratio = torch ms / dlmjax ms (> 1: dlmjax faster)")
-    load = os.getloadavg()[0]
-    print(f"load average at end: {load:.2f}")
-    if load > os.cpu_count() - 0.5:
-        print("WARNING: the CPU was busy with other processes; torch's OpenMP threads suffer most from this")
+    sharing = cpu_sharing(cpu_start, cpu_snapshot())
+    if sharing is not None:
+        print(f"CPU time during the run: {sharing[0]:.0f}% used by other processes, {sharing[1]:.0f}% stolen by the hypervisor")
+        if sum(sharing) > 10:
+            print("WARNING: the CPU was shared with other work; timings are noisy "
+                  "(torch's OpenMP threads suffer most from a busy CPU)")
 
     if args.json:
         meta = dict(
             command=shlex.join([sys.executable] + sys.argv), jax=jax.__version__, torch=torch.__version__,
             transformers=transformers.__version__, cpu_cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
-            args=vars(args), params=n_params,
+            args=vars(args), params=n_params, cpu_other_percent=sharing and sharing[0], cpu_steal_percent=sharing and sharing[1],
         )
         Path(args.json).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
         print(f"wrote {args.json}")

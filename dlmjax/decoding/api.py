@@ -149,6 +149,8 @@ def generate(
             pad_id=pad, mask_id=mask_id,
         )
         if row_ids is not None:
+            if len(row_ids) != len(ids):
+                raise ValueError(f"row_ids has {len(row_ids)} entries for {len(ids)} prompts; give one per prompt")
             rows = rows.replace(row_ids=np.asarray(row_ids, np.int32))
         graphdef, params = nnx.split(model)
         out = engine.decode(

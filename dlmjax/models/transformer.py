@@ -68,13 +68,16 @@ class KVCache:
         dtype = dtype or jnp.dtype(cfg.dtype)
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-        return cls(
+        empty = cls(
             k=zeros,
             v=zeros,
             positions=jnp.zeros((batch, max_len), jnp.int32),
             valid=jnp.zeros((batch, max_len), bool),
             length=jnp.zeros((), jnp.int32),
         )
+        # Inside jit an all-zero cache is a constant, and XLA would spend seconds constant-folding
+        # the attention over it; the barrier keeps it a runtime value.
+        return jax.lax.optimization_barrier(empty)
 
     @property
     def capacity(self) -> int:
