@@ -169,6 +169,17 @@ def _dtype(raw: dict) -> str:
     return value
 
 
+def _dtype_and_special_ids(raw: dict, fam: Family) -> dict:
+    """The fields every family reads the same way: parameter dtype and special-token ids."""
+    return dict(
+        dtype=_dtype(raw),
+        mask_token_id=raw.get("mask_token_id", fam.default_mask_token_id),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+
+
 def _check_fixed(raw: dict, fixed: dict, family: str) -> list[str]:
     problems = []
     for key, check in fixed.items():
@@ -232,11 +243,7 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
         o_bias=attention_bias and not always_qkv_bias,
         qk_norm=fam.qk_norm,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        dtype=_dtype(raw),
-        mask_token_id=raw.get("mask_token_id", fam.default_mask_token_id),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
-        pad_token_id=raw.get("pad_token_id"),
+        **_dtype_and_special_ids(raw, fam),
     )
 
 
@@ -294,11 +301,7 @@ def _from_llada(raw: dict, fam: Family) -> ModelConfig:
         qkv_bias=bool(raw.get("include_qkv_bias", False)),
         qk_norm=False,
         tie_word_embeddings=bool(raw.get("weight_tying", False)),
-        dtype=_dtype(raw),
-        mask_token_id=raw.get("mask_token_id", fam.default_mask_token_id),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
-        pad_token_id=raw.get("pad_token_id"),
+        **_dtype_and_special_ids(raw, fam),
     )
 
 

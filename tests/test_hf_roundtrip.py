@@ -116,11 +116,16 @@ def test_llada_layout_matches_llama_bidirectional(tmp_path):
     assert max_diff(dlmjax.load_model(out)(jnp.asarray(tokens)).logits, expected) <= TOL
 
 
+def relabelled_checkpoint(model, out_dir, **config_changes):
+    """The transformers model's weights and config under another family's model_type."""
+    config = {**json.loads(model.config.to_json_string()), **config_changes}
+    config.pop("architectures", None)
+    return write_checkpoint(out_dir, config, state_dict_numpy(model))
+
+
 def test_dream_layout_matches_qwen2_with_shifted_logits(tmp_path):
     qwen2 = torch_model("qwen2")
-    config = {**json.loads(qwen2.config.to_json_string()), "model_type": "Dream", "mask_token_id": 95}
-    config.pop("architectures", None)
-    path = write_checkpoint(tmp_path / "dream", config, state_dict_numpy(qwen2))
+    path = relabelled_checkpoint(qwen2, tmp_path / "dream", model_type="Dream", mask_token_id=95)
     ours = dlmjax.load_model(path)
     assert ours.config.family == "dream" and ours.config.shift_logits
     tokens = random_tokens(2, 10)
@@ -133,9 +138,7 @@ def test_dream_layout_matches_qwen2_with_shifted_logits(tmp_path):
 
 def test_sdar_layout_is_block_causal_qwen3(tmp_path):
     qwen3 = torch_model("qwen3")
-    config = {**json.loads(qwen3.config.to_json_string()), "model_type": "sdar", "block_size": 4}
-    config.pop("architectures", None)
-    path = write_checkpoint(tmp_path / "sdar", config, state_dict_numpy(qwen3))
+    path = relabelled_checkpoint(qwen3, tmp_path / "sdar", model_type="sdar", block_size=4)
     ours = dlmjax.load_model(path)
     assert ours.config.attention == "block_causal" and ours.config.block_size == 4
     tokens = random_tokens(2, 12)

@@ -205,9 +205,10 @@ def load_model(
     loaded: dict[str, jax.Array] = {}
     source: dict[str, str] = {}
     for name, shard in open_shards(ckpt_dir).items():
-        path = next((p for p in (r.match_hf(name) for r in key_map) if p is not None), None)
-        if path is None:
+        rule = next((r for r in key_map if r.match_hf(name) is not None), None)
+        if rule is None:
             raise CheckpointError(f"tensor {name!r} in {shard.path.name} matches no {cfg.family} weight name")
+        path = rule.match_hf(name)
         if path == "lm_head.kernel" and cfg.tie_word_embeddings:
             continue  # a tied head saved explicitly: the embedding is the head
         if path not in expected:
@@ -218,7 +219,6 @@ def load_model(
             )
         if path in source:
             raise CheckpointError(f"duplicate: tensors {source[path]!r} and {name!r} both map to {path}")
-        rule = next(r for r in key_map if r.match_hf(name) is not None)
         array = rule.transform.to_jax(shard.get(name))
         want = expected[path].shape
         if tuple(array.shape) != tuple(want):
