@@ -2,6 +2,8 @@
 step), batch invariance, determinism, metrics and bad input."""
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,7 @@ from flax import nnx
 import dlmjax
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
-from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
+from dlmjax.decoding.spec import DecoderSpecError, Threshold, parse_decoder
 
 MASK, EOS, PAD, VOCAB = 39, 38, 0, 40
 MAX_NEW = 8
@@ -238,3 +240,60 @@ def test_spec_roundtrip():
         decoder = parse_decoder(spec)
         assert parse_decoder(dlmjax.decoding.spec.decoder_spec(decoder)) == decoder
     assert dlmjax.decoding.spec.decoder_spec(parse_decoder("threshold:tau=0.9")) == "threshold"
+
+
+# -- extension points for MRP / PSD / TSPD ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VetoEverything(Threshold):
+    """A remask hook that vetoes every proposed commit: only the progress guard's top-1 is left."""
+
+    name: ClassVar[str] = "veto-everything"
+
+    def remask(self, scores, commit_bk, masked_bk):
+        return jnp.zeros_like(commit_bk)
+
+
+def test_remask_hook_vetoes_commits(sdar):
+    vetoed = generate(sdar, PROMPTS, decoder=VetoEverything(tau=0.0), max_new_tokens=MAX_NEW)
+    static = generate(sdar, PROMPTS, decoder="static", max_new_tokens=MAX_NEW)
+    assert [r.tokens for r in vetoed.rows] == [r.tokens for r in static.rows]
+    assert vetoed.tpf == 1.0
+
+
+@pytest.mark.parametrize("family,mode", [("sdar", "exact"), ("llada", "dual")])
+def test_packed_verification_equals_separate_forwards(family, mode):
+    """One verification forward over N candidate copies of the block gives each copy the logits
+    of its own step forward (within 1e-5)."""
+    model = peaky_model(family, seed=10)
+    geometry, canvas, rows = engine.plan_layout(
+        PROMPTS[:3], block=4, max_new_tokens=MAX_NEW, block_causal=family == "sdar", pad_id=PAD, mask_id=MASK
+    )
+    fwd = engine.BlockForwards(model, rows, geometry, mode)
+    block = jnp.asarray(0)
+    cache, _ = fwd.prefill(jnp.asarray(canvas))
+    _, cache = fwd.begin_block(jnp.asarray(canvas), cache, block)
+    start = geometry.prefix
+    base = jnp.asarray(canvas)[:, start : start + 4]
+    candidates = jnp.stack([base, base.at[:, 3].set(5), base.at[:, 2:].set(9)], axis=1)  # [B, 3, K]
+    packed = fwd.verify(candidates, cache, block)
+    for i in range(3):
+        canvas_i = jnp.asarray(canvas).at[:, start : start + 4].set(candidates[:, i])
+        np.testing.assert_allclose(packed[:, i], fwd.step(canvas_i, cache, block), atol=1e-5)
+
+
+def test_row_stops_after_the_block_with_its_eos():
+    model = peaky_model("sdar", seed=11)
+    prompt = [1, 2, 3, 4]  # a whole block: generation starts on a block boundary
+    model.config = model.config.replace(eos_token_ids=())
+    free = generate(model, [prompt], decoder="static", max_new_tokens=12).rows[0]
+    assert free.nfe == 12 and len(free.tokens) == 12
+    # Declare the second generated token the EOS: the row must end at its first occurrence
+    # (in block 1) and stop decoding after that block.
+    eos = free.tokens[1]
+    model.config = model.config.replace(eos_token_ids=(eos,))
+    result = generate(model, [prompt], decoder="static", max_new_tokens=12)
+    row = result.rows[0]
+    assert row.tokens == free.tokens[: free.tokens.index(eos) + 1]
+    assert row.nfe == 4 and result.nfe == 4 and result.store_forwards == 1

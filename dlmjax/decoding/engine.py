@@ -205,6 +205,28 @@ class BlockForwards:
         logits = self.model(tokens, positions, valid_bl=valid & (cols >= start)[None, :], cache=visible_cache).logits
         return jax.lax.dynamic_slice_in_dim(logits, start - window, k, axis=1)
 
+    def verify(self, candidates_bnk, cache, block):
+        """Logits [B, N, K, V] of N candidate versions of the current block in ONE forward.
+
+        The copies are packed side by side with the block's positions repeated; segment ids
+        1..N let each copy see the cached context and itself only (MRP spec, PSD). Exact for
+        the block-causal cache; `dual` gives the copies the cached prefix and suffix.
+        """
+        if self.cache_mode not in ("exact", "dual") or (self.cache_mode == "dual" and self.lead):
+            raise NotImplementedError(f"packed verification with cache={self.cache_mode} (use exact or dual)")
+        b, n, k = candidates_bnk.shape
+        start = self.block_start(block)
+        positions, valid = self._columns(start, k)
+        if self.cache_mode == "dual":
+            block_cols = jnp.arange(cache.capacity)
+            cache = cache.replace(valid=cache.valid & ~((block_cols >= start) & (block_cols < start + k))[None, :])
+        segments = jnp.broadcast_to(jnp.repeat(jnp.arange(1, n + 1, dtype=jnp.int32), k), (b, n * k))
+        out = self.model(
+            candidates_bnk.reshape(b, n * k), jnp.tile(positions, (1, n)), segments_bl=segments,
+            valid_bl=jnp.tile(valid, (1, n)), cache=cache,
+        )
+        return out.logits.reshape(b, n, k, -1)
+
     def store(self, canvas, cache, block):
         """Write a finished block's KV (exact cache only); returns (cache, store forwards)."""
         if self.cache_mode != "exact":

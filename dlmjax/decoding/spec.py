@@ -53,9 +53,16 @@ class DiffusionDecoder:
         """This step's commit set [B, K] (before the progress guard)."""
         raise NotImplementedError
 
+    def remask(self, scores: policies.Scores, commit_bk, masked_bk):
+        """Hook for decoders that veto proposed commits (MRP remask, TSPD): return the commits
+        to keep. The default keeps them all. The progress guard runs after it."""
+        return commit_bk
+
     def commit_set(self, scores: policies.Scores, masked_bk):
-        """`select` plus the progress guard: every row with a masked position commits >= 1."""
-        return policies.with_progress_guard(self.select(scores, masked_bk), scores, masked_bk)
+        """`select`, then `remask`, then the progress guard: every row with a masked position
+        commits at least one."""
+        chosen = self.remask(scores, self.select(scores, masked_bk), masked_bk)
+        return policies.with_progress_guard(chosen, scores, masked_bk)
 
 
 @dataclass(frozen=True)
