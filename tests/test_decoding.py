@@ -262,10 +262,12 @@ def test_remask_hook_vetoes_commits(sdar):
     assert vetoed.tpf == 1.0
 
 
-@pytest.mark.parametrize("family,mode", [("sdar", "exact"), ("llada", "dual")])
+@pytest.mark.parametrize(
+    "family,mode", [("sdar", "exact"), ("llada", "none"), ("llada", "prefix"), ("dream", "dual"), ("dream", "prefix")]
+)
 def test_packed_verification_equals_separate_forwards(family, mode):
     """One verification forward over N candidate copies of the block gives each copy the logits
-    of its own step forward (within 1e-5)."""
+    of its own step forward (within 1e-5), in every cache mode."""
     model = peaky_model(family, seed=10)
     geometry, canvas, rows = engine.plan_layout(
         PROMPTS[:3], block=4, max_new_tokens=MAX_NEW, block_causal=family == "sdar", pad_id=PAD, mask_id=MASK
@@ -277,7 +279,7 @@ def test_packed_verification_equals_separate_forwards(family, mode):
     start = geometry.prefix
     base = jnp.asarray(canvas)[:, start : start + 4]
     candidates = jnp.stack([base, base.at[:, 3].set(5), base.at[:, 2:].set(9)], axis=1)  # [B, 3, K]
-    packed = fwd.verify(candidates, cache, block)
+    packed = fwd.verify(jnp.asarray(canvas), candidates, cache, block)
     for i in range(3):
         canvas_i = jnp.asarray(canvas).at[:, start : start + 4].set(candidates[:, i])
         np.testing.assert_allclose(packed[:, i], fwd.step(canvas_i, cache, block), atol=1e-5)

@@ -157,9 +157,6 @@ class BlockForwards:
         valid = jax.lax.dynamic_slice_in_dim(self.rows.valid, start, size, axis=1)
         return positions, valid
 
-    def _full(self, canvas, cache=None):
-        return self.model(canvas, self.rows.positions, valid_bl=self.rows.valid, cache=cache, write_cache=cache is not None)
-
     def prefill(self, canvas) -> tuple[KVCache | None, int]:
         """Cache after the prompt's whole blocks, and the number of prefill forwards (static)."""
         if self.cache_mode != "exact" or self.geometry.prefix == 0:
@@ -178,54 +175,66 @@ class BlockForwards:
     def begin_block(self, canvas, cache, block):
         """(logits [B, K, V], cache) at the start of a block. prefix/dual refresh their cache here."""
         if self.cache_mode in ("prefix", "dual"):
-            out = self._full(canvas, self._empty_cache(canvas.shape[0]))
+            out = self.model(canvas, self.rows.positions, valid_bl=self.rows.valid,
+                             cache=self._empty_cache(canvas.shape[0]), write_cache=True)
             logits = jax.lax.dynamic_slice_in_dim(out.logits, self.block_start(block), self.geometry.block, axis=1)
             return logits, out.cache
         return self.step(canvas, cache, block), cache
 
-    def step(self, canvas, cache, block):
-        """Logits [B, K, V] of the current block for the canvas as it is now."""
-        k, start = self.geometry.block, self.block_start(block)
-        if self.cache_mode == "none":
-            return jax.lax.dynamic_slice_in_dim(self._full(canvas).logits, start, k, axis=1)
+    def _window(self, block):
+        """(first column, static width) of what a step forwards: the block alone against the
+        exact cache; the whole canvas without one; for prefix the block and everything after it
+        (from C, the finished blocks masked out as keys); for dual the block. Shifted-logit models
+        take one column more on the left to score the block's first position."""
+        k, start, total = self.geometry.block, self.block_start(block), self.geometry.total
         if self.cache_mode == "exact":
-            positions, valid = self._columns(start, k)
-            tokens = jax.lax.dynamic_slice_in_dim(canvas, start, k, axis=1)
-            return self.model(tokens, positions, valid_bl=valid, cache=cache).logits
-        # prefix: queries [C - lead, T) against the cached prefix [0, start); dual: the block
-        # (and its lead) against the cached prefix and suffix, the block's own cached KV hidden.
-        window = self.geometry.prefix - self.lead if self.cache_mode == "prefix" else start - self.lead
-        size = canvas.shape[1] - window if self.cache_mode == "prefix" else k + self.lead
-        positions, valid = self._columns(window, size)
-        cols = window + jnp.arange(size)
-        tokens = jax.lax.dynamic_slice_in_dim(canvas, window, size, axis=1)
-        all_cols = jnp.arange(cache.capacity)
-        hidden = (all_cols >= start) if self.cache_mode == "prefix" else (all_cols >= start) & (all_cols < start + k)
-        visible_cache = cache.replace(valid=cache.valid & ~hidden[None, :])
-        logits = self.model(tokens, positions, valid_bl=valid & (cols >= start)[None, :], cache=visible_cache).logits
-        return jax.lax.dynamic_slice_in_dim(logits, start - window, k, axis=1)
+            return start, k
+        if self.cache_mode == "none":
+            return jnp.zeros((), jnp.int32), total
+        if self.cache_mode == "prefix":
+            first = self.geometry.prefix - self.lead
+            return jnp.asarray(first, jnp.int32), total - first
+        return start - self.lead, k + self.lead
 
-    def verify(self, candidates_bnk, cache, block):
-        """Logits [B, N, K, V] of N candidate versions of the current block in ONE forward.
+    def _visible_cache(self, cache, start):
+        """prefix/dual: hide the cached KV of what this forward recomputes."""
+        if self.cache_mode in ("exact", "none"):
+            return cache
+        cols = jnp.arange(cache.capacity)
+        hidden = cols >= start if self.cache_mode == "prefix" else (cols >= start) & (cols < start + self.geometry.block)
+        return cache.replace(valid=cache.valid & ~hidden[None, :])
 
-        The copies are packed side by side with the block's positions repeated; segment ids
-        1..N let each copy see the cached context and itself only (MRP spec, PSD). Exact for
-        the block-causal cache; `dual` gives the copies the cached prefix and suffix.
+    def verify(self, canvas, candidates_bnk, cache, block):
+        """Logits [B, N, K, V] of N candidate versions of the current block, in ONE forward.
+
+        The copies (the step's window with the block replaced by each candidate) are packed side
+        by side with their positions repeated; segment ids 1..N let each copy see the cached
+        context and itself only. A copy's logits equal a step forward on its canvas (MRP spec,
+        PSD verification).
         """
-        if self.cache_mode not in ("exact", "dual") or (self.cache_mode == "dual" and self.lead):
-            raise NotImplementedError(f"packed verification with cache={self.cache_mode} (use exact or dual)")
         b, n, k = candidates_bnk.shape
         start = self.block_start(block)
-        positions, valid = self._columns(start, k)
-        if self.cache_mode == "dual":
-            block_cols = jnp.arange(cache.capacity)
-            cache = cache.replace(valid=cache.valid & ~((block_cols >= start) & (block_cols < start + k))[None, :])
-        segments = jnp.broadcast_to(jnp.repeat(jnp.arange(1, n + 1, dtype=jnp.int32), k), (b, n * k))
+        first, width = self._window(block)
+        positions, valid = self._columns(first, width)
+        if self.cache_mode in ("prefix", "dual"):  # what lies before the block is in the cache
+            valid = valid & (first + jnp.arange(width) >= start)[None, :]
+        window = jax.lax.dynamic_slice_in_dim(canvas, first, width, axis=1)
+        offset = start - first
+        copies = jax.vmap(
+            lambda cand: jax.lax.dynamic_update_slice_in_dim(window, cand, offset, axis=1), in_axes=1, out_axes=1
+        )(candidates_bnk)  # [B, N, width]
+        segments = jnp.broadcast_to(jnp.repeat(jnp.arange(1, n + 1, dtype=jnp.int32), width), (b, n * width))
         out = self.model(
-            candidates_bnk.reshape(b, n * k), jnp.tile(positions, (1, n)), segments_bl=segments,
-            valid_bl=jnp.tile(valid, (1, n)), cache=cache,
+            copies.reshape(b, n * width), jnp.tile(positions, (1, n)), segments_bl=segments,
+            valid_bl=jnp.tile(valid, (1, n)), cache=self._visible_cache(cache, start),
         )
-        return out.logits.reshape(b, n, k, -1)
+        logits = out.logits.reshape(b, n, width, -1)
+        return jax.lax.dynamic_slice_in_dim(logits, offset, k, axis=2)
+
+    def step(self, canvas, cache, block):
+        """Logits [B, K, V] of the current block for the canvas as it is now (one copy)."""
+        tokens = jax.lax.dynamic_slice_in_dim(canvas, self.block_start(block), self.geometry.block, axis=1)
+        return self.verify(canvas, tokens[:, None, :], cache, block)[:, 0]
 
     def store(self, canvas, cache, block):
         """Write a finished block's KV (exact cache only); returns (cache, store forwards)."""
