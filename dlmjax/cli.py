@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from dlmjax.decoding.spec import DECODERS
+from dlmjax.decoding.spec import decoder_names
 
 
 def _load(model_arg: str, dtype: str | None = None):
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="checkpoint directory or preset (random-sdar, random-qwen3)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     gen.add_argument("--decoder", default="static",
-                     help=f"NAME or NAME:key=value,... ; decoders: {', '.join(sorted(DECODERS))}")
+                     help=f"NAME or NAME:key=value,... ; decoders: {', '.join(decoder_names())}")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)

@@ -18,6 +18,7 @@ class Scores:
     tokens: jax.Array  # [B, K] int32 proposed token per position
     confidence: jax.Array  # [B, K] float32 probability of the proposed token
     entropy: jax.Array  # [B, K] float32 entropy of the position's distribution
+    margin: jax.Array  # [B, K] float32 top-1 minus top-2 probability
 
 
 def _nucleus(logits_bkv, top_p: float):
@@ -41,7 +42,8 @@ def score(logits_bkv, *, mask_id: int, temperature: float = 0.0, top_p: float = 
         tokens = jnp.argmax(noisy + gumbel, axis=-1)
     tokens = tokens.astype(jnp.int32)
     confidence = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
-    return Scores(tokens=tokens, confidence=confidence, entropy=entropy)
+    top2 = jax.lax.top_k(probs, 2)[0]
+    return Scores(tokens=tokens, confidence=confidence, entropy=entropy, margin=top2[..., 0] - top2[..., 1])
 
 
 def top_k_mask(values_bk, eligible_bk, k: int):
@@ -74,3 +76,16 @@ def entropy_commit(scores: Scores, masked_bk, gamma: float):
     keep_sorted = jnp.cumsum(jnp.where(jnp.isfinite(sorted_ent), sorted_ent, jnp.inf), axis=-1) <= gamma
     rows = jnp.arange(ent.shape[0])[:, None]
     return jnp.zeros_like(masked_bk).at[rows, order].set(keep_sorted) & masked_bk
+
+
+def decaying_threshold_commit(scores: Scores, masked_bk, tau: float, decay: float):
+    """Threshold that rises by `decay` per position right of the block's leftmost masked
+    position: far positions need more confidence (a left-to-right prior)."""
+    first = jnp.argmax(masked_bk, axis=-1)[:, None]
+    distance = jnp.maximum(jnp.arange(masked_bk.shape[-1])[None, :] - first, 0)
+    return masked_bk & (scores.confidence > tau + decay * distance)
+
+
+def margin_commit(scores: Scores, masked_bk, margin: float):
+    """Commit where the top-1 probability beats the runner-up by more than `margin`."""
+    return masked_bk & (scores.margin > margin)

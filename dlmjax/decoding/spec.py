@@ -149,11 +149,19 @@ def _parse_bool(value: str) -> bool:
     raise ValueError(value)
 
 
+def decoder_names() -> list[str]:
+    """All registered decoders, the built-in accelerated ones included."""
+    import dlmjax.decoding.psd  # noqa: F401  (registers itself; imported here to avoid a cycle)
+
+    return sorted(DECODERS)
+
+
 def parse_decoder(spec: str):
     """`NAME` or `NAME:key=value,key=value` -> a decoder config."""
+    decoder_names()
     name, _, options = spec.strip().partition(":")
     if name not in DECODERS:
-        raise DecoderSpecError(f"unknown decoder {name!r}; valid decoders: {', '.join(sorted(DECODERS))}")
+        raise DecoderSpecError(f"unknown decoder {name!r}; valid decoders: {', '.join(decoder_names())}")
     cls = DECODERS[name]
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}

@@ -1,0 +1,100 @@
+"""PSD: lossless against its policy run one step per forward, fewer forwards, and drafts that
+make no model call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlmjax.decoding import engine
+from dlmjax.decoding.api import generate
+from dlmjax.decoding.psd import PSD
+from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
+from test_decoding import MASK, MAX_NEW, PAD, PROMPTS, peaky_model
+
+POLICIES = ["threshold,tau=0.5", "topk,k=1", "decay,tau=0.4,decay=0.1", "margin,margin=0.3"]
+
+
+@pytest.fixture(scope="module")
+def sdar():
+    return peaky_model("sdar", seed=1)
+
+
+def tokens(result):
+    return [row.tokens for row in result.rows]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_psd_equals_its_policy_one_step_per_forward(sdar, policy):
+    stepwise = generate(sdar, PROMPTS, decoder=f"psd:policy={policy},depth=1", max_new_tokens=MAX_NEW)
+    speculative = generate(sdar, PROMPTS, decoder=f"psd:policy={policy},depth=4", max_new_tokens=MAX_NEW)
+    assert tokens(speculative) == tokens(stepwise)
+    assert speculative.nfe <= stepwise.nfe
+    assert all(s.nfe <= p.nfe for s, p in zip(speculative.rows, stepwise.rows))
+
+
+def test_psd_saves_forwards_and_is_batch_invariant(sdar):
+    stepwise = generate(sdar, PROMPTS, decoder="psd:policy=topk,depth=1", max_new_tokens=MAX_NEW)
+    speculative = generate(sdar, PROMPTS, decoder="psd:policy=topk,depth=4", max_new_tokens=MAX_NEW)
+    assert speculative.tpf > stepwise.tpf == 1.0, "no draft was ever accepted: the test is vacuous"
+    for i in (1, 5):  # two prompts with the same layout alone: batch 1
+        alone = generate(sdar, [PROMPTS[i]], decoder="psd:policy=topk,depth=4", max_new_tokens=MAX_NEW)
+        assert alone.rows[0].tokens == speculative.rows[i].tokens
+        assert alone.rows[0].nfe == speculative.rows[i].nfe
+
+
+def test_psd_threshold_policy_is_the_threshold_decoder(sdar):
+    baseline = generate(sdar, PROMPTS, decoder="threshold:tau=0.5", max_new_tokens=MAX_NEW)
+    speculative = generate(sdar, PROMPTS, decoder="psd:policy=threshold,tau=0.5,depth=3", max_new_tokens=MAX_NEW)
+    assert tokens(speculative) == tokens(baseline)
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_psd_on_bidirectional_cache_modes(cache):
+    model = peaky_model("llada", seed=2)
+    spec = f"psd:policy=topk,block=4,cache={cache}"
+    stepwise = generate(model, PROMPTS[:4], decoder=f"{spec},depth=1", max_new_tokens=MAX_NEW)
+    speculative = generate(model, PROMPTS[:4], decoder=f"{spec},depth=4", max_new_tokens=MAX_NEW)
+    assert tokens(speculative) == tokens(stepwise)
+    assert speculative.tpf > stepwise.tpf  # fewer forwards per row (the batch waits for its slowest row)
+
+
+class CountingModel:
+    """Wraps a model and counts its calls (at trace time: each call site once)."""
+
+    def __init__(self, model):
+        self.model, self.config, self.calls = model, model.config, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+
+def test_one_round_makes_exactly_one_model_call(sdar):
+    """Drafts are built without the model; the round's only call is the packed verification,
+    and it counts as one forward."""
+    geometry, canvas, rows = engine.plan_layout([PROMPTS[1]], block=4, max_new_tokens=MAX_NEW, block_causal=True,
+                                                pad_id=PAD, mask_id=MASK)
+    model = CountingModel(sdar)
+    fwd = engine.BlockForwards(model, rows, geometry, "exact")
+    canvas = jnp.asarray(canvas)
+    cache, _ = fwd.prefill(canvas)
+    logits, cache = fwd.begin_block(canvas, cache, jnp.asarray(0))
+    zeros = jnp.zeros((1,), jnp.int32)
+    state = engine.DecodeState(canvas=canvas, block=jnp.asarray(0), logits=logits, cache=cache,
+                               done=jnp.zeros((1,), bool), rounds=zeros, nfe=zeros, committed=zeros,
+                               batch_nfe=jnp.asarray(0), store_forwards=jnp.asarray(0))
+    model.calls = 0
+    after = PSD(policy="topk", depth=4).run_round(fwd, state, mask_id=MASK, seed_key=jax.random.key(0))
+    assert model.calls == 1
+    assert int(after.batch_nfe) == 1 and int(after.nfe[0]) == 1
+    assert int(after.committed[0]) >= 1
+
+
+def test_bad_psd_options():
+    with pytest.raises(DecoderSpecError, match="policy='greedy'; choose one of threshold, topk, decay, margin"):
+        parse_decoder("psd:policy=greedy")
+    with pytest.raises(DecoderSpecError, match="psd is greedy"):
+        parse_decoder("psd:temperature=0.7")
+    with pytest.raises(DecoderSpecError, match="depth=0"):
+        parse_decoder("psd:depth=0")
