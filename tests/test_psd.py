@@ -3,7 +3,6 @@ make no model call."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from dlmjax.decoding import engine
