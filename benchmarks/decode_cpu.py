@@ -21,24 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import dlmjax
+from common import peaked_random_model
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
 from dlmjax.models.transformer import KVCache
-
-
-def toy_model(args) -> dlmjax.Transformer:
-    """A random SDAR-shaped model; its head is scaled up so that distributions are peaked and
-    the threshold/entropy decoders commit several tokens per step, as a trained model would."""
-    cfg = dlmjax.ModelConfig(
-        family="sdar", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        num_layers=args.layers, num_heads=args.hidden // 32, num_kv_heads=max(1, args.hidden // 64), head_dim=32,
-        attention="block_causal", block_size=args.block, qk_norm=True, mask_token_id=args.vocab - 1,
-        eos_token_ids=(), pad_token_id=0, max_position_embeddings=1024,
-    )
-    model = dlmjax.init_model(cfg, seed=0)
-    model.lm_head.kernel[...] = model.lm_head.kernel[...] * args.head_scale
-    return model
 
 
 def forward_timers(model, prompts, args):
@@ -113,7 +99,7 @@ def main():
 
     print("command:", " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {platform.processor() or platform.machine()}")
-    model = toy_model(args)
+    model = peaked_random_model("sdar", args, num_kv_heads=max(1, args.hidden // 64))
     rng = np.random.RandomState(0)
     prompts = [rng.randint(1, args.vocab - 1, args.prompt_len).tolist() for _ in range(args.batch)]
     time_forwards = forward_timers(model, prompts, args)

@@ -17,19 +17,8 @@ import jax
 import numpy as np
 
 import dlmjax
+from common import peaked_random_model
 from dlmjax.decoding.api import generate
-
-
-def random_sdar(args) -> dlmjax.Transformer:
-    cfg = dlmjax.ModelConfig(
-        family="sdar", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-        num_layers=args.layers, num_heads=args.hidden // 32, num_kv_heads=max(1, args.hidden // 64), head_dim=32,
-        attention="block_causal", block_size=args.block, qk_norm=True, mask_token_id=args.vocab - 1,
-        eos_token_ids=(), pad_token_id=0, max_position_embeddings=1024,
-    )
-    model = dlmjax.init_model(cfg, seed=0)
-    model.lm_head.kernel[...] = model.lm_head.kernel[...] * args.head_scale
-    return model
 
 
 def main():
@@ -49,7 +38,7 @@ def main():
     args = parser.parse_args()
     print("command:", " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
-    model = dlmjax.load_model(args.model) if args.model else random_sdar(args)
+    model = dlmjax.load_model(args.model) if args.model else peaked_random_model("sdar", args, num_kv_heads=max(1, args.hidden // 64))
     rng = np.random.RandomState(0)
     vocab = model.config.vocab_size
     prompts = [rng.randint(1, vocab - 1, args.prompt_len + i).tolist() for i in range(args.batch)]

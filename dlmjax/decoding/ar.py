@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from dlmjax.decoding.policies import nucleus_filter
 from dlmjax.models.transformer import KVCache, Transformer
 
 
@@ -44,12 +45,7 @@ def sample_token(logits_bv, key, temperature: float, top_p: float):
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     logits = logits_bv / temperature
     if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
-        cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)
-        cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+        logits = nucleus_filter(logits, top_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 

@@ -21,11 +21,13 @@ class Scores:
     margin: jax.Array  # [B, K] float32 top-1 minus top-2 probability
 
 
-def _nucleus(logits_bkv, top_p: float):
-    sorted_logits = jnp.sort(logits_bkv, axis=-1)[..., ::-1]
+def nucleus_filter(logits, top_p: float):
+    """Keep the smallest set of top logits whose probability mass reaches top_p (the top token
+    always survives); the rest become -inf. Works on any leading shape."""
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
     cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
     cutoff = jnp.take_along_axis(sorted_logits, jnp.sum(cum < top_p, axis=-1, keepdims=True), axis=-1)
-    return jnp.where(logits_bkv < cutoff, -jnp.inf, logits_bkv)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
 def score(logits_bkv, *, mask_id: int, temperature: float = 0.0, top_p: float = 1.0, keys_b=None) -> Scores:
@@ -37,7 +39,7 @@ def score(logits_bkv, *, mask_id: int, temperature: float = 0.0, top_p: float = 
     if temperature == 0.0:
         tokens = jnp.argmax(logits, axis=-1)
     else:
-        noisy = _nucleus(logits, top_p) / temperature if top_p < 1.0 else logits / temperature
+        noisy = nucleus_filter(logits, top_p) / temperature if top_p < 1.0 else logits / temperature
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
         tokens = jnp.argmax(noisy + gumbel, axis=-1)
     tokens = tokens.astype(jnp.int32)

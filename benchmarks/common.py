@@ -1,0 +1,23 @@
+"""Shared by the benchmarks: random models whose head is scaled up so that their distributions
+are peaked, as a trained model's are (confidence-based decoders then commit several tokens per
+step instead of one)."""
+
+from __future__ import annotations
+
+import dlmjax
+
+
+def peaked_random_model(family: str, args, *, num_kv_heads: int) -> dlmjax.Transformer:
+    """A random `family` model sized by args.vocab/hidden/layers (head_dim 32), head x args.head_scale.
+    sdar is block-causal with block args.block; llada is bidirectional."""
+    block_causal = family == "sdar"
+    cfg = dlmjax.ModelConfig(
+        family=family, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+        num_layers=args.layers, num_heads=args.hidden // 32, num_kv_heads=num_kv_heads, head_dim=32,
+        attention="block_causal" if block_causal else "bidirectional",
+        block_size=args.block if block_causal else None, qk_norm=block_causal, mask_token_id=args.vocab - 1,
+        eos_token_ids=(), pad_token_id=0, max_position_embeddings=2048,
+    )
+    model = dlmjax.init_model(cfg, seed=0)
+    model.lm_head.kernel[...] = model.lm_head.kernel[...] * args.head_scale
+    return model
