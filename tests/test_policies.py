@@ -1,0 +1,52 @@
+"""Commit policies and the top-p filter on hand-made scores."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from dlmjax.decoding import policies
+
+
+def scores(conf, entropy=None, margin=None):
+    conf = jnp.asarray([conf], jnp.float32)
+    zeros = jnp.zeros_like(conf)
+    return policies.Scores(tokens=jnp.zeros(conf.shape, jnp.int32), confidence=conf,
+                           entropy=zeros if entropy is None else jnp.asarray([entropy], jnp.float32),
+                           margin=zeros if margin is None else jnp.asarray([margin], jnp.float32))
+
+
+def as_list(mask):
+    return np.asarray(mask)[0].tolist()
+
+
+def test_nucleus_keeps_smallest_set_reaching_top_p():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    assert np.isfinite(np.asarray(policies.nucleus_filter(logits, 0.7))).tolist() == [[True, True, False, False]]
+    assert np.isfinite(np.asarray(policies.nucleus_filter(logits, 0.4))).tolist() == [[True, False, False, False]]
+    assert np.isfinite(np.asarray(policies.nucleus_filter(logits, 0.99))).all()
+
+
+def test_static_picks_top_k_masked_first_index_on_ties():
+    masked = jnp.asarray([[True, True, False, True]])
+    assert as_list(policies.static_commit(scores([0.5, 0.5, 0.9, 0.5]), masked, 1)) == [True, False, False, False]
+    assert as_list(policies.static_commit(scores([0.2, 0.6, 0.9, 0.4]), masked, 2)) == [False, True, False, True]
+
+
+def test_progress_guard_commits_top1_only_when_nothing_else():
+    masked = jnp.asarray([[True, True, True, False]])
+    s = scores([0.3, 0.6, 0.1, 0.99])
+    none = jnp.zeros((1, 4), bool)
+    assert as_list(policies.with_progress_guard(none, s, masked)) == [False, True, False, False]
+    some = jnp.asarray([[True, False, False, False]])
+    assert as_list(policies.with_progress_guard(some, s, masked)) == [True, False, False, False]
+    assert as_list(policies.with_progress_guard(none, s, jnp.zeros((1, 4), bool))) == [False] * 4
+
+
+def test_threshold_decay_margin_and_entropy():
+    masked = jnp.asarray([[True, True, True, True]])
+    s = scores([0.95, 0.92, 0.5, 0.97], entropy=[0.1, 0.3, 2.0, 0.2], margin=[0.9, 0.2, 0.1, 0.6])
+    assert as_list(policies.threshold_commit(s, masked, 0.9)) == [True, True, False, True]
+    # tau rises 0.03 per position right of the leftmost mask: 0.9, 0.93, 0.96, 0.99
+    assert as_list(policies.decaying_threshold_commit(s, masked, 0.9, 0.03)) == [True, False, False, False]
+    assert as_list(policies.margin_commit(s, masked, 0.5)) == [True, False, False, True]
+    # lowest entropies first while the running sum stays <= 0.35: 0.1, 0.2 (0.3 would reach 0.6)
+    assert as_list(policies.entropy_commit(s, masked, 0.35)) == [True, False, False, True]
