@@ -1,7 +1,8 @@
-"""The `dlmjax` command: generate, export.
+"""The `dlmjax` command: generate, train, export.
 
     dlmjax generate --model DIR_OR_PRESET --prompt TEXT [--prompt TEXT ...] [--decoder SPEC]
                     [--max-new-tokens N] [--json]
+    dlmjax train CONFIG [section.key=value ...] --out RUN_DIR
     dlmjax export SRC OUT --format torch
 """
 
@@ -59,6 +60,17 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from dlmjax.train.config import load_run_config
+    from dlmjax.train.loop import train
+
+    run = load_run_config(args.config, args.overrides)
+    result = train(run, args.out, progress=not args.no_progress)
+    if result.model_dir is not None:
+        print(f"trained {result.step} steps; model written to {result.model_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlmjax", description="Fast decoding for diffusion language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, tokens, nfe, tpf, ...")
     gen.set_defaults(func=cmd_generate)
+
+    tr = sub.add_parser("train", help="train a toy backbone from a YAML config (rerun to resume)")
+    tr.add_argument("config", help="YAML config, e.g. configs/toy-sdar.yaml")
+    tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
+    tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics, exported model)")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.set_defaults(func=cmd_train)
 
     exp = sub.add_parser("export", help="write a checkpoint in Hugging Face PyTorch format")
     exp.add_argument("src", help="checkpoint directory or preset")

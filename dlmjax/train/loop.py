@@ -1,0 +1,192 @@
+"""The training loop for toy backbones: Optax, Orbax, data parallelism, progress, metrics.
+
+A run directory holds `config.yaml` (the resolved config), `checkpoints/` (Orbax; every
+`checkpoint_every` steps and at the end or on Ctrl-C), `metrics.jsonl`, `tb/` and, when the run
+finishes, `model/` (a HF checkpoint directory with the tokenizer, loadable wherever a model path
+is). Running the same command again resumes from the last checkpoint: the batch and the noise
+of step s are pure functions of (seed, s), so a resumed run takes exactly the steps the
+uninterrupted run would have taken.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from dlmjax.config import ModelConfig
+from dlmjax.io.hf import export_model
+from dlmjax.io.tokenizer import load_tokenizer
+from dlmjax.models.transformer import init_model
+from dlmjax.sharding import batch_sharding, make_mesh, put_array
+from dlmjax.toy.tokenizer import save_char_tokenizer
+from dlmjax.train import objectives
+from dlmjax.train.config import RunConfig
+from dlmjax.train.data import make_batch, sample_examples
+from dlmjax.train.metrics import MetricsLog
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int  # last step taken
+    losses: dict[int, float]  # step -> loss, for the steps this call ran
+    model_dir: Path | None  # exported HF directory when the run reached its last step
+
+
+def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`, after global-norm clipping.
+    Weight decay applies to matrices only (not norms)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    tx = optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+    return tx, schedule
+
+
+def model_config(run: RunConfig, ids: dict) -> ModelConfig:
+    return ModelConfig(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
+                       pad_token_id=ids["pad"], **run.model)
+
+
+def make_loss(run: RunConfig, model_cfg: ModelConfig):
+    if run.objective == "block_diffusion":
+        return partial(objectives.block_diffusion_loss, block=model_cfg.block_size, mask_id=model_cfg.mask_token_id,
+                       weighting=run.train.loss_weighting)
+    return objectives.next_token_loss
+
+
+def make_train_step(graphdef, loss_fn, tx, schedule):
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch, key, step):
+        def compute(p):
+            return loss_fn(nnx.merge(graphdef, p), batch, key)
+
+        (_, metrics), grads = jax.value_and_grad(compute, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {**metrics, "grad_norm": optax.global_norm(grads), "lr": schedule(step)}
+
+    return train_step
+
+
+def _checkpoint_manager(run_dir: Path, cfg) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=False)
+    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
+
+
+def _write_config(run_dir: Path, run: RunConfig) -> None:
+    """Write the resolved config; a resumed run must use the same one."""
+    path = run_dir / "config.yaml"
+    text = yaml.safe_dump(run.to_dict(), sort_keys=False)
+    if path.exists() and yaml.safe_load(path.read_text()) != run.to_dict():
+        differing = {k for k, v in run.to_dict().items() if yaml.safe_load(path.read_text()).get(k) != v}
+        raise ValueError(
+            f"{run_dir} holds a run with a different config (sections {sorted(differing)}); "
+            "use a new --out directory or the same config to resume"
+        )
+    path.write_text(text)
+
+
+def evaluate_toy(model, tokenizer, tasks, n: int, seed: int = 1234) -> dict[str, float]:
+    """Static (1 token per step) or greedy AR accuracy on `n` held-out examples per task."""
+    from dlmjax.evaluation.toy import toy_accuracy
+
+    return {f"eval/{name}": toy_accuracy(model, tokenizer, name, n=n, seed=seed) for name in tasks}
+
+
+def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True) -> TrainResult:
+    """Train (or resume) the run in `run_dir`; `stop_at` ends early after that step (as a kill would)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _write_config(run_dir, run)
+    cfg = run.train
+    ids = save_char_tokenizer(run_dir / "tokenizer")
+    model_cfg = model_config(run, ids)
+    tokenizer = load_tokenizer(run_dir / "tokenizer", model_cfg)
+
+    mesh = make_mesh(model=1)
+    data_size = mesh.shape["data"]
+    if cfg.batch_size % data_size:
+        raise ValueError(f"train.batch_size={cfg.batch_size} must be a multiple of the {data_size} data-parallel devices")
+    replicated = NamedSharding(mesh, P())
+
+    graphdef, params = nnx.split(init_model(model_cfg, seed=cfg.seed))
+    tx, schedule = make_optimizer(cfg)
+    params = jax.device_put(params, replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+
+    manager = _checkpoint_manager(run_dir, cfg)
+    start = manager.latest_step() or 0
+    if start:
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+        restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+        params, opt_state = restored["params"], restored["opt_state"]
+
+    train_step = make_train_step(graphdef, make_loss(run, model_cfg), tx, schedule)
+    block = model_cfg.block_size if run.objective == "block_diffusion" else None
+    base_key = jax.random.key(cfg.seed)
+    log = MetricsLog(run_dir, resume_step=start)
+    last = min(cfg.steps, stop_at if stop_at is not None else cfg.steps)
+    losses: dict[int, float] = {}
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}", disable=not progress, dynamic_ncols=True)
+    tokens_seen, window_start, done = 0, time.perf_counter(), start
+    try:
+        for step in range(start + 1, last + 1):
+            examples = sample_examples(run.data.tasks, cfg.batch_size, run.data.seed, step)
+            batch = make_batch(examples, tokenizer, seq_len=run.data.seq_len, block=block, pad_id=model_cfg.pad_token_id)
+            arrays = {k: put_array(np.asarray(v), batch_sharding(mesh, 2)) for k, v in vars(batch).items()}
+            key = jax.random.fold_in(base_key, step)
+            params, opt_state, metrics = train_step(params, opt_state, arrays, key, jnp.int32(step))
+            done = step
+            tokens_seen += int(batch.valid.sum())
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == last:
+                metrics = jax.device_get(metrics)
+                losses[step] = float(metrics["loss"])
+                elapsed = time.perf_counter() - window_start
+                rates = {"tokens_per_s": tokens_seen / elapsed}
+                log.write(step, {**metrics, **rates})
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{rates['tokens_per_s']:.0f}")
+                tokens_seen, window_start = 0, time.perf_counter()
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                scores = evaluate_toy(nnx.merge(graphdef, params), tokenizer, sorted(run.data.tasks), cfg.eval_examples)
+                log.write(step, scores)
+                bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+            if step % cfg.checkpoint_every == 0:
+                manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+    finally:  # also on Ctrl-C: keep the last finished step
+        if done > start and manager.latest_step() != done:
+            manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+        manager.wait_until_finished()
+        bar.close()
+        log.close()
+
+    model_dir = None
+    if done == cfg.steps:
+        model_dir = export_run(nnx.merge(graphdef, params), run_dir)
+    return TrainResult(run_dir=run_dir, step=done, losses=losses, model_dir=model_dir)
+
+
+def export_run(model, run_dir: Path) -> Path:
+    """Write the trained model as `run_dir/model` (HF layout, tokenizer included), replacing an old export."""
+    out = run_dir / "model"
+    shutil.rmtree(out, ignore_errors=True)
+    return export_model(model, out, tokenizer_from=run_dir / "tokenizer")
