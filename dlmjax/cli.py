@@ -1,7 +1,9 @@
-"""The `dlmjax` command: generate, train, export.
+"""The `dlmjax` command: generate, eval, train, export.
 
     dlmjax generate --model DIR_OR_PRESET --prompt TEXT [--prompt TEXT ...] [--decoder SPEC]
                     [--max-new-tokens N] [--json]
+    dlmjax eval [--model DIR_OR_PRESET] [--task NAME ...] [--decoder SPEC ...] [--limit N] [--out DIR]
+                [--save-outputs]
     dlmjax train CONFIG [section.key=value ...] --out RUN_DIR
     dlmjax export SRC OUT --format torch
 """
@@ -60,6 +62,33 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from dlmjax.evaluation.report import write_report
+    from dlmjax.evaluation.runner import default_decoders, run_eval
+    from dlmjax.evaluation.tasks import load_eval_set
+    from dlmjax.sharding import make_mesh
+
+    path, model, tokenizer = _load(args.model, args.dtype)
+    tasks = args.task or ["toy-arith", "toy-constraint"]
+    if args.data is not None and len(tasks) != 1:
+        raise ValueError("--data applies to one task; pass a single --task with it")
+    eval_sets = [load_eval_set(t, data=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens) for t in tasks]
+    for eval_set in eval_sets:
+        for problem in eval_set.skipped:
+            print(f"{eval_set.task}: skipped {problem}", file=sys.stderr)
+    decoders = args.decoder or default_decoders(model)
+    records, outputs = run_eval(
+        model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
+        mesh=make_mesh(model=1), seed=args.seed, chat=args.chat, progress=not args.no_progress,
+    )
+    title = f"{args.model} ({path})"
+    table = write_report(records, outputs if args.save_outputs else None, args.out, title=title,
+                         skipped={s.task: s.skipped for s in eval_sets if s.skipped})
+    print(table)
+    print(f"wrote {args.out}/results.json, results.md, pareto.png" + (", outputs.jsonl" if args.save_outputs else ""))
+    return 0
+
+
 def cmd_train(args) -> int:
     from dlmjax.train.config import load_run_config
     from dlmjax.train.loop import train
@@ -76,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="decode prompts with a decoder")
-    gen.add_argument("--model", required=True, help="checkpoint directory or preset (random-sdar, random-qwen3)")
+    gen.add_argument("--model", required=True, help="checkpoint directory or preset (toy-sdar, toy-ar, random-sdar, random-qwen3)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     gen.add_argument("--decoder", default="static",
                      help=f"NAME or NAME:key=value,... ; decoders: {', '.join(decoder_names())}")
@@ -86,6 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, tokens, nfe, tpf, ...")
     gen.set_defaults(func=cmd_generate)
+
+    ev = sub.add_parser("eval", help="accuracy and speed of decoders on tasks (default: toy-sdar, both toy tasks)")
+    ev.add_argument("--model", default="toy-sdar", help="checkpoint directory or preset (default toy-sdar)")
+    ev.add_argument("--task", action="append", help="toy-arith, toy-constraint, gsm8k, humaneval; repeat for several")
+    ev.add_argument("--decoder", action="append", help="decoder SPEC as in `dlmjax generate`; repeat (default: a set)")
+    ev.add_argument("--limit", type=int, default=None, help="first N prompts per task (toy tasks: N generated; default 128)")
+    ev.add_argument("--data", default=None, help="gsm8k/humaneval source: local .jsonl(.gz)/.json, a directory or a HF dataset name")
+    ev.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
+    ev.add_argument("--save-outputs", action="store_true", help="also write outputs.jsonl (one line per decoder and prompt)")
+    ev.add_argument("--batch-size", type=int, default=64)
+    ev.add_argument("--max-new-tokens", type=int, default=None, help="override the task's generation budget")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    ev.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(func=cmd_eval)
 
     tr = sub.add_parser("train", help="train a toy backbone from a YAML config (rerun to resume)")
     tr.add_argument("config", help="YAML config, e.g. configs/toy-sdar.yaml")

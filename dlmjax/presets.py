@@ -1,4 +1,7 @@
-"""Named models usable wherever a checkpoint directory is: `--model random-sdar`.
+"""Named models usable wherever a checkpoint directory is: `--model toy-sdar`.
+
+`toy-sdar` and `toy-ar` are trained toy models shipped inside the package (dlmjax/toy/checkpoints;
+how each was made is in its TRAINING.md).
 
 A preset is materialised once as a real HF checkpoint directory (config.json, model.safetensors,
 tokenizer.json) under `$DLMJAX_CACHE` (default ~/.cache/dlmjax) and then loaded like any other.
@@ -24,6 +27,14 @@ PRESETS: dict[str, dict] = {
 }
 
 
+SHIPPED_DIR = Path(__file__).parent / "toy" / "checkpoints"
+SHIPPED = ("toy-sdar", "toy-ar")
+
+
+def preset_names() -> tuple[str, ...]:
+    return SHIPPED + tuple(PRESETS)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("DLMJAX_CACHE", Path.home() / ".cache" / "dlmjax"))
 
@@ -47,9 +58,15 @@ def resolve_model(name_or_dir: str | os.PathLike) -> Path:
     path = Path(name_or_dir)
     if path.is_dir():
         return path
+    if str(name_or_dir) in SHIPPED:
+        shipped = SHIPPED_DIR / str(name_or_dir)
+        if not (shipped / "config.json").is_file():
+            raise FileNotFoundError(f"the shipped model {name_or_dir} is missing from {shipped}; reinstall dlmjax "
+                                    f"or rebuild it with scripts/train_toy.sh")
+        return shipped
     if str(name_or_dir) in PRESETS:
         target = cache_dir() / "presets" / str(name_or_dir)
         return target if (target / "config.json").is_file() else _build(str(name_or_dir), target)
     raise FileNotFoundError(
-        f"--model {name_or_dir!r} is neither a checkpoint directory nor a preset; presets: {', '.join(PRESETS)}"
+        f"--model {name_or_dir!r} is neither a checkpoint directory nor a preset; presets: {', '.join(preset_names())}"
     )

@@ -115,6 +115,16 @@ def batch_sharding(mesh: Mesh, ndim: int, rules: ShardingRules = DEFAULT_RULES) 
     return NamedSharding(mesh, rules.spec(("batch",) + (None,) * (ndim - 1)))
 
 
+def shard_batch(tree, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+    """Place every [B, ...] host array of `tree` with its batch split over 'data'."""
+    data = dict(zip(mesh.axis_names, mesh.devices.shape)).get(rules.batch or "", 1)
+    leaves = jax.tree.leaves(tree)
+    if leaves and leaves[0].shape[0] % data:
+        raise ValueError(f"batch of {leaves[0].shape[0]} rows does not split over {data} data-parallel devices; "
+                         f"pad it to a multiple of {data}")
+    return jax.tree.map(lambda a: put_array(np.asarray(a), batch_sharding(mesh, np.ndim(a), rules)), tree)
+
+
 def constrain(x, logical_axes, rules: ShardingRules = DEFAULT_RULES):
     """with_sharding_constraint under an active mesh (`jax.set_mesh`); a no-op without one."""
     mesh = jax.sharding.get_abstract_mesh()

@@ -14,6 +14,7 @@ from dlmjax.decoding.ar import generate_ar
 from dlmjax.decoding.spec import AR, DecoderSpecError, DiffusionDecoder, decoder_spec, parse_decoder
 from dlmjax.io.tokenizer import Tokenizer
 from dlmjax.models.transformer import Transformer
+from dlmjax.sharding import shard_batch
 
 DEFAULT_BIDIRECTIONAL_BLOCK = 32
 
@@ -117,12 +118,15 @@ def generate(
     max_new_tokens: int = 64,
     seed: int = 0,
     row_ids=None,
+    mesh=None,
 ) -> GenerationResult:
     """Decode a batch of prompts (text with a tokenizer, or token-id lists).
 
     decoder: a spec string (`static`, `static:k=2`, `threshold:tau=0.9`, `ar`, ...) or config.
     row_ids: each row's sampling-stream id (default: its index); give dataset indices to make a
       sampled output independent of which batch a prompt lands in.
+    mesh: split the batch over the mesh's 'data' axis (data-parallel decoding; the batch size
+      must divide by it). Place the model's params on the same mesh.
     """
     decoder = _resolve_decoder(decoder)
     ids = _encode(prompts, tokenizer)
@@ -137,7 +141,7 @@ def generate(
     start = time.perf_counter()
     if causal:
         out = generate_ar(model, ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
-                          top_p=decoder.top_p, seed=seed, eos_ids=eos, pad_id=pad)
+                          top_p=decoder.top_p, seed=seed, eos_ids=eos, pad_id=pad, mesh=mesh)
         out = jax.device_get(out)
         # Each token comes from one forward (the prefill gives the first): TPF is 1 by definition.
         counts = np.asarray(out.num_generated)
@@ -152,6 +156,8 @@ def generate(
             if len(row_ids) != len(ids):
                 raise ValueError(f"row_ids has {len(row_ids)} entries for {len(ids)} prompts; give one per prompt")
             rows = rows.replace(row_ids=np.asarray(row_ids, np.int32))
+        if mesh is not None:
+            canvas, rows = shard_batch((canvas, rows), mesh)
         graphdef, params = nnx.split(model)
         out = engine.decode(
             graphdef, params, canvas, rows, jax.random.key(seed), decoder=decoder, geometry=geometry,

@@ -15,6 +15,7 @@ from flax import nnx, struct
 
 from dlmjax.decoding.policies import nucleus_filter
 from dlmjax.models.transformer import KVCache, Transformer
+from dlmjax.sharding import shard_batch
 
 
 @struct.dataclass
@@ -105,8 +106,10 @@ def generate_ar(
     seed: int = 0,
     eos_ids: tuple[int, ...] | None = None,
     pad_id: int | None = None,
+    mesh=None,
 ) -> ARResult:
-    """Generate for a batch of token-id prompts with a causal model."""
+    """Generate for a batch of token-id prompts with a causal model; with `mesh`, the batch is
+    split over its 'data' axis (the batch size must divide by it)."""
     cfg = model.config
     if cfg.attention != "causal":
         raise ValueError(f"AR generation needs a causal model; {cfg.family} is {cfg.attention} (use a diffusion decoder)")
@@ -119,6 +122,8 @@ def generate_ar(
             f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"max_position_embeddings ({cfg.max_position_embeddings})"
         )
+    if mesh is not None:
+        tokens, valid = shard_batch((tokens, valid), mesh)
     graphdef, state = nnx.split(model)
     return _generate(
         graphdef, state, tokens, valid, jax.random.key(seed),

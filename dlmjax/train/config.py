@@ -88,7 +88,23 @@ def _section(name: str, values: dict):
     unknown = sorted(set(values) - known)
     if unknown:
         raise RunConfigError(f"unknown {name} keys {unknown}; known: {', '.join(sorted(known))}")
-    return cls(**values)
+    return cls(**{k: _coerce(name, k, cls.__dataclass_fields__[k].type, v) for k, v in values.items()})
+
+
+_SCALARS = {"int": int, "float": float, "str": str}
+
+
+def _coerce(section: str, key: str, type_name: str, value):
+    """YAML reads `1e-4` as a string: convert scalars to the field's type, with a clear error."""
+    kind = _SCALARS.get(type_name)
+    if kind is None or isinstance(value, kind) and not isinstance(value, bool):
+        return value
+    try:
+        if kind is int and float(value) != int(float(value)):
+            raise ValueError
+        return kind(float(value)) if kind is int else kind(value)
+    except (TypeError, ValueError):
+        raise RunConfigError(f"{section}.{key}={value!r} is not a valid {type_name}") from None
 
 
 def apply_override(raw: dict, override: str) -> None:

@@ -82,7 +82,7 @@ def make_train_step(graphdef, loss_fn, tx, schedule):
         (_, metrics), grads = jax.value_and_grad(compute, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {**metrics, "grad_norm": optax.global_norm(grads), "lr": schedule(step)}
+        return params, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(step)}
 
     return train_step
 

@@ -1,0 +1,77 @@
+"""Evaluation outputs: results.json, outputs.jsonl, a Markdown table and a Pareto plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dlmjax.evaluation.runner import RunRecord
+
+
+def markdown_table(records: list[RunRecord]) -> str:
+    """One row per (task, decoder); speedup is the task's first decoder's wall time over this one's."""
+    lines = [
+        "| task | decoder | n | accuracy | NFE | TPF | useful TPF | tokens/s | speedup |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    baseline: dict[str, float] = {}
+    for r in records:
+        base = baseline.setdefault(r.task, r.wall_s)
+        lines.append(
+            f"| {r.task} | `{r.decoder}` | {r.n} | {100 * r.accuracy:.1f}% | {r.nfe:.1f} | {r.tpf:.2f} | "
+            f"{r.useful_tpf:.2f} | {r.tokens_per_s:.0f} | {base / max(r.wall_s, 1e-9):.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (tpf, accuracy) points no other point beats on both, sorted by TPF."""
+    front = [p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points)]
+    return sorted(set(front))
+
+
+def pareto_plot(records: list[RunRecord], path: Path, title: str = "") -> Path:
+    """Accuracy vs TPF, one panel per task, every decoder labelled, the Pareto front drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(dict.fromkeys(r.task for r in records))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        rows = [r for r in records if r.task == task]
+        for r in rows:
+            ax.scatter(r.tpf, 100 * r.accuracy, s=30)
+            ax.annotate(r.decoder, (r.tpf, 100 * r.accuracy), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        front = pareto_front([(r.tpf, 100 * r.accuracy) for r in rows])
+        ax.plot([p[0] for p in front], [p[1] for p in front], "k--", lw=0.8, label="Pareto front")
+        ax.set_xlabel("tokens per forward (TPF)")
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(records: list[RunRecord], outputs: list[dict] | None, out_dir: str | Path, *,
+                 skipped: dict[str, list[str]] | None = None, title: str = "") -> str:
+    """Write results.json, results.md, pareto.png (and outputs.jsonl when given); return the table."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"runs": [r.to_json() for r in records], "skipped_rows": skipped or {}}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    table = markdown_table(records)
+    (out_dir / "results.md").write_text((f"{title}\n\n" if title else "") + table)
+    if outputs is not None:
+        with (out_dir / "outputs.jsonl").open("w") as f:
+            for row in outputs:
+                f.write(json.dumps(row) + "\n")
+    pareto_plot(records, out_dir / "pareto.png", title)
+    return table

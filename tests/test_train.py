@@ -1,0 +1,159 @@
+"""Training infrastructure: data, the block-diffusion layout, configs, exact resume, metrics."""
+
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dlmjax.config import ModelConfig
+from dlmjax.io.hf import load_model
+from dlmjax.io.tokenizer import load_tokenizer
+from dlmjax.models.transformer import init_model
+from dlmjax.toy.tokenizer import save_char_tokenizer
+from dlmjax.train.config import RunConfigError, load_run_config
+from dlmjax.train.data import DataError, encode_row, make_batch, sample_examples
+from dlmjax.train.loop import train
+from dlmjax.train.objectives import block_diffusion_loss, block_diffusion_visibility, mask_blocks
+
+TINY_MODEL = dict(family="sdar", attention="block_causal", block_size=4, hidden_size=32, intermediate_size=64,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, qk_norm=True,
+                  tie_word_embeddings=True)
+
+
+def tiny_overrides(tmp_steps=6):
+    return [f"train.steps={tmp_steps}", "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=3",
+            "train.eval_every=0", "train.warmup_steps=2", "model.hidden_size=32", "model.intermediate_size=64",
+            "model.num_layers=2", "model.head_dim=8", "model.block_size=4"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    save_char_tokenizer(path)
+    return load_tokenizer(path)
+
+
+def test_batches_are_a_function_of_seed_and_step(tokenizer):
+    a = make_batch(sample_examples({"toy-arith": 1, "toy-constraint": 1}, 8, 0, 5), tokenizer, seq_len=64, block=8, pad_id=0)
+    b = make_batch(sample_examples({"toy-arith": 1, "toy-constraint": 1}, 8, 0, 5), tokenizer, seq_len=64, block=8, pad_id=0)
+    c = make_batch(sample_examples({"toy-arith": 1, "toy-constraint": 1}, 8, 0, 6), tokenizer, seq_len=64, block=8, pad_id=0)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens) or a.tokens.shape != c.tokens.shape
+
+
+def test_encode_row_fills_the_eos_block_and_marks_the_target():
+    tokens, valid, target = encode_row([5, 6, 7], [8, 9], eos_id=1, seq_len=16, block=4)
+    assert tokens[:8].tolist() == [5, 6, 7, 8, 9, 1, 1, 1]  # EOS up to the end of its block
+    assert valid.tolist() == [True] * 8 + [False] * 8
+    assert target.tolist() == [False] * 3 + [True] * 5 + [False] * 8
+    ar_tokens, ar_valid, _ = encode_row([5, 6, 7], [8, 9], eos_id=1, seq_len=8, block=None)
+    assert ar_tokens[:6].tolist() == [5, 6, 7, 8, 9, 1] and ar_valid.sum() == 6
+    with pytest.raises(DataError, match="raise seq_len"):
+        encode_row(list(range(10)), [1, 2], eos_id=1, seq_len=8, block=4)
+
+
+def test_block_diffusion_layout_matches_decoding():
+    """The noisy copy of block b sees exactly what decoding sees: clean blocks < b and the noisy
+    block itself; so its logits equal a plain block-causal forward over [clean < b, noisy b]."""
+    cfg = ModelConfig(vocab_size=40, mask_token_id=2, eos_token_ids=(1,), pad_token_id=0, **TINY_MODEL)
+    model = init_model(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(4, 40, (2, 12)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    target = positions >= 3
+    noisy, masked, _ = mask_blocks(jax.random.key(1), tokens, target, positions, block=4, mask_id=2)
+    valid = jnp.ones((2, 12), bool)
+    out = model(jnp.concatenate([noisy, tokens], 1), jnp.concatenate([positions, positions], 1),
+                visible_bll=block_diffusion_visibility(positions, valid, 4))
+    for b in range(3):
+        seq = jnp.concatenate([tokens[:, : 4 * b], noisy[:, 4 * b : 4 * b + 4]], axis=1)
+        ref = model(seq).logits[:, 4 * b : 4 * b + 4]
+        np.testing.assert_allclose(out.logits[:, 4 * b : 4 * b + 4], ref, atol=1e-5)
+
+
+def test_loss_weightings_and_bad_weighting(tokenizer):
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id, eos_token_ids=(tokenizer.eos_id,),
+                      pad_token_id=tokenizer.pad_id, **TINY_MODEL)
+    model = init_model(cfg)
+    batch = vars(make_batch(sample_examples({"toy-arith": 1}, 4, 0, 1), tokenizer, seq_len=64, block=4, pad_id=0))
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    plain, _ = block_diffusion_loss(model, batch, jax.random.key(0), block=4, mask_id=cfg.mask_token_id)
+    weighted, _ = block_diffusion_loss(model, batch, jax.random.key(0), block=4, mask_id=cfg.mask_token_id,
+                                       weighting="inverse_t")
+    assert np.isfinite(plain) and np.isfinite(weighted) and not np.isclose(plain, weighted)
+    assert abs(float(plain) - np.log(cfg.vocab_size)) < 0.5  # random init: about uniform
+    with pytest.raises(ValueError, match="inverse_t"):
+        block_diffusion_loss(model, batch, jax.random.key(0), block=4, mask_id=cfg.mask_token_id, weighting="1/t")
+
+
+def test_config_overrides_and_errors(tmp_path):
+    run = load_run_config("configs/toy-sdar.yaml", ["train.lr=1e-4", "data.tasks={toy-arith: 1}", "model.block_size=4"])
+    assert run.train.lr == 1e-4 and run.data.tasks == {"toy-arith": 1} and run.model["block_size"] == 4
+    with pytest.raises(RunConfigError, match="known:.*steps"):
+        load_run_config("configs/toy-sdar.yaml", ["train.stpes=5"])
+    with pytest.raises(RunConfigError, match="key=value"):
+        load_run_config("configs/toy-sdar.yaml", ["train.steps"])
+    with pytest.raises(RunConfigError, match="inverse_t"):
+        load_run_config("configs/toy-sdar.yaml", ["train.loss_weighting=elbo"])
+    with pytest.raises(RunConfigError, match="not found"):
+        load_run_config(tmp_path / "nope.yaml")
+    with pytest.raises(RunConfigError, match="block_causal"):
+        load_run_config("configs/toy-sdar.yaml", ["model.attention=causal"])
+
+
+def _read_tb_scalars(tb_dir):
+    """Parse TensorBoard event files (TFRecord framing + Event protos) into {tag: [(step, value)]}."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+@pytest.mark.parametrize("config", ["configs/toy-sdar.yaml", "configs/toy-ar.yaml"])
+def test_interrupted_training_resumes_exactly(tmp_path, config):
+    run = load_run_config(config, tiny_overrides())
+    straight = train(run, tmp_path / "straight", progress=False)
+    first = train(run, tmp_path / "resumed", stop_at=4, progress=False)  # as if killed after step 4
+    assert first.step == 4 and first.model_dir is None
+    second = train(run, tmp_path / "resumed", progress=False)
+    assert sorted(second.losses) == [5, 6]
+    for step in (5, 6):
+        assert second.losses[step] == straight.losses[step]  # same next loss, bit for bit
+    a = load_model(straight.model_dir)
+    b = load_model(second.model_dir)
+    for (path, x), (_, y) in zip(nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))):
+        np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=str(path))
+
+    lines = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "grad_norm", "lr", "tokens_per_s"} <= set(lines[0])
+    scalars = _read_tb_scalars(tmp_path / "straight" / "tb")
+    assert [s for s, _ in scalars["loss"]] == [1, 2, 3, 4, 5, 6]
+    assert scalars["loss"][-1][1] == pytest.approx(straight.losses[6], rel=1e-6)
+    assert (straight.model_dir / "tokenizer.json").is_file()
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    train(load_run_config("configs/toy-sdar.yaml", tiny_overrides(2)), tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match="different config"):
+        train(load_run_config("configs/toy-sdar.yaml", tiny_overrides(3)), tmp_path / "run", progress=False)
+
+
+def test_training_lowers_the_loss(tmp_path):
+    run = load_run_config("configs/toy-sdar.yaml", tiny_overrides(40) + ["train.log_every=10", "train.lr=1e-2",
+                                                                        "data.tasks={toy-constraint: 1}"])
+    result = train(run, tmp_path / "run", progress=False)
+    assert result.losses[40] < result.losses[10] - 0.5
