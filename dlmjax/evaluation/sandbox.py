@@ -16,7 +16,6 @@ The environment is emptied except PATH, HOME/TMPDIR (the temporary directory) an
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -83,20 +82,14 @@ class SandboxResult:
         return self.status == "passed"
 
 
-def _limits(cpu_s: int, memory_bytes: int, max_processes: int, drop_to: int | None):
-    def apply():
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 2**20, 16 * 2**20))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if drop_to is not None:
-            os.setgroups([])
-            os.setgid(drop_to)
-            os.setuid(drop_to)
-        resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
-
-    return apply
+def _limits_prelude(cpu_s: int, memory_bytes: int, max_processes: int) -> str:
+    """Resource limits the program sets on itself before anything else runs (no `preexec_fn`:
+    a Python callback between fork and exec can deadlock a multithreaded parent such as JAX)."""
+    limits = {"RLIMIT_CPU": cpu_s, "RLIMIT_AS": memory_bytes, "RLIMIT_FSIZE": 16 * 2**20, "RLIMIT_NOFILE": 64,
+              "RLIMIT_CORE": 0, "RLIMIT_NPROC": max_processes}
+    lines = ["import resource as _resource"]
+    lines += [f"_resource.setrlimit(_resource.{name}, ({value}, {value}))" for name, value in limits.items()]
+    return "\n".join(lines) + "\ndel _resource\n"
 
 
 def _runnable_by_others(path: str) -> bool:
@@ -117,7 +110,7 @@ def run_python(program: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, 
     with tempfile.TemporaryDirectory(prefix="dlmjax-sandbox-") as tmp:
         root = Path(tmp)
         script = root / "program.py"
-        script.write_text(_GUARD + "\n" + program)
+        script.write_text(_limits_prelude(int(timeout_s) + 1, memory_mb * 2**20, max_processes) + _GUARD + "\n" + program)
         drop_to = NOBODY if os.geteuid() == 0 and _runnable_by_others(sys.executable) else None
         if drop_to is not None:
             os.chown(root, NOBODY, NOBODY)
@@ -126,7 +119,7 @@ def run_python(program: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, 
         proc = subprocess.Popen(
             [sys.executable, "-I", "-B", str(script)], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_limits(int(timeout_s) + 1, memory_mb * 2**20, max_processes, drop_to),
+            **({} if drop_to is None else {"user": drop_to, "group": drop_to, "extra_groups": []}),
         )
         try:
             out, _ = proc.communicate(timeout=timeout_s)

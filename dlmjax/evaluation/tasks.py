@@ -82,7 +82,8 @@ def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | N
             data = data if isinstance(data, list) else data.get(split, data.get("data", []))
             return list(enumerate(data, 1))
         return _read_json_lines(path)
-    if path.suffix in (".jsonl", ".json", ".gz") or os.sep in str(source):
+    looks_local = path.suffix in (".jsonl", ".json", ".gz") or str(source).startswith(("/", ".", "~"))
+    if looks_local:  # a Hugging Face name is `name` or `org/name`
         raise DatasetError(f"dataset file {source} not found")
     try:
         import datasets

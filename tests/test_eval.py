@@ -1,0 +1,209 @@
+"""Evaluation harness: sandbox, dataset loading, the data-parallel runner, the report and the CLI."""
+
+import gzip
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from dlmjax.cli import main
+from dlmjax.config import ModelConfig
+from dlmjax.decoding.api import generate
+from dlmjax.evaluation.report import markdown_table, pareto_front
+from dlmjax.evaluation.runner import replicate_on, run_eval
+from dlmjax.evaluation.sandbox import run_python
+from dlmjax.evaluation.tasks import (
+    DatasetError, humaneval_program, load_eval_set, read_rows, truncate_completion,
+)
+from dlmjax.io.hf import export_model, load_model
+from dlmjax.io.tokenizer import load_tokenizer
+from dlmjax.models.transformer import init_model
+from dlmjax.sharding import make_mesh
+from dlmjax.toy.tokenizer import save_char_tokenizer
+
+# ------------------------------------------------------------------------------------------ sandbox
+
+
+def test_sandbox_passes_and_fails_programs():
+    assert run_python("assert sum([1, 2]) == 3").passed
+    failed = run_python("assert 1 == 2")
+    assert failed.status == "failed" and "AssertionError" in failed.output
+    local = run_python("open('here.txt', 'w').write('x')\nassert open('here.txt').read() == 'x'")
+    assert local.passed  # its own directory is writable
+
+
+def test_sandbox_kills_an_infinite_loop():
+    start = time.perf_counter()
+    result = run_python("while True:\n    pass", timeout_s=2)
+    assert result.status == "timeout" and time.perf_counter() - start < 6
+
+
+@pytest.mark.parametrize("program", [
+    "import os\nwhile True:\n    os.fork()",
+    "import multiprocessing\nwhile True:\n    multiprocessing.Process(target=print).start()",
+    "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])",
+    "import ctypes\nlibc = ctypes.CDLL(None)\nwhile True:\n    libc.fork()",
+])
+def test_sandbox_survives_a_fork_bomb(program):
+    start = time.perf_counter()
+    result = run_python(program, timeout_s=3)
+    assert not result.passed and time.perf_counter() - start < 8
+    assert run_python("print('still here')").passed  # the machine is still usable
+
+
+def test_sandbox_blocks_writes_outside_its_directory(tmp_path):
+    targets = [tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt"]
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    programs = [
+        f"open({str(targets[0])!r}, 'w').write('escaped')",
+        f"import os\nfd = os.open({str(targets[1])!r}, os.O_CREAT | os.O_WRONLY)\nos.write(fd, b'x')",
+        f"import pathlib\npathlib.Path({str(targets[2])!r}).write_text('escaped')",
+        f"import os\nos.remove({str(victim)!r})",
+        f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+    ]
+    for program in programs:
+        result = run_python(program)
+        assert not result.passed and "sandbox" in result.output, program
+    assert not any(t.exists() for t in targets)
+    assert victim.read_text() == "keep me"
+
+
+# ------------------------------------------------------------------------------------------ datasets
+
+
+def test_gsm8k_rows_are_loaded_and_malformed_rows_reported(tmp_path):
+    path = tmp_path / "test.jsonl"
+    rows = [
+        json.dumps({"question": "1 + 1?", "answer": "1 + 1 = 2\n#### 2"}),
+        "{not json",
+        json.dumps({"question": "no answer"}),
+        json.dumps({"question": "q", "answer": "no final line"}),
+        json.dumps(["a", "list"]),
+        "",
+        json.dumps({"question": "2 * 3?", "answer": "#### 6"}),
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    for source in (path, tmp_path):  # a file or the directory holding it
+        loaded = load_eval_set("gsm8k", data=source)
+        assert [item.index for item in loaded.items] == [0, 6]
+        assert loaded.items[0].prompt == "Question: 1 + 1?\nAnswer:"
+        assert len(loaded.skipped) == 4 and "row 2: invalid JSON" in loaded.skipped[0]
+    assert loaded.score(loaded.items, ["so #### 2", "#### 7"]) == [True, False]
+
+
+def test_the_shared_gsm8k_test_split_loads():
+    loaded = load_eval_set("gsm8k", limit=5)
+    assert len(loaded.items) == 5 and not loaded.skipped
+    assert loaded.score(loaded.items[:1], [loaded.items[0].reference]) == [True]
+
+
+def test_dataset_errors_name_the_fix(tmp_path):
+    with pytest.raises(DatasetError, match="not found"):
+        read_rows(tmp_path / "missing.jsonl")
+    with pytest.raises(DatasetError, match="no .jsonl"):
+        read_rows(tmp_path)
+    with pytest.raises(DatasetError, match="--data|datasets"):
+        read_rows("some-org/some-dataset")
+    with pytest.raises(DatasetError, match="unknown task"):
+        load_eval_set("mmlu")
+    with pytest.raises(DatasetError, match="takes no --data"):
+        load_eval_set("toy-arith", data=tmp_path)
+
+
+def test_humaneval_canonical_solutions_pass_and_wrong_code_fails(tmp_path):
+    loaded = load_eval_set("humaneval")
+    assert len(loaded.items) == 164
+    items = loaded.items[:4]
+    canonical = [item.reference["canonical_solution"] for item in items]
+    assert loaded.score(items, canonical) == [True] * 4
+    assert loaded.score(items[:2], ["    return None\n", "    while True:\n        pass\n"]) == [False, False]
+    assert truncate_completion("    return 1\n\ndef other():\n    pass") == "    return 1\n"
+    assert "check(" in humaneval_program(items[0].reference, canonical[0])
+
+    gz = tmp_path / "he.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write(json.dumps(items[0].reference) + "\n" + json.dumps({"task_id": "x"}) + "\n")
+    local = load_eval_set("humaneval", data=gz)
+    assert len(local.items) == 1 and local.skipped == ["row 2: missing or empty 'prompt'"]
+
+
+# -------------------------------------------------------------------------------------------- runner
+
+
+@pytest.fixture(scope="module")
+def random_sdar(tmp_path_factory):
+    """An untrained block-4 SDAR-style model with room for HumanEval prompts."""
+    path = tmp_path_factory.mktemp("random-sdar")
+    ids = save_char_tokenizer(path)
+    cfg = ModelConfig(family="sdar", attention="block_causal", block_size=4, vocab_size=ids["vocab_size"],
+                      hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=2048, qk_norm=True, mask_token_id=ids["mask"],
+                      eos_token_ids=(ids["eos"],), pad_token_id=ids["pad"])
+    export_model(init_model(cfg, seed=0), path)
+    return path
+
+
+def test_data_parallel_decoding_matches_a_single_device(random_sdar):
+    model = load_model(random_sdar)
+    tokenizer = load_tokenizer(random_sdar, model.config)
+    prompts = [ex.prompt for ex in load_eval_set("toy-arith", limit=8).items]
+    mesh = make_mesh(model=1)
+    assert mesh.shape["data"] == 8
+    for decoder in ("static", "threshold:tau=0.5"):
+        single = generate(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=16)
+        sharded = generate(replicate_on(model, mesh), prompts, tokenizer=tokenizer, decoder=decoder,
+                           max_new_tokens=16, mesh=mesh)
+        assert [r.tokens for r in single.rows] == [r.tokens for r in sharded.rows]
+
+
+def test_runner_pads_batches_and_counts_only_real_prompts(random_sdar):
+    model = load_model(random_sdar)
+    tokenizer = load_tokenizer(random_sdar, model.config)
+    eval_set = load_eval_set("toy-constraint", limit=5)
+    records, outputs = run_eval(model, tokenizer, [eval_set], ["static", "static:k=4"], model_name="random",
+                                batch_size=4, mesh=make_mesh(model=1), progress=False)
+    assert [r.n for r in records] == [5, 5] and len(outputs) == 10
+    static, whole_block = records
+    assert static.tpf == pytest.approx(1.0) and whole_block.tpf > 3.0
+    assert sorted(o["index"] for o in outputs if o["decoder"] == "static") == [0, 1, 2, 3, 4]
+    # Same prompts, same decoder, any batch size: the same output.
+    again, outputs_b8 = run_eval(model, tokenizer, [eval_set], ["static"], model_name="random", batch_size=8,
+                                 progress=False)
+    assert [o["tokens"] for o in outputs_b8] == [o["tokens"] for o in outputs[:5]]
+
+
+def test_report_table_and_front():
+    assert pareto_front([(1, 90), (2, 80), (1.5, 70), (3, 10)]) == [(1, 90), (2, 80), (3, 10)]
+
+
+def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys):
+    gsm = tmp_path / "gsm.jsonl"
+    gsm.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n{broken\n")
+    out = tmp_path / "out"
+    common = ["--model", str(random_sdar), "--decoder", "static", "--decoder", "threshold:tau=0.5", "--no-progress",
+              "--save-outputs", "--max-new-tokens", "8", "--batch-size", "8"]
+    assert main(["eval", *common, "--task", "toy-arith", "--task", "toy-constraint", "--task", "humaneval",
+                 "--limit", "2", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert {(r["task"], r["decoder"]) for r in results["runs"]} == {
+        (t, d) for t in ("toy-arith", "toy-constraint", "humaneval") for d in ("static", "threshold:tau=0.5")}
+    run = results["runs"][0]
+    assert set(run) >= {"task", "decoder", "model", "n", "accuracy", "nfe", "tpf", "tokens_per_s", "wall_s"}
+    assert run["n"] == 2 and 0 <= run["accuracy"] <= 1 and run["nfe"] > 0
+    lines = (out / "outputs.jsonl").read_text().splitlines()
+    assert len(lines) == 3 * 2 * 2
+    assert set(json.loads(lines[0])) >= {"decoder", "index", "tokens", "text"}
+    assert (out / "pareto.png").stat().st_size > 1000
+    table = capsys.readouterr().out
+    assert "| toy-arith | `static` |" in table and (out / "results.md").read_text().count("\n") >= 8
+
+    out2 = tmp_path / "gsm-out"
+    assert main(["eval", *common, "--task", "gsm8k", "--data", str(gsm), "--out", str(out2)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped row 2: invalid JSON" in err
+    assert json.loads((out2 / "results.json").read_text())["skipped_rows"] == {"gsm8k": ["row 2: invalid JSON (Expecting property name enclosed in double quotes)"]}
+    assert main(["eval", "--model", str(random_sdar), "--task", "gsm8k", "--data", str(tmp_path / "nope.jsonl"),
+                 "--out", str(out2)]) == 2
