@@ -27,3 +27,20 @@ def toy_accuracy(model, tokenizer, task_name: str, *, n: int, seed: int = 1234, 
                           max_new_tokens=TOY_MAX_NEW_TOKENS[task_name], row_ids=range(start, start + len(chunk)))
         correct += sum(task.score(ex, row.text) for ex, row in zip(chunk, result.rows))
     return correct / n
+
+
+RECORD_SLICE = 64  # the fixed held-out slice (seed 1234) whose accuracy ships with each toy model
+
+
+def recorded_decoders(model) -> list[str]:
+    """The decoders whose accuracy is recorded: AR for causal models; for block diffusion one
+    token per step (static) and the whole block at once."""
+    if model.config.attention == "causal":
+        return ["ar"]
+    return ["static", f"static:k={model.config.block_size}"]
+
+
+def record_accuracy(model, tokenizer, tasks=tuple(TOY_MAX_NEW_TOKENS), n: int = RECORD_SLICE) -> dict:
+    """{task: {decoder: accuracy}} on the first `n` held-out prompts (seed 1234) of each task."""
+    return {task: {dec: toy_accuracy(model, tokenizer, task, n=n, decoder=dec) for dec in recorded_decoders(model)}
+            for task in tasks}

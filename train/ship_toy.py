@@ -1,0 +1,40 @@
+"""Copy a finished toy run's model into the package and record its accuracy.
+
+    python train/ship_toy.py runs/toy-sdar toy-sdar
+
+Writes dlmjax/toy/checkpoints/NAME/{config.json, model.safetensors, tokenizer files,
+accuracy.json}; accuracy.json holds the static / whole-block (or AR) accuracy on the fixed
+64-prompt held-out slice that tests/test_toy_models.py checks.
+"""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from dlmjax.evaluation.toy import RECORD_SLICE, record_accuracy
+from dlmjax.io.hf import load_model
+from dlmjax.io.tokenizer import load_tokenizer
+from dlmjax.presets import SHIPPED_DIR
+
+
+def ship(run_dir: Path, name: str) -> Path:
+    model_dir = run_dir / "model"
+    if not (model_dir / "config.json").is_file():
+        raise SystemExit(f"{model_dir} has no exported model; finish the training run first")
+    target = SHIPPED_DIR / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(model_dir, target)
+    model = load_model(target)
+    accuracy = record_accuracy(model, load_tokenizer(target, model.config))
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    record = {"slice": {"seed": 1234, "n": RECORD_SLICE}, "accuracy": accuracy, "train_steps": config["train"]["steps"]}
+    (target / "accuracy.json").write_text(json.dumps(record, indent=2) + "\n")
+    return target
+
+
+if __name__ == "__main__":
+    out = ship(Path(sys.argv[1]), sys.argv[2])
+    print(f"shipped {out}:\n{(out / 'accuracy.json').read_text()}")
