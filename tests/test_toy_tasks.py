@@ -11,7 +11,7 @@ from dlmjax.toy.tasks import (TASKS, ArithConfig, ArithTask, ConstraintConfig, C
                               extract_final_number, get_task, gsm8k_correct)
 from dlmjax.toy.tokenizer import CHARS
 
-GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 ALL_TASKS = [ArithTask(), ArithTask(ArithConfig(ops=("+", "-", "*"))), ConstraintTask(),
              ConstraintTask(ConstraintConfig(min_digits=2, max_digits=6, min_solution_sets=1))]
 

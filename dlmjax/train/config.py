@@ -50,6 +50,7 @@ class OptimConfig:
     keep_checkpoints: int = 2
     eval_every: int = 500  # 0: no evaluation during training
     eval_examples: int = 64  # per task, static decoding, seed 1234
+    init_from: str | None = None  # start from a checkpoint dir or preset with the same shapes (e.g. toy-ar)
 
 
 @dataclass(frozen=True)

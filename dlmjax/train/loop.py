@@ -66,6 +66,28 @@ def model_config(run: RunConfig, ids: dict) -> ModelConfig:
                        pad_token_id=ids["pad"], **run.model)
 
 
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings")
+
+
+def initial_model(model_cfg: ModelConfig, cfg):
+    """A fresh random model, or `init_from`'s weights under this run's config (e.g. an AR model
+    adapted to block diffusion, as SDAR adapts Qwen3)."""
+    if cfg.init_from is None:
+        return init_model(model_cfg, seed=cfg.seed)
+    from dlmjax.io.hf import load_model
+    from dlmjax.presets import resolve_model
+
+    source = load_model(resolve_model(cfg.init_from))
+    differing = [f for f in SHAPE_FIELDS if getattr(source.config, f) != getattr(model_cfg, f)]
+    if differing:
+        detail = ", ".join(f"{f}: {getattr(source.config, f)} vs {getattr(model_cfg, f)}" for f in differing)
+        raise ValueError(f"train.init_from={cfg.init_from} has other shapes than this run's model ({detail}); "
+                         "make the model section match it")
+    graphdef, _ = nnx.split(init_model(model_cfg, seed=cfg.seed))
+    return nnx.merge(graphdef, nnx.state(source))
+
+
 def make_loss(run: RunConfig, model_cfg: ModelConfig):
     if run.objective == "block_diffusion":
         return partial(objectives.block_diffusion_loss, block=model_cfg.block_size, mask_id=model_cfg.mask_token_id,
@@ -128,7 +150,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         raise ValueError(f"train.batch_size={cfg.batch_size} must be a multiple of the {data_size} data-parallel devices")
     replicated = NamedSharding(mesh, P())
 
-    graphdef, params = nnx.split(init_model(model_cfg, seed=cfg.seed))
+    graphdef, params = nnx.split(initial_model(model_cfg, cfg))
     tx, schedule = make_optimizer(cfg)
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(tx.init(params), replicated)
