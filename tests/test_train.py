@@ -27,7 +27,7 @@ TINY_MODEL = dict(family="sdar", attention="block_causal", block_size=4, hidden_
 def tiny_overrides(tmp_steps=6):
     return [f"train.steps={tmp_steps}", "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=3",
             "train.eval_every=0", "train.warmup_steps=2", "model.hidden_size=32", "model.intermediate_size=64",
-            "model.num_layers=2", "model.head_dim=8", "model.block_size=4"]
+            "model.num_layers=2", "model.head_dim=8", "model.block_size=4", "train.init_from=null"]
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +157,16 @@ def test_training_lowers_the_loss(tmp_path):
                                                                         "data.tasks={toy-constraint: 1}"])
     result = train(run, tmp_path / "run", progress=False)
     assert result.losses[40] < result.losses[10] - 0.5
+
+
+def test_init_from_starts_at_the_source_weights_and_refuses_other_shapes(tmp_path):
+    source = train(load_run_config("configs/toy-ar.yaml", tiny_overrides(2)), tmp_path / "ar", progress=False)
+    run = load_run_config("configs/toy-sdar.yaml", tiny_overrides(0) + [f"train.init_from={source.model_dir}"])
+    result = train(run, tmp_path / "sdar", progress=False)  # zero steps: the export is the starting point
+    a, b = load_model(source.model_dir), load_model(result.model_dir)
+    assert b.config.attention == "block_causal"
+    np.testing.assert_array_equal(np.asarray(a.embed[...]), np.asarray(b.embed[...]))
+    wider = load_run_config("configs/toy-sdar.yaml", tiny_overrides(1) + ["model.hidden_size=64",
+                                                                         f"train.init_from={source.model_dir}"])
+    with pytest.raises(ValueError, match="hidden_size: 32 vs 64"):
+        train(wider, tmp_path / "wider", progress=False)

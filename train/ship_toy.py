@@ -3,7 +3,7 @@
     python train/ship_toy.py runs/toy-sdar toy-sdar
 
 Writes dlmjax/toy/checkpoints/NAME/{config.json, model.safetensors, tokenizer files,
-accuracy.json}; accuracy.json holds the static / whole-block (or AR) accuracy on the fixed
+accuracy.json, TRAINING.md}; accuracy.json holds the static / whole-block (or AR) accuracy on the fixed
 64-prompt held-out slice that tests/test_toy_models.py checks.
 """
 
@@ -32,7 +32,43 @@ def ship(run_dir: Path, name: str) -> Path:
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     record = {"slice": {"seed": 1234, "n": RECORD_SLICE}, "accuracy": accuracy, "train_steps": config["train"]["steps"]}
     (target / "accuracy.json").write_text(json.dumps(record, indent=2) + "\n")
+    (target / "TRAINING.md").write_text(training_record(run_dir, name, record))
     return target
+
+
+def training_record(run_dir: Path, name: str, record: dict) -> str:
+    """How the model was made: the commands, the resolved config, accuracy during training."""
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval/" in line]
+    tasks = sorted({k for e in evals for k in e if k.startswith("eval/")})
+    rows = [f"| {e['step']} | " + " | ".join(f"{100 * e[t]:.1f}%" for t in tasks) + " |" for e in evals]
+    accuracy = "\n".join(f"- {task}: " + ", ".join(f"`{d}` {100 * a:.1f}%" for d, a in by_dec.items())
+                         for task, by_dec in record["accuracy"].items())
+    return f"""# {name}
+
+Made by (from the repository root; rerunning the first command resumes an interrupted run):
+
+```bash
+dlmjax train configs/{name}.yaml --out runs/{name}
+python train/ship_toy.py runs/{name} {name}
+```
+
+Resolved config (`runs/{name}/config.yaml`):
+
+```yaml
+{(run_dir / "config.yaml").read_text().rstrip()}
+```
+
+Held-out accuracy during training (first {record['slice']['n']} prompts of seed 1234; static or
+greedy AR decoding):
+
+| step | {" | ".join(t.removeprefix("eval/") for t in tasks)} |
+|---|{"---|" * len(tasks)}
+{chr(10).join(rows)}
+
+Recorded accuracy of the shipped weights (accuracy.json; tests/test_toy_models.py checks it):
+
+{accuracy}
+"""
 
 
 if __name__ == "__main__":

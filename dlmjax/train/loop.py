@@ -33,7 +33,7 @@ from dlmjax.models.transformer import init_model
 from dlmjax.sharding import batch_sharding, make_mesh, put_array
 from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.train import objectives
-from dlmjax.train.config import RunConfig
+from dlmjax.train.config import RunConfig, from_dict
 from dlmjax.train.data import make_batch, sample_examples
 from dlmjax.train.metrics import MetricsLog
 
@@ -115,16 +115,18 @@ def _checkpoint_manager(run_dir: Path, cfg) -> ocp.CheckpointManager:
 
 
 def _write_config(run_dir: Path, run: RunConfig) -> None:
-    """Write the resolved config; a resumed run must use the same one."""
+    """Write the resolved config; a resumed run must use the same one (fields added to the config
+    since the run began compare at their defaults)."""
     path = run_dir / "config.yaml"
-    text = yaml.safe_dump(run.to_dict(), sort_keys=False)
-    if path.exists() and yaml.safe_load(path.read_text()) != run.to_dict():
-        differing = {k for k, v in run.to_dict().items() if yaml.safe_load(path.read_text()).get(k) != v}
-        raise ValueError(
-            f"{run_dir} holds a run with a different config (sections {sorted(differing)}); "
-            "use a new --out directory or the same config to resume"
-        )
-    path.write_text(text)
+    if path.exists():
+        stored = from_dict(yaml.safe_load(path.read_text())).to_dict()
+        differing = sorted(k for k, v in run.to_dict().items() if stored.get(k) != v)
+        if differing:
+            raise ValueError(
+                f"{run_dir} holds a run with a different config (sections {differing}); "
+                "use a new --out directory or the same config to resume"
+            )
+    path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
 
 
 def evaluate_toy(model, tokenizer, tasks, n: int, seed: int = 1234) -> dict[str, float]:
