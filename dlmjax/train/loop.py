@@ -18,7 +18,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import yaml
@@ -30,7 +29,7 @@ from dlmjax.config import ModelConfig
 from dlmjax.io.hf import export_model
 from dlmjax.io.tokenizer import load_tokenizer
 from dlmjax.models.transformer import init_model
-from dlmjax.sharding import batch_sharding, make_mesh, put_array
+from dlmjax.sharding import make_mesh, shard_batch
 from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.train import objectives
 from dlmjax.train.config import RunConfig, from_dict
@@ -176,7 +175,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         for step in range(start + 1, last + 1):
             examples = sample_examples(run.data.tasks, cfg.batch_size, run.data.seed, step)
             batch = make_batch(examples, tokenizer, seq_len=run.data.seq_len, block=block, pad_id=model_cfg.pad_token_id)
-            arrays = {k: put_array(np.asarray(v), batch_sharding(mesh, 2)) for k, v in vars(batch).items()}
+            arrays = shard_batch(dict(vars(batch)), mesh)
             key = jax.random.fold_in(base_key, step)
             params, opt_state, metrics = train_step(params, opt_state, arrays, key, jnp.int32(step))
             done = step
