@@ -64,7 +64,7 @@ def _batches(items, batch_size: int):
 
 def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model_name: str, batch_size: int,
                      mesh=None, seed: int = 0, chat: bool = False, bar=None):
-    """(RunRecord, per-prompt outputs) for one decoder on one task."""
+    """(RunRecord, per-prompt outputs) for one decoder (a SPEC string, used as its label) on one task."""
     prompts = {item.index: item.prompt for item in eval_set.items}
     if chat:
         prompts = {i: tokenizer.apply_chat_template([{"role": "user", "content": p}]) for i, p in prompts.items()}
@@ -87,13 +87,13 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
             committed += row.tpf * row.nfe
             generated += row.num_tokens
             correct += bool(ok)
-            outputs.append({"task": eval_set.task, "decoder": result.decoder, "index": item.index,
+            outputs.append({"task": eval_set.task, "decoder": decoder, "index": item.index,
                             "tokens": row.tokens, "text": row.text, "correct": bool(ok)})
         if bar is not None:
             bar.update(len(chunk))
     n = len(eval_set.items)
     record = RunRecord(
-        task=eval_set.task, decoder=outputs[0]["decoder"], model=model_name, n=n, accuracy=correct / n,
+        task=eval_set.task, decoder=decoder, model=model_name, n=n, accuracy=correct / n,
         nfe=nfe / n, tpf=committed / max(nfe, 1), useful_tpf=generated / max(nfe, 1),
         tokens_per_s=generated / max(wall, 1e-9), wall_s=wall, skipped_rows=len(eval_set.skipped),
     )
