@@ -38,22 +38,27 @@ def pareto_plot(records: list[RunRecord], path: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     tasks = list(dict.fromkeys(r.task for r in records))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.2), squeeze=False)
+    decoders = list(dict.fromkeys(r.decoder for r in records))
+    colors = plt.get_cmap("tab20" if len(decoders) > 10 else "tab10")
+    markers = "osD^vP*Xh<>"
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks) + 3, 4.2), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         rows = [r for r in records if r.task == task]
-        for r in rows:
-            ax.scatter(r.tpf, 100 * r.accuracy, s=30)
-            ax.annotate(r.decoder, (r.tpf, 100 * r.accuracy), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        for r in rows:  # one colour and marker per decoder, the same in every panel
+            i = decoders.index(r.decoder)
+            ax.scatter(r.tpf, 100 * r.accuracy, s=36, color=colors(i % colors.N), marker=markers[i % len(markers)],
+                       label=r.decoder, alpha=0.85)
         front = pareto_front([(r.tpf, 100 * r.accuracy) for r in rows])
         ax.plot([p[0] for p in front], [p[1] for p in front], "k--", lw=0.8, label="Pareto front")
         ax.set_xlabel("tokens per forward (TPF)")
         ax.set_ylabel("accuracy (%)")
         ax.set_title(task)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower left")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))  # room for the legend on the right
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
