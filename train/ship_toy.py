@@ -43,14 +43,18 @@ def training_record(run_dir: Path, name: str, record: dict) -> str:
     rows = [f"| {e['step']} | " + " | ".join(f"{100 * e[t]:.1f}%" for t in tasks) + " |" for e in evals]
     accuracy = "\n".join(f"- {task}: " + ", ".join(f"`{d}` {100 * a:.1f}%" for d, a in by_dec.items())
                          for task, by_dec in record["accuracy"].items())
+    init_from = yaml.safe_load((run_dir / "config.yaml").read_text())["train"].get("init_from")
+    start = f"It starts from the weights of `{init_from}`. " if init_from else "It starts from random weights. "
     return f"""# {name}
 
-Made by (from the repository root; rerunning the first command resumes an interrupted run):
+Made by (from the repository root; rerunning a train command resumes an interrupted run):
 
 ```bash
 dlmjax train configs/{name}.yaml --out runs/{name}
 python train/ship_toy.py runs/{name} {name}
 ```
+
+{start}`scripts/train_toy.sh` runs the whole recipe of every shipped model in order.
 
 Resolved config (`runs/{name}/config.yaml`):
 
