@@ -42,7 +42,7 @@ def test_generate_bad_decoder_is_a_clear_error(capsys):
 
 def test_unknown_model_lists_presets(capsys):
     assert main(["generate", "--model", "no/such/dir", "--prompt", "Hi"]) == 2
-    assert "presets: random-sdar, random-qwen3" in capsys.readouterr().err
+    assert "presets: toy-sdar, toy-ar, random-sdar, random-qwen3" in capsys.readouterr().err
 
 
 def test_export_cli_roundtrip(tmp_path, capsys):
