@@ -207,3 +207,10 @@ def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys):
     assert json.loads((out2 / "results.json").read_text())["skipped_rows"] == {"gsm8k": ["row 2: invalid JSON (Expecting property name enclosed in double quotes)"]}
     assert main(["eval", "--model", str(random_sdar), "--task", "gsm8k", "--data", str(tmp_path / "nope.jsonl"),
                  "--out", str(out2)]) == 2
+
+
+def test_a_dataset_without_usable_rows_is_a_clear_error(random_sdar, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{broken\n")
+    assert main(["eval", "--model", str(random_sdar), "--task", "gsm8k", "--data", str(bad), "--no-progress",
+                 "--out", str(tmp_path / "out")]) == 2

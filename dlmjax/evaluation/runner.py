@@ -103,6 +103,10 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
 def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *, model_name: str,
              batch_size: int = 64, mesh=None, seed: int = 0, chat: bool = False, progress: bool = True):
     """Every decoder on every task: (records, outputs)."""
+    for eval_set in eval_sets:
+        if not eval_set.items:
+            raise ValueError(f"{eval_set.task}: no usable prompts ({len(eval_set.skipped)} rows skipped); "
+                             "check the dataset file or --limit")
     data = mesh.shape["data"] if mesh is not None else 1
     if mesh is not None:
         model = replicate_on(model, mesh)
