@@ -1,6 +1,7 @@
 """Training infrastructure: data, the block-diffusion layout, configs, exact resume, metrics."""
 
 import json
+import shutil
 import struct
 
 import jax
@@ -46,14 +47,14 @@ def test_batches_are_a_function_of_seed_and_step(tokenizer):
 
 
 def test_encode_row_fills_the_eos_block_and_marks_the_target():
-    tokens, valid, target = encode_row([5, 6, 7], [8, 9], eos_id=1, seq_len=16, block=4)
-    assert tokens[:8].tolist() == [5, 6, 7, 8, 9, 1, 1, 1]  # EOS up to the end of its block
+    tokens, valid, target = encode_row([5, 6, 7], [8, 9], eos_id=1, pad_id=0, seq_len=16, block=4)
+    assert tokens.tolist() == [5, 6, 7, 8, 9, 1, 1, 1] + [0] * 8  # EOS to the end of its block, then padding
     assert valid.tolist() == [True] * 8 + [False] * 8
     assert target.tolist() == [False] * 3 + [True] * 5 + [False] * 8
-    ar_tokens, ar_valid, _ = encode_row([5, 6, 7], [8, 9], eos_id=1, seq_len=8, block=None)
+    ar_tokens, ar_valid, _ = encode_row([5, 6, 7], [8, 9], eos_id=1, pad_id=0, seq_len=8, block=None)
     assert ar_tokens[:6].tolist() == [5, 6, 7, 8, 9, 1] and ar_valid.sum() == 6
     with pytest.raises(DataError, match="raise seq_len"):
-        encode_row(list(range(10)), [1, 2], eos_id=1, seq_len=8, block=4)
+        encode_row(list(range(10)), [1, 2], eos_id=1, pad_id=0, seq_len=8, block=4)
 
 
 def test_block_diffusion_layout_matches_decoding():
@@ -170,3 +171,9 @@ def test_init_from_starts_at_the_source_weights_and_refuses_other_shapes(tmp_pat
                                                                          f"train.init_from={source.model_dir}"])
     with pytest.raises(ValueError, match="hidden_size: 32 vs 64"):
         train(wider, tmp_path / "wider", progress=False)
+
+    # Resuming restores the checkpoint and does not read init_from again (it may be gone by then).
+    staged = load_run_config("configs/toy-sdar.yaml", tiny_overrides(2) + [f"train.init_from={source.model_dir}"])
+    assert train(staged, tmp_path / "staged", stop_at=1, progress=False).step == 1
+    shutil.rmtree(source.model_dir)
+    assert train(staged, tmp_path / "staged", progress=False).step == 2

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from dlmjax.evaluation.tasks import TOY_SEED
 from dlmjax.evaluation.toy import RECORD_SLICE, record_accuracy
 from dlmjax.io.hf import load_model
 from dlmjax.io.tokenizer import load_tokenizer
@@ -30,7 +31,7 @@ def ship(run_dir: Path, name: str) -> Path:
     model = load_model(target)
     accuracy = record_accuracy(model, load_tokenizer(target, model.config))
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    record = {"slice": {"seed": 1234, "n": RECORD_SLICE}, "accuracy": accuracy, "train_steps": config["train"]["steps"]}
+    record = {"slice": {"seed": TOY_SEED, "n": RECORD_SLICE}, "accuracy": accuracy, "train_steps": config["train"]["steps"]}
     (target / "accuracy.json").write_text(json.dumps(record, indent=2) + "\n")
     (target / "TRAINING.md").write_text(training_record(run_dir, name, record))
     return target
@@ -62,7 +63,7 @@ Resolved config (`runs/{name}/config.yaml`):
 {(run_dir / "config.yaml").read_text().rstrip()}
 ```
 
-Held-out accuracy during training (first {record['slice']['n']} prompts of seed 1234; static or
+Held-out accuracy during training (first {record['slice']['n']} prompts of seed {record['slice']['seed']}; static or
 greedy AR decoding):
 
 | step | {" | ".join(t.removeprefix("eval/") for t in tasks)} |

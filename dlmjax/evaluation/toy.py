@@ -1,46 +1,31 @@
-"""Quick accuracy of a model on a toy task (used during training and by the tests)."""
+"""Accuracy of a model on the toy tasks' held-out prompts (used during training, when shipping a
+toy model, and by the tests); the decoding and scoring are the evaluation harness's."""
 
 from __future__ import annotations
 
-from dlmjax.decoding.api import generate
-from dlmjax.toy.tasks import get_task
+from dlmjax.evaluation.runner import run_eval
+from dlmjax.evaluation.tasks import TOY_MAX_NEW_TOKENS, load_eval_set
 
-# Generation budget per toy task: the longest target plus EOS, rounded up to a block multiple
-# for every block size that divides 16.
-TOY_MAX_NEW_TOKENS = {"toy-arith": 48, "toy-constraint": 16}
-
-
-def default_decoder(model) -> str:
-    return "ar" if model.config.attention == "causal" else "static"
-
-
-def toy_accuracy(model, tokenizer, task_name: str, *, n: int, seed: int = 1234, decoder: str | None = None,
-                 batch_size: int = 64) -> float:
-    """Fraction of `n` seeded examples solved; static (1 token per step) or greedy AR by default."""
-    task = get_task(task_name)
-    examples = task.generate(n, seed)
-    decoder = decoder or default_decoder(model)
-    correct = 0
-    for start in range(0, n, batch_size):
-        chunk = examples[start : start + batch_size]
-        result = generate(model, [ex.prompt for ex in chunk], tokenizer=tokenizer, decoder=decoder,
-                          max_new_tokens=TOY_MAX_NEW_TOKENS[task_name], row_ids=range(start, start + len(chunk)))
-        correct += sum(task.score(ex, row.text) for ex, row in zip(chunk, result.rows))
-    return correct / n
-
-
-RECORD_SLICE = 64  # the fixed held-out slice (seed 1234) whose accuracy ships with each toy model
+RECORD_SLICE = 64  # the fixed held-out slice whose accuracy ships with each toy model
 
 
 def recorded_decoders(model) -> list[str]:
     """The decoders whose accuracy is recorded: AR for causal models; for block diffusion one
-    token per step (static) and the whole block at once."""
+    token per step (static) and the whole block at once. The first is the default."""
     if model.config.attention == "causal":
         return ["ar"]
     return ["static", f"static:k={model.config.block_size}"]
 
 
+def toy_accuracy(model, tokenizer, task_name: str, *, n: int, decoder: str | None = None) -> float:
+    """Fraction of the first `n` held-out prompts solved; static (1 token per step) or greedy AR by default."""
+    decoder = decoder or recorded_decoders(model)[0]
+    records, _ = run_eval(model, tokenizer, [load_eval_set(task_name, limit=n)], [decoder], model_name="",
+                          progress=False, warmup=False)
+    return records[0].accuracy
+
+
 def record_accuracy(model, tokenizer, tasks=tuple(TOY_MAX_NEW_TOKENS), n: int = RECORD_SLICE) -> dict:
-    """{task: {decoder: accuracy}} on the first `n` held-out prompts (seed 1234) of each task."""
+    """{task: {decoder: accuracy}} on the first `n` held-out prompts of each task."""
     return {task: {dec: toy_accuracy(model, tokenizer, task, n=n, decoder=dec) for dec in recorded_decoders(model)}
             for task in tasks}

@@ -46,7 +46,7 @@ def sample_examples(task_weights: dict[str, float], batch_size: int, seed: int, 
     return [task.sample(rng) for _ in range(batch_size)]
 
 
-def encode_row(prompt_ids, target_ids, *, eos_id: int, seq_len: int, block: int | None):
+def encode_row(prompt_ids, target_ids, *, eos_id: int, pad_id: int, seq_len: int, block: int | None):
     """(tokens, valid, target) for one row; `block` None for autoregressive models."""
     row = list(prompt_ids) + list(target_ids) + [eos_id]
     if block:
@@ -56,7 +56,7 @@ def encode_row(prompt_ids, target_ids, *, eos_id: int, seq_len: int, block: int 
             f"an example needs {len(row)} tokens but seq_len={seq_len}; raise seq_len in the config "
             f"(e.g. seq_len={-(-len(row) // 16) * 16})"
         )
-    tokens = np.zeros(seq_len, np.int32)
+    tokens = np.full(seq_len, pad_id, np.int32)
     tokens[: len(row)] = row
     valid = np.arange(seq_len) < len(row)
     target = valid & (np.arange(seq_len) >= len(prompt_ids))
@@ -68,11 +68,9 @@ def make_batch(examples, tokenizer, *, seq_len: int, block: int | None, pad_id: 
     shapes to compile, little padding."""
     rows = [
         encode_row(tokenizer.encode(ex.prompt), tokenizer.encode(ex.target), eos_id=tokenizer.eos_id,
-                   seq_len=seq_len, block=block)
+                   pad_id=pad_id, seq_len=seq_len, block=block)
         for ex in examples
     ]
     tokens, valid, target = (np.stack(parts) for parts in zip(*rows))
     width = min(seq_len, -(-int(valid.sum(axis=1).max()) // bucket) * bucket)
-    tokens, valid, target = tokens[:, :width], valid[:, :width], target[:, :width]
-    tokens = np.where(valid, tokens, pad_id).astype(np.int32)
-    return Batch(tokens=tokens, valid=valid, target=target)
+    return Batch(tokens=tokens[:, :width], valid=valid[:, :width], target=target[:, :width])

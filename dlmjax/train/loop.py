@@ -26,9 +26,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from dlmjax.config import ModelConfig
-from dlmjax.io.hf import export_model
+from dlmjax.evaluation.toy import toy_accuracy
+from dlmjax.io.hf import export_model, load_model
 from dlmjax.io.tokenizer import load_tokenizer
-from dlmjax.models.transformer import init_model
+from dlmjax.models.transformer import abstract_model, init_model
+from dlmjax.presets import resolve_model
 from dlmjax.sharding import make_mesh, shard_batch
 from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.train import objectives
@@ -74,16 +76,13 @@ def initial_model(model_cfg: ModelConfig, cfg):
     adapted to block diffusion, as SDAR adapts Qwen3)."""
     if cfg.init_from is None:
         return init_model(model_cfg, seed=cfg.seed)
-    from dlmjax.io.hf import load_model
-    from dlmjax.presets import resolve_model
-
     source = load_model(resolve_model(cfg.init_from))
     differing = [f for f in SHAPE_FIELDS if getattr(source.config, f) != getattr(model_cfg, f)]
     if differing:
         detail = ", ".join(f"{f}: {getattr(source.config, f)} vs {getattr(model_cfg, f)}" for f in differing)
         raise ValueError(f"train.init_from={cfg.init_from} has other shapes than this run's model ({detail}); "
                          "make the model section match it")
-    graphdef, _ = nnx.split(init_model(model_cfg, seed=cfg.seed))
+    graphdef, _ = nnx.split(abstract_model(model_cfg))
     return nnx.merge(graphdef, nnx.state(source))
 
 
@@ -128,13 +127,6 @@ def _write_config(run_dir: Path, run: RunConfig) -> None:
     path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
 
 
-def evaluate_toy(model, tokenizer, tasks, n: int, seed: int = 1234) -> dict[str, float]:
-    """Static (1 token per step) or greedy AR accuracy on `n` held-out examples per task."""
-    from dlmjax.evaluation.toy import toy_accuracy
-
-    return {f"eval/{name}": toy_accuracy(model, tokenizer, name, n=n, seed=seed) for name in tasks}
-
-
 def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True) -> TrainResult:
     """Train (or resume) the run in `run_dir`; `stop_at` ends early after that step (as a kill would)."""
     run_dir = Path(run_dir)
@@ -151,17 +143,19 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         raise ValueError(f"train.batch_size={cfg.batch_size} must be a multiple of the {data_size} data-parallel devices")
     replicated = NamedSharding(mesh, P())
 
-    graphdef, params = nnx.split(initial_model(model_cfg, cfg))
     tx, schedule = make_optimizer(cfg)
-    params = jax.device_put(params, replicated)
-    opt_state = jax.device_put(tx.init(params), replicated)
-
     manager = _checkpoint_manager(run_dir, cfg)
     start = manager.latest_step() or 0
-    if start:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+    if start:  # resume: restore into the abstract structure (no init, `init_from` not read again)
+        graphdef, shapes = nnx.split(abstract_model(model_cfg))
+        abstract = {"params": shapes, "opt_state": jax.eval_shape(tx.init, shapes)}
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
         restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         params, opt_state = restored["params"], restored["opt_state"]
+    else:
+        graphdef, params = nnx.split(initial_model(model_cfg, cfg))
+        params = jax.device_put(params, replicated)
+        opt_state = jax.device_put(tx.init(params), replicated)
 
     train_step = make_train_step(graphdef, make_loss(run, model_cfg), tx, schedule)
     block = model_cfg.block_size if run.objective == "block_diffusion" else None
@@ -190,9 +184,13 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{rates['tokens_per_s']:.0f}")
                 tokens_seen, window_start = 0, time.perf_counter()
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                scores = evaluate_toy(nnx.merge(graphdef, params), tokenizer, sorted(run.data.tasks), cfg.eval_examples)
+                eval_start = time.perf_counter()
+                model = nnx.merge(graphdef, params)
+                scores = {f"eval/{task}": toy_accuracy(model, tokenizer, task, n=cfg.eval_examples)
+                          for task in sorted(run.data.tasks)}
                 log.write(step, scores)
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+                window_start += time.perf_counter() - eval_start  # tokens/s measures training only
             if step % cfg.checkpoint_every == 0:
                 manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
     finally:  # also on Ctrl-C: keep the last finished step
