@@ -17,25 +17,30 @@ import sys
 from dlmjax.decoding.spec import decoder_names
 
 
-def _load(model_arg: str, dtype: str | None = None):
+def _load(model_arg: str, dtype: str | None = None, head_arg: str | None = None):
+    """(path, model, tokenizer, MRP head or None): the head from --mrp-head, else the one stored
+    in the model's own directory, if any."""
+    from dlmjax.heads.mrp import has_head, load_head
     from dlmjax.io.hf import load_model
     from dlmjax.io.tokenizer import load_tokenizer
     from dlmjax.presets import resolve_model
 
     path = resolve_model(model_arg)
     model = load_model(path, dtype=dtype)
-    return path, model, load_tokenizer(path, model.config)
+    head_dir = resolve_model(head_arg) if head_arg else path
+    head = load_head(head_dir, model.config) if head_arg or has_head(path) else None
+    return path, model, load_tokenizer(path, model.config), head
 
 
 def cmd_generate(args) -> int:
     from dlmjax.decoding.api import generate
 
-    _, model, tokenizer = _load(args.model, args.dtype)
+    _, model, tokenizer, head = _load(args.model, args.dtype, args.mrp_head)
     prompts = args.prompt
     if args.chat:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     result = generate(model, prompts, tokenizer=tokenizer, decoder=args.decoder,
-                      max_new_tokens=args.max_new_tokens, seed=args.seed)
+                      max_new_tokens=args.max_new_tokens, seed=args.seed, head=head)
     for row in result.rows:
         if args.json:
             print(json.dumps(row.to_json()))
@@ -53,12 +58,16 @@ def cmd_generate(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from dlmjax.heads.mrp import has_head, load_head, save_head
     from dlmjax.io.hf import export_model, load_model
     from dlmjax.presets import resolve_model
 
     src = resolve_model(args.src)
-    out = export_model(load_model(src), args.out, tokenizer_from=src)
-    print(f"wrote {args.format} checkpoint to {out}")
+    model = load_model(src)
+    out = export_model(model, args.out, tokenizer_from=src)
+    if has_head(src):
+        save_head(load_head(src, model.config), out)
+    print(f"wrote {args.format} checkpoint to {out}" + (" (with its MRP head)" if has_head(src) else ""))
     return 0
 
 
@@ -68,7 +77,7 @@ def cmd_eval(args) -> int:
     from dlmjax.evaluation.tasks import load_eval_set
     from dlmjax.sharding import make_mesh
 
-    path, model, tokenizer = _load(args.model, args.dtype)
+    path, model, tokenizer, head = _load(args.model, args.dtype, args.mrp_head)
     tasks = args.task or ["toy-arith", "toy-constraint"]
     if args.data is not None and len(tasks) != 1:
         raise ValueError("--data applies to one task; pass a single --task with it")
@@ -76,10 +85,10 @@ def cmd_eval(args) -> int:
     for eval_set in eval_sets:
         for problem in eval_set.skipped:
             print(f"{eval_set.task}: skipped {problem}", file=sys.stderr)
-    decoders = args.decoder or default_decoders(model)
+    decoders = args.decoder or default_decoders(model, head)
     records, outputs = run_eval(
         model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
-        mesh=make_mesh(model=1), seed=args.seed, chat=args.chat, progress=not args.no_progress,
+        mesh=make_mesh(model=1), seed=args.seed, chat=args.chat, progress=not args.no_progress, head=head,
     )
     title = f"{args.model} ({path})"
     table = write_report(records, outputs if args.save_outputs else None, args.out, title=title,
@@ -100,6 +109,10 @@ def cmd_train(args) -> int:
     return 0
 
 
+MRP_HEAD_HELP = ("checkpoint directory holding the MRP head (mrp_modules.* tensors) for the mrp-* decoders; "
+                 "default: the model's own directory when it has one")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlmjax", description="Fast decoding for diffusion language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, tokens, nfe, tpf, ...")
     gen.set_defaults(func=cmd_generate)
 
@@ -129,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     ev.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    ev.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=cmd_eval)
 

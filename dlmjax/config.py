@@ -120,6 +120,7 @@ _METADATA_KEYS = {
     "is_encoder_decoder", "tie_encoder_decoder", "max_window_layers", "sliding_window",
     "attention_dropout", "embd_pdrop", "resid_pdrop", "init_device", "init_fn", "init_std",
     "init_cutoff_factor", "fuse_cross_entropy", "use_flash_attention", "debug",
+    "mrp_residual_scale",  # an MRP head's residual scale s, read by dlmjax.heads.mrp
     # SDAR-4B/8B training-infrastructure switches; none changes the forward's numerics.
     "attn_implementation", "ep_size", "micro_forward", "skip_checkpoint", "use_deepep",
     "_from_model_config",

@@ -106,8 +106,8 @@ def test_cached_step_on_fresh_cache_is_exact(family, mode):
     exact = engine.BlockForwards(model, rows, geometry, "none")
     cached = engine.BlockForwards(model, rows, geometry, mode)
     block = jnp.asarray(1)
-    _, cache = cached.begin_block(canvas, None, block)
-    np.testing.assert_allclose(cached.step(canvas, cache, block), exact.step(canvas, None, block), atol=2e-5)
+    _, _, cache = cached.begin_block(canvas, None, block)
+    np.testing.assert_allclose(cached.step(canvas, cache, block)[0], exact.step(canvas, None, block)[0], atol=2e-5)
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
@@ -274,15 +274,17 @@ def test_packed_verification_equals_separate_forwards(family, mode):
     )
     fwd = engine.BlockForwards(model, rows, geometry, mode)
     block = jnp.asarray(0)
-    cache, _ = fwd.prefill(jnp.asarray(canvas))
-    _, cache = fwd.begin_block(jnp.asarray(canvas), cache, block)
+    cache, _, _ = fwd.prefill(jnp.asarray(canvas))
+    _, _, cache = fwd.begin_block(jnp.asarray(canvas), cache, block)
     start = geometry.prefix
     base = jnp.asarray(canvas)[:, start : start + 4]
     candidates = jnp.stack([base, base.at[:, 3].set(5), base.at[:, 2:].set(9)], axis=1)  # [B, 3, K]
-    packed = fwd.verify(jnp.asarray(canvas), candidates, cache, block)
+    packed, packed_hidden = fwd.verify(jnp.asarray(canvas), candidates, cache, block)
     for i in range(3):
         canvas_i = jnp.asarray(canvas).at[:, start : start + 4].set(candidates[:, i])
-        np.testing.assert_allclose(packed[:, i], fwd.step(canvas_i, cache, block), atol=1e-5)
+        logits_i, hidden_i = fwd.step(canvas_i, cache, block)
+        np.testing.assert_allclose(packed[:, i], logits_i, atol=1e-5)
+        np.testing.assert_allclose(packed_hidden[:, i], hidden_i, atol=1e-5)
 
 
 def test_row_stops_after_the_block_with_its_eos():

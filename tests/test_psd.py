@@ -77,10 +77,11 @@ def test_one_round_makes_exactly_one_model_call(sdar):
     model = CountingModel(sdar)
     fwd = engine.BlockForwards(model, rows, geometry, "exact")
     canvas = jnp.asarray(canvas)
-    cache, _ = fwd.prefill(canvas)
-    logits, cache = fwd.begin_block(canvas, cache, jnp.asarray(0))
+    cache, _, _ = fwd.prefill(canvas)
+    logits, hidden, cache = fwd.begin_block(canvas, cache, jnp.asarray(0))
     zeros = jnp.zeros((1,), jnp.int32)
-    state = engine.DecodeState(canvas=canvas, block=jnp.asarray(0), logits=logits, cache=cache,
+    state = engine.DecodeState(canvas=canvas, block=jnp.asarray(0), logits=logits, hidden=hidden, cache=cache,
+                               head_cache=None,
                                done=jnp.zeros((1,), bool), rounds=zeros, nfe=zeros, committed=zeros,
                                batch_nfe=jnp.asarray(0), store_forwards=jnp.asarray(0))
     model.calls = 0

@@ -12,6 +12,7 @@ from flax import nnx
 from dlmjax.decoding import engine
 from dlmjax.decoding.ar import generate_ar
 from dlmjax.decoding.spec import AR, DecoderSpecError, DiffusionDecoder, decoder_spec, parse_decoder
+from dlmjax.heads.mrp import MRPHead, check_compatible
 from dlmjax.io.tokenizer import Tokenizer
 from dlmjax.models.transformer import Transformer
 from dlmjax.sharding import shard_batch
@@ -100,6 +101,22 @@ def _cache_mode(decoder: DiffusionDecoder, model: Transformer) -> str:
     return decoder.cache
 
 
+def _head_for(decoder, model: Transformer, head: MRPHead | None):
+    """(graphdef, params) of the head an mrp-* decoder needs, or (None, None)."""
+    if not getattr(decoder, "needs_head", False):
+        return None, None
+    if model.config.attention != "block_causal":
+        raise DecoderSpecError(f"{decoder.name} needs a block-causal backbone (SDAR); this model is "
+                               f"{model.config.attention}")
+    if head is None:
+        raise DecoderSpecError(
+            f"{decoder.name} needs an MRP head: pass head=load_head(checkpoint_dir) (CLI: a model directory "
+            "with mrp_modules.* tensors, or --mrp-head DIR); train one with `dlmjax train configs/mrp/toy-sdar.yaml`"
+        )
+    check_compatible(head, model.config)
+    return nnx.split(head)
+
+
 def _check_length(model: Transformer, prompt_len: int, max_new_tokens: int):
     limit = model.config.max_position_embeddings
     if prompt_len + max_new_tokens > limit:
@@ -119,6 +136,7 @@ def generate(
     seed: int = 0,
     row_ids=None,
     mesh=None,
+    head: MRPHead | None = None,
 ) -> GenerationResult:
     """Decode a batch of prompts (text with a tokenizer, or token-id lists).
 
@@ -127,6 +145,7 @@ def generate(
       sampled output independent of which batch a prompt lands in.
     mesh: split the batch over the mesh's 'data' axis (data-parallel decoding; the batch size
       must divide by it). Place the model's params on the same mesh.
+    head: the MRP head the mrp-* decoders run (`dlmjax.heads.mrp.load_head(checkpoint_dir)`).
     """
     decoder = _resolve_decoder(decoder)
     ids = _encode(prompts, tokenizer)
@@ -137,6 +156,7 @@ def generate(
         fix = "use --decoder ar" if causal else "use a diffusion decoder (static, threshold, entropy)"
         raise DecoderSpecError(f"decoder {decoder.name!r} does not fit a {kind} {model.config.family} model; {fix}")
     mask_id, eos, pad = _special_ids(model, tokenizer, need_mask=not causal)
+    head_split = _head_for(decoder, model, head)
 
     start = time.perf_counter()
     if causal:
@@ -159,9 +179,11 @@ def generate(
         if mesh is not None:
             canvas, rows = shard_batch((canvas, rows), mesh)
         graphdef, params = nnx.split(model)
+        head_graphdef, head_params = head_split
         out = engine.decode(
-            graphdef, params, canvas, rows, jax.random.key(seed), decoder=decoder, geometry=geometry,
+            graphdef, params, canvas, rows, jax.random.key(seed), head_params, decoder=decoder, geometry=geometry,
             cache_mode=_cache_mode(decoder, model), mask_id=int(mask_id), pad_id=pad, eos_ids=eos,
+            head_graphdef=head_graphdef,
         )
         out = jax.device_get(out)
         counts, nfe_rows, committed = map(np.asarray, (out.num_generated, out.nfe, out.committed))

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dlmjax.decoding.policies import score
+from dlmjax.heads.mrp import MRPHead, residual_step
 from dlmjax.models.transformer import KVCache, Transformer
 
 
@@ -71,7 +72,9 @@ class DecodeState:
     canvas: jax.Array  # [B, T] int32
     block: jax.Array  # int32 scalar: current generation block
     logits: jax.Array  # [B, K, V] float32: the current block's latest logits (seed of the next round)
+    hidden: jax.Array  # [B, K, D] the backbone's final-normed hidden state behind `logits` (MRP's input)
     cache: KVCache | None
+    head_cache: tuple[KVCache, ...] | None  # an MRP head's own KV cache of finished blocks, per module
     done: jax.Array  # [B] bool
     rounds: jax.Array  # [B] int32 rounds each row took part in (its sampling-key counter)
     nfe: jax.Array  # [B] int32 denoising forwards each row used
@@ -137,12 +140,14 @@ def plan_layout(
 
 @dataclass(frozen=True)
 class BlockForwards:
-    """The forwards of one decoding run: prefill, block-start, step and store, per cache mode."""
+    """The forwards of one decoding run: prefill, block-start, step and store, per cache mode;
+    with an MRP head, its iterations over the block and its own cache of finished blocks."""
 
     model: Transformer
     rows: Rows
     geometry: Geometry
     cache_mode: str  # "exact" (block-causal KV cache) | "none" | "prefix" | "dual"
+    head: MRPHead | None = None
 
     @property
     def lead(self) -> int:
@@ -157,29 +162,38 @@ class BlockForwards:
         valid = jax.lax.dynamic_slice_in_dim(self.rows.valid, start, size, axis=1)
         return positions, valid
 
-    def prefill(self, canvas) -> tuple[KVCache | None, int]:
-        """Cache after the prompt's whole blocks, and the number of prefill forwards (static)."""
+    def prefill(self, canvas):
+        """(cache, head cache) after the prompt's whole blocks, and the number of prefill forwards (static)."""
+        batch = canvas.shape[0]
+        head_cache = None if self.head is None else self.head.empty_caches(batch, self.geometry.total)
         if self.cache_mode != "exact" or self.geometry.prefix == 0:
-            cache = None if self.cache_mode == "none" else self._empty_cache(canvas.shape[0])
-            return cache, 0
+            cache = None if self.cache_mode == "none" else self._empty_cache(batch)
+            return cache, head_cache, 0
         c = self.geometry.prefix
-        out = self.model(
-            canvas[:, :c], self.rows.positions[:, :c], valid_bl=self.rows.valid[:, :c],
-            cache=self._empty_cache(canvas.shape[0]), write_cache=True, compute_logits=False,
-        )
-        return out.cache, 1
+        cache, head_cache = self._write(canvas[:, :c], 0, c, self._empty_cache(batch), head_cache)
+        return cache, head_cache, 1
+
+    def _write(self, tokens, start, size, cache, head_cache):
+        """Append a clean chunk's KV to the backbone's cache (and the head's, from the same forward)."""
+        positions, valid = self._columns(start, size)
+        out = self.model(tokens, positions, valid_bl=valid, cache=cache, write_cache=True, compute_logits=False)
+        if head_cache is not None:
+            head_cache = self.head.write_context(self.model, head_cache, tokens, out.hidden, positions, valid)
+        return out.cache, head_cache
 
     def _empty_cache(self, batch):
         return KVCache.init(self.model.config, batch, self.geometry.total)
 
     def begin_block(self, canvas, cache, block):
-        """(logits [B, K, V], cache) at the start of a block. prefix/dual refresh their cache here."""
+        """(logits [B, K, V], hidden [B, K, D], cache) at the start of a block. prefix/dual
+        refresh their cache here."""
         if self.cache_mode in ("prefix", "dual"):
             out = self.model(canvas, self.rows.positions, valid_bl=self.rows.valid,
                              cache=self._empty_cache(canvas.shape[0]), write_cache=True)
-            logits = jax.lax.dynamic_slice_in_dim(out.logits, self.block_start(block), self.geometry.block, axis=1)
-            return logits, out.cache
-        return self.step(canvas, cache, block), cache
+            start, k = self.block_start(block), self.geometry.block
+            logits = jax.lax.dynamic_slice_in_dim(out.logits, start, k, axis=1)
+            return logits, jax.lax.dynamic_slice_in_dim(out.hidden, start, k, axis=1), out.cache
+        return *self.step(canvas, cache, block), cache
 
     def _window(self, block):
         """(first column, static width) of what a step forwards: the block alone against the
@@ -205,7 +219,8 @@ class BlockForwards:
         return cache.replace(valid=cache.valid & ~hidden[None, :])
 
     def verify(self, canvas, candidates_bnk, cache, block):
-        """Logits [B, N, K, V] of N candidate versions of the current block, in ONE forward.
+        """(logits [B, N, K, V], hidden [B, N, K, D]) of N candidate versions of the current block,
+        in ONE forward.
 
         The copies (the step's window with the block replaced by each candidate) are packed side
         by side with their positions repeated; segment ids 1..N let each copy see the cached
@@ -228,23 +243,34 @@ class BlockForwards:
             copies.reshape(b, n * width), jnp.tile(positions, (1, n)), segments_bl=segments,
             valid_bl=jnp.tile(valid, (1, n)), cache=self._visible_cache(cache, start),
         )
-        logits = out.logits.reshape(b, n, width, -1)
-        return jax.lax.dynamic_slice_in_dim(logits, offset, k, axis=2)
+        def block_part(x_bld):
+            return jax.lax.dynamic_slice_in_dim(x_bld.reshape(b, n, width, -1), offset, k, axis=2)
+
+        return block_part(out.logits), block_part(out.hidden)
 
     def step(self, canvas, cache, block):
-        """Logits [B, K, V] of the current block for the canvas as it is now (one copy)."""
+        """(logits [B, K, V], hidden [B, K, D]) of the current block for the canvas as it is now."""
         tokens = jax.lax.dynamic_slice_in_dim(canvas, self.block_start(block), self.geometry.block, axis=1)
-        return self.verify(canvas, tokens[:, None, :], cache, block)[:, 0]
+        logits, hidden = self.verify(canvas, tokens[:, None, :], cache, block)
+        return logits[:, 0], hidden[:, 0]
 
-    def store(self, canvas, cache, block):
-        """Write a finished block's KV (exact cache only); returns (cache, store forwards)."""
+    def head_step(self, step: int, tokens_bk, hidden_bkd, logits_bkv, head_cache, block):
+        """One MRP head iteration over the current block (chain step `step`, 0-based): returns
+        (corrected logits, next head input h, residual logits). The head attends to its own
+        cache of finished blocks and to the block itself."""
+        positions, valid = self._columns(self.block_start(block), self.geometry.block)
+        module = min(step, len(head_cache) - 1)
+        return residual_step(self.head, self.model, step, tokens_bk, hidden_bkd, logits_bkv, positions,
+                             valid_bl=valid, cache=head_cache[module])
+
+    def store(self, canvas, cache, head_cache, block):
+        """Write a finished block's KV (exact cache only; the head's too); returns
+        (cache, head cache, store forwards)."""
         if self.cache_mode != "exact":
-            return cache, 0
+            return cache, head_cache, 0
         k, start = self.geometry.block, self.block_start(block)
-        positions, valid = self._columns(start, k)
         tokens = jax.lax.dynamic_slice_in_dim(canvas, start, k, axis=1)
-        out = self.model(tokens, positions, valid_bl=valid, cache=cache, write_cache=True, compute_logits=False)
-        return out.cache, 1
+        return *self._write(tokens, start, k, cache, head_cache), 1
 
 
 def block_tokens(state: DecodeState, fwd: BlockForwards):
@@ -256,22 +282,26 @@ def round_keys(state: DecodeState, rows: Rows, seed_key):
     return jax.vmap(lambda rid, n: jax.random.fold_in(jax.random.fold_in(seed_key, rid), n))(rows.row_ids, state.rounds)
 
 
-def policy_round(decoder, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
-    """Commit by the decoder's policy from the seeded logits, then forward if masks remain."""
+def policy_round(
+    decoder, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key, commit_set=None
+) -> DecodeState:
+    """Commit by the decoder's policy (or `commit_set(scores, masked)`) from the seeded logits,
+    then forward if masks remain."""
     tokens = block_tokens(state, fwd)
     masked = (tokens == mask_id) & ~state.done[:, None]
     keys = round_keys(state, fwd.rows, seed_key) if decoder.temperature > 0 else None
     scores = score(state.logits, mask_id=mask_id, temperature=decoder.temperature, top_p=decoder.top_p, keys_b=keys)
-    commit = decoder.commit_set(scores, masked)
+    commit = (commit_set or decoder.commit_set)(scores, masked)
     tokens = jnp.where(commit, scores.tokens, tokens)
     canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, tokens, fwd.block_start(state.block), axis=1)
     remaining = jnp.any(tokens == mask_id, axis=-1) & ~state.done
-    logits = jax.lax.cond(
-        jnp.any(remaining), lambda: fwd.step(canvas, state.cache, state.block), lambda: state.logits
+    logits, hidden = jax.lax.cond(
+        jnp.any(remaining), lambda: fwd.step(canvas, state.cache, state.block), lambda: (state.logits, state.hidden)
     )
     return state.replace(
         canvas=canvas,
         logits=logits,
+        hidden=hidden,
         rounds=state.rounds + jnp.any(masked, axis=-1),
         committed=state.committed + jnp.sum(commit, axis=-1),
         nfe=state.nfe + remaining,
@@ -296,20 +326,27 @@ def finalize(canvas, rows: Rows, geometry: Geometry, *, mask_id: int, pad_id: in
     return tokens, jnp.sum(keep, axis=1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "decoder", "geometry", "cache_mode", "mask_id", "pad_id", "eos_ids"))
-def decode(graphdef, params, canvas, rows: Rows, seed_key, *, decoder, geometry, cache_mode, mask_id, pad_id, eos_ids):
+@partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id",
+                                   "pad_id", "eos_ids"))
+def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, decoder, geometry, cache_mode,
+           mask_id, pad_id, eos_ids, head_graphdef=None):
+    """Decode a laid-out batch. An MRP head (decoders mrp-*) comes as (head_graphdef, head_params)."""
     model = nnx.merge(graphdef, params)
-    fwd = BlockForwards(model, rows, geometry, cache_mode)
+    head = None if head_graphdef is None else nnx.merge(head_graphdef, head_params)
+    fwd = BlockForwards(model, rows, geometry, cache_mode, head)
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     run_round = getattr(decoder, "run_round", None) or partial(policy_round, decoder)
-    cache, prefill_forwards = fwd.prefill(canvas)
+    cache, head_cache, prefill_forwards = fwd.prefill(canvas)
     batch = canvas.shape[0]
     zeros_b = jnp.zeros((batch,), jnp.int32)
+    cfg = model.config
     state = DecodeState(
         canvas=canvas,
         block=jnp.zeros((), jnp.int32),
-        logits=jnp.zeros((batch, geometry.block, model.config.vocab_size), jnp.float32),
+        logits=jnp.zeros((batch, geometry.block, cfg.vocab_size), jnp.float32),
+        hidden=jnp.zeros((batch, geometry.block, cfg.hidden_size), cfg.dtype),
         cache=cache,
+        head_cache=head_cache,
         done=jnp.zeros((batch,), bool),
         rounds=zeros_b, nfe=zeros_b, committed=zeros_b,
         batch_nfe=jnp.zeros((), jnp.int32),
@@ -321,17 +358,17 @@ def decode(graphdef, params, canvas, rows: Rows, seed_key, *, decoder, geometry,
 
     def run_block(st: DecodeState) -> DecodeState:
         active = has_masks(st)
-        logits, cache = fwd.begin_block(st.canvas, st.cache, st.block)
-        st = st.replace(logits=logits, cache=cache, nfe=st.nfe + active, batch_nfe=st.batch_nfe + 1)
+        logits, hidden, cache = fwd.begin_block(st.canvas, st.cache, st.block)
+        st = st.replace(logits=logits, hidden=hidden, cache=cache, nfe=st.nfe + active, batch_nfe=st.batch_nfe + 1)
         st = jax.lax.while_loop(
             lambda s: jnp.any(has_masks(s)),
             lambda s: run_round(fwd, s, mask_id=mask_id, seed_key=seed_key),
             st,
         )
-        cache, stores = fwd.store(st.canvas, st.cache, st.block)
+        cache, head_cache, stores = fwd.store(st.canvas, st.cache, st.head_cache, st.block)
         end_col = fwd.block_start(st.block) + geometry.block
         done = st.done | (st.block + 1 >= rows.blocks_needed) | _eos_seen(st.canvas, rows, end_col, eos)
-        return st.replace(cache=cache, done=done, block=st.block + 1, store_forwards=st.store_forwards + stores)
+        return st.replace(cache=cache, head_cache=head_cache, done=done, block=st.block + 1, store_forwards=st.store_forwards + stores)
 
     state = jax.lax.while_loop(lambda s: (s.block < geometry.num_blocks) & ~jnp.all(s.done), run_block, state)
     tokens, num_generated = finalize(state.canvas, rows, geometry, mask_id=mask_id, pad_id=pad_id, eos=eos)

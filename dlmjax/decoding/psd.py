@@ -95,19 +95,22 @@ class PSD(DiffusionDecoder):
         scores = policies.score(state.logits, mask_id=mask_id)
         drafts, sets = self.drafts(tokens, masked, scores)
         needs_forward = jnp.any(drafts[:, 0] == mask_id, axis=-1) & ~state.done  # masks left after S1
-        logits = jax.lax.cond(
+        logits, hidden = jax.lax.cond(
             jnp.any(needs_forward),
             lambda: fwd.verify(state.canvas, drafts, state.cache, state.block),
-            lambda: jnp.zeros(drafts.shape + state.logits.shape[-1:], state.logits.dtype),
+            lambda: (jnp.zeros(drafts.shape + state.logits.shape[-1:], state.logits.dtype),
+                     jnp.zeros(drafts.shape + state.hidden.shape[-1:], state.hidden.dtype)),
         )
         depth = self.accepted_depth(drafts, sets, scores, logits, state.done, mask_id)
         pick = (depth - 1)[:, None, None]
         new_tokens = jnp.take_along_axis(drafts, pick, axis=1)[:, 0]
         seed = jnp.take_along_axis(logits, pick[..., None], axis=1)[:, 0]
+        seed_hidden = jnp.take_along_axis(hidden, pick[..., None], axis=1)[:, 0]
         canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, new_tokens, fwd.block_start(state.block), axis=1)
         return state.replace(
             canvas=canvas,
             logits=jnp.where(needs_forward[:, None, None], seed, state.logits),
+            hidden=jnp.where(needs_forward[:, None, None], seed_hidden, state.hidden),
             rounds=state.rounds + jnp.any(masked, axis=-1),
             committed=state.committed + jnp.sum(new_tokens != tokens, axis=-1),
             nfe=state.nfe + needs_forward,

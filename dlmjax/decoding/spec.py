@@ -151,7 +151,8 @@ def _parse_bool(value: str) -> bool:
 
 def decoder_names() -> list[str]:
     """All registered decoders, the built-in accelerated ones included."""
-    import dlmjax.decoding.psd  # noqa: F401  (registers itself; imported here to avoid a cycle)
+    import dlmjax.decoding.mrp  # noqa: F401  (these register themselves; imported here to avoid a cycle)
+    import dlmjax.decoding.psd  # noqa: F401
 
     return sorted(DECODERS)
 

@@ -37,17 +37,23 @@ class RunRecord:
         return asdict(self)
 
 
-def default_decoders(model) -> list[str]:
+def default_decoders(model, head=None) -> list[str]:
     """AR for causal models; for diffusion models one token per step, the whole block at once,
-    two confidence thresholds and PSD."""
+    two confidence thresholds and PSD; with an MRP head also mrp-spec, mrp-direct and mrp-remask."""
     if model.config.attention == "causal":
         return ["ar"]
     block = model.config.block_size or 32
-    return ["static", f"static:k={block}", "threshold:tau=0.9", "threshold:tau=0.7", "psd:policy=threshold,tau=0.9,depth=4"]
+    decoders = ["static", f"static:k={block}", "threshold:tau=0.9", "threshold:tau=0.7",
+                "psd:policy=threshold,tau=0.9,depth=4"]
+    if head is not None:
+        decoders += ["mrp-spec:drafts=3", "mrp-direct:mrp_steps=1", "mrp-remask:tau=0.7"]
+    return decoders
 
 
 def replicate_on(model, mesh):
-    """Put the model's params on every device of `mesh` (data-parallel decoding)."""
+    """Put the model's (or head's) params on every device of `mesh` (data-parallel decoding)."""
+    if model is None:
+        return None
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, P())))
 
@@ -63,7 +69,7 @@ def _batches(items, batch_size: int):
 
 
 def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model_name: str, batch_size: int,
-                     mesh=None, seed: int = 0, chat: bool = False, warmup: bool = True, bar=None):
+                     mesh=None, seed: int = 0, chat: bool = False, warmup: bool = True, bar=None, head=None):
     """(RunRecord, per-prompt outputs) for one decoder (a SPEC string, used as its label) on one task."""
     prompts = {item.index: item.prompt for item in eval_set.items}
     if chat:
@@ -72,7 +78,7 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
     def run(padded):
         return generate(model, [prompts[it.index] for it in padded], tokenizer=tokenizer, decoder=decoder,
                         max_new_tokens=eval_set.max_new_tokens, seed=seed, row_ids=[it.index for it in padded],
-                        mesh=mesh)
+                        mesh=mesh, head=head)
 
     if warmup:  # compile outside the timed runs
         run(next(_batches(eval_set.items, batch_size))[1])
@@ -102,15 +108,16 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
 
 def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *, model_name: str,
              batch_size: int = 64, mesh=None, seed: int = 0, chat: bool = False, progress: bool = True,
-             warmup: bool = True):
-    """Every decoder on every task: (records, outputs). Without `warmup`, times include compilation."""
+             warmup: bool = True, head=None):
+    """Every decoder on every task: (records, outputs). Without `warmup`, times include compilation.
+    `head`: the MRP head for mrp-* decoders."""
     for eval_set in eval_sets:
         if not eval_set.items:
             raise ValueError(f"{eval_set.task}: no usable prompts ({len(eval_set.skipped)} rows skipped); "
                              "check the dataset file or --limit")
     data = mesh.shape["data"] if mesh is not None else 1
     if mesh is not None:
-        model = replicate_on(model, mesh)
+        model, head = replicate_on(model, mesh), replicate_on(head, mesh)
     records, outputs = [], []
     total = sum(len(s.items) for s in eval_sets) * len(decoders)
     with tqdm(total=total, desc="eval", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
@@ -120,7 +127,7 @@ def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *,
                 bar.set_postfix(task=eval_set.task, decoder=decoder)
                 record, outs = evaluate_decoder(model, tokenizer, eval_set, decoder, model_name=model_name,
                                                 batch_size=size, mesh=mesh, seed=seed, chat=chat, warmup=warmup,
-                                                bar=bar)
+                                                bar=bar, head=head)
                 records.append(record)
                 outputs.extend(outs)
     return records, outputs

@@ -205,6 +205,8 @@ def load_model(
     loaded: dict[str, jax.Array] = {}
     source: dict[str, str] = {}
     for name, shard in open_shards(ckpt_dir).items():
+        if name.startswith("mrp_modules."):
+            continue  # an MRP head stored beside the backbone: dlmjax.heads.mrp.load_head reads it
         rule = next((r for r in key_map if r.match_hf(name) is not None), None)
         if rule is None:
             raise CheckpointError(f"tensor {name!r} in {shard.path.name} matches no {cfg.family} weight name")

@@ -215,33 +215,11 @@ class Transformer(nnx.Module):
             if cache is not None:
                 raise ValueError("pass positions_bl explicitly when forwarding against a cache")
             positions_bl = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-        segments_bl = jnp.zeros((b, l), jnp.int32) if segments_bl is None else segments_bl
-        valid_bl = jnp.ones((b, l), bool) if valid_bl is None else valid_bl
-        topology = dict(attention=attention or cfg.attention, block_size=cfg.block_size)
-
-        if visible_bll is not None:
-            if cache is not None:
-                raise ValueError("visible_bll replaces the chunk's visibility and cannot be combined with a cache")
-            self_visible = visible_bll
-        else:
-            self_visible = layers.visibility(positions_bl, segments_bl, positions_bl, segments_bl, valid_bl, **topology)
-        if cache is not None:
-            cache_segments = jnp.zeros_like(cache.positions)
-            cache_visible = layers.visibility(
-                positions_bl, segments_bl, cache.positions, cache_segments, cache.valid, **topology
-            )
-
-        cos, sin = layers.rope_angles(positions_bl, cfg.head_dim, cfg.rope_theta)
         x = constrain(self.embed_tokens(tokens_bl), ("batch", None, None))
-        collected = [x] if 0 in hidden_layers else []
-        new_kv = []
-        for i, block in enumerate(self.layers):
-            cached = None if cache is None else (cache.k[i], cache.v[i], cache_visible)
-            x, kv = block(x, cos, sin, self_visible, cached)
-            new_kv.append(kv)
-            if i + 1 in hidden_layers:
-                collected.append(x)
-
+        x, new_kv, collected = run_layers(
+            self.layers, cfg, x, positions_bl, segments_bl=segments_bl, valid_bl=valid_bl, cache=cache,
+            attention=attention, visible_bll=visible_bll, hidden_layers=hidden_layers,
+        )
         hidden = self.final_norm(x)
         logits = None
         if compute_logits:
@@ -249,8 +227,45 @@ class Transformer(nnx.Module):
             if cfg.shift_logits:
                 logits = layers.shift_logits_right(logits)
         if cache is not None and write_cache:
-            cache = cache.append(new_kv, positions_bl, valid_bl)
+            cache = cache.append(new_kv, positions_bl, _valid(valid_bl, positions_bl))
         return ModelOutput(logits=logits, hidden=hidden, cache=cache, layer_hidden=tuple(collected))
+
+
+def _valid(valid_bl, positions_bl):
+    return jnp.ones(positions_bl.shape, bool) if valid_bl is None else valid_bl
+
+
+def run_layers(
+    blocks, cfg: ModelConfig, x, positions_bl, *, segments_bl=None, valid_bl=None, cache: KVCache | None = None,
+    attention: str | None = None, visible_bll=None, hidden_layers: tuple[int, ...] = (),
+):
+    """Run decoder `blocks` over the embedded chunk `x` [B, L, D] (the backbone, or an MRP head's
+    layers with the same topology). Returns (x, per-layer (k, v) of this chunk, collected hidden
+    states at `hidden_layers`: 0 is the input, i the residual stream after block i)."""
+    b, l = positions_bl.shape
+    segments_bl = jnp.zeros((b, l), jnp.int32) if segments_bl is None else segments_bl
+    valid_bl = _valid(valid_bl, positions_bl)
+    topology = dict(attention=attention or cfg.attention, block_size=cfg.block_size)
+    if visible_bll is not None:
+        if cache is not None:
+            raise ValueError("visible_bll replaces the chunk's visibility and cannot be combined with a cache")
+        self_visible = visible_bll
+    else:
+        self_visible = layers.visibility(positions_bl, segments_bl, positions_bl, segments_bl, valid_bl, **topology)
+    if cache is not None:
+        cache_visible = layers.visibility(
+            positions_bl, segments_bl, cache.positions, jnp.zeros_like(cache.positions), cache.valid, **topology
+        )
+    cos, sin = layers.rope_angles(positions_bl, cfg.head_dim, cfg.rope_theta)
+    collected = [x] if 0 in hidden_layers else []
+    new_kv = []
+    for i, block in enumerate(blocks):
+        cached = None if cache is None else (cache.k[i], cache.v[i], cache_visible)
+        x, kv = block(x, cos, sin, self_visible, cached)
+        new_kv.append(kv)
+        if i + 1 in hidden_layers:
+            collected.append(x)
+    return x, new_kv, tuple(collected)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

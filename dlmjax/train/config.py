@@ -5,6 +5,12 @@
     data:  {tasks: {toy-arith: 0.5, toy-constraint: 0.5}, seq_len: 64, seed: 0}
     train: {steps: 4000, batch_size: 64, lr: 3.0e-3, ...}
 
+An MRP head (a residual head on a frozen backbone) names its backbone instead of a model section:
+
+    objective: mrp
+    backbone: toy-sdar                # a preset or a checkpoint directory (block-causal)
+    mrp: {num_layers: 1, loss: kd_diff, gt_topk: 1, chain_steps: 1, ...}
+
 Override values are parsed as YAML (`train.lr=1e-3`, `data.tasks={toy-arith: 1}`). Unknown
 keys are errors that list the known ones.
 """
@@ -18,9 +24,10 @@ from pathlib import Path
 import yaml
 
 from dlmjax.config import ModelConfig
+from dlmjax.train.mrp import LOSSES
 from dlmjax.train.objectives import WEIGHTINGS
 
-OBJECTIVES = ("block_diffusion", "next_token")
+OBJECTIVES = ("block_diffusion", "next_token", "mrp")
 
 
 class RunConfigError(ValueError):
@@ -54,11 +61,37 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class MRPSection:
+    """The MRP head (dlmjax.heads.mrp) and its training loss (dlmjax.train.mrp)."""
+
+    num_layers: int = 3  # decoder layers per module (the paper: 2-3 best)
+    num_modules: int = 1  # chain step k uses module min(k, num_modules - 1)
+    residual_scale: float = 1.0  # s in logits_k = logits_{k-1} + s * lm_head(h_p)
+    init_std: float = 0.2  # normal std of every head matrix at init (the reference's setting)
+    loss: str = "kd_diff"  # kd_diff | ce | mse, or the *_sum variants (mean over all chain steps)
+    gt_topk: int = 1  # masked positions revealed per block and chain step
+    chain_steps: int = 1  # head iterations trained per example (n)
+    temperature: float = 1.0  # KD temperature T (kd_diff losses)
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise RunConfigError(f"mrp.loss={self.loss!r}; choose one of {', '.join(LOSSES)}")
+        for name in ("num_layers", "num_modules", "gt_topk", "chain_steps"):
+            if getattr(self, name) < 1:
+                raise RunConfigError(f"mrp.{name}={getattr(self, name)} must be >= 1")
+        if self.temperature <= 0 or self.init_std < 0:
+            raise RunConfigError(f"mrp.temperature must be > 0 and mrp.init_std >= 0 "
+                                 f"(got {self.temperature}, {self.init_std})")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     objective: str = "block_diffusion"
     model: dict = field(default_factory=dict)
     data: DataConfig = DataConfig()
     train: OptimConfig = OptimConfig()
+    backbone: str | None = None  # objective mrp: the frozen backbone (preset name or checkpoint directory)
+    mrp: MRPSection = MRPSection()
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -67,6 +100,12 @@ class RunConfig:
             raise RunConfigError(
                 f"train.loss_weighting={self.train.loss_weighting!r}; choose one of {', '.join(WEIGHTINGS)}"
             )
+        if self.objective == "mrp":
+            self._check_mrp()
+            return
+        if self.backbone is not None or self.mrp != MRPSection():
+            raise RunConfigError(f"`backbone` and the `mrp` section belong to objective mrp, not {self.objective}; "
+                                 "set objective: mrp or remove them")
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:
@@ -76,11 +115,29 @@ class RunConfig:
         if self.objective == "next_token" and self.model.get("attention", "causal") != "causal":
             raise RunConfigError("objective next_token needs model.attention=causal")
 
+    def _check_mrp(self):
+        if self.model:
+            raise RunConfigError(
+                f"objective mrp trains a head on a frozen backbone, so the model section must be empty "
+                f"(got keys {sorted(self.model)}); remove it and name the backbone instead "
+                "(backbone: toy-sdar or a checkpoint directory)"
+            )
+        if not self.backbone:
+            raise RunConfigError("objective mrp needs `backbone:` (a preset such as toy-sdar or a checkpoint directory)")
+        if self.train.init_from is not None:
+            raise RunConfigError("train.init_from is for backbones; objective mrp starts from a random head "
+                                 "(set mrp.init_std) and reads its backbone from `backbone`")
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain data; an mrp run leaves out `model`, other runs leave out `backbone` and `mrp`."""
+        out = dataclasses.asdict(self)
+        for key in ("model",) if self.objective == "mrp" else ("backbone", "mrp"):
+            del out[key]
+        return out
 
 
-_SECTIONS = {"data": DataConfig, "train": OptimConfig}
+_SECTIONS = {"data": DataConfig, "train": OptimConfig, "mrp": MRPSection}
+_TOP_LEVEL = ("objective", "backbone", "model", "data", "train", "mrp")
 
 
 def _section(name: str, values: dict):
@@ -122,14 +179,17 @@ def apply_override(raw: dict, override: str) -> None:
 
 
 def from_dict(raw: dict) -> RunConfig:
-    unknown = sorted(set(raw) - {"objective", "model", "data", "train"})
+    unknown = sorted(set(raw) - set(_TOP_LEVEL))
     if unknown:
-        raise RunConfigError(f"unknown top-level keys {unknown}; known: objective, model, data, train")
+        raise RunConfigError(f"unknown top-level keys {unknown}; known: {', '.join(_TOP_LEVEL)}")
+    backbone = raw.get("backbone")
     return RunConfig(
         objective=raw.get("objective", "block_diffusion"),
         model=dict(raw.get("model") or {}),
         data=_section("data", raw.get("data") or {}),
         train=_section("train", raw.get("train") or {}),
+        backbone=None if backbone is None else str(backbone),
+        mrp=_section("mrp", raw.get("mrp") or {}),
     )
 
 

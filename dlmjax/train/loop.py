@@ -1,9 +1,11 @@
-"""The training loop for toy backbones: Optax, Orbax, data parallelism, progress, metrics.
+"""The training loop for toy backbones and MRP heads: Optax, Orbax, data parallelism, progress, metrics.
 
-A run directory holds `config.yaml` (the resolved config), `checkpoints/` (Orbax; every
+What a run trains is a `Trainee`: a backbone (objectives block_diffusion, next_token) or an MRP
+head on a frozen backbone (objective mrp; the backbone's params enter the jitted step as an
+argument and get no gradient). A run directory holds `config.yaml` (the resolved config), `checkpoints/` (Orbax; every
 `checkpoint_every` steps and at the end or on Ctrl-C), `metrics.jsonl`, `tb/` and, when the run
 finishes, `model/` (a HF checkpoint directory with the tokenizer, loadable wherever a model path
-is). Running the same command again resumes from the last checkpoint: the batch and the noise
+is; for an MRP run the backbone with the head beside it, `dlmjax.heads.mrp.load_head`). Running the same command again resumes from the last checkpoint: the batch and the noise
 of step s are pure functions of (seed, s), so a resumed run takes exactly the steps the
 uninterrupted run would have taken.
 """
@@ -15,6 +17,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +30,17 @@ from tqdm.auto import tqdm
 
 from dlmjax.config import ModelConfig
 from dlmjax.evaluation.toy import toy_accuracy
-from dlmjax.io.hf import export_model, load_model
-from dlmjax.io.tokenizer import load_tokenizer
-from dlmjax.models.transformer import abstract_model, init_model
+from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
+from dlmjax.io.hf import export_model, load_config, load_model
+from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
+from dlmjax.models.transformer import Transformer, abstract_model, init_model
 from dlmjax.presets import resolve_model
 from dlmjax.sharding import make_mesh, shard_batch
-from dlmjax.toy.tokenizer import save_char_tokenizer
+from dlmjax.toy.tokenizer import char_tokenizer, save_char_tokenizer
 from dlmjax.train import objectives
-from dlmjax.train.config import RunConfig, from_dict
+from dlmjax.train.config import RunConfig, RunConfigError, from_dict
 from dlmjax.train.data import make_batch, sample_examples
+from dlmjax.train.mrp import mrp_loss
 from dlmjax.train.metrics import MetricsLog
 
 
@@ -93,11 +98,17 @@ def make_loss(run: RunConfig, model_cfg: ModelConfig):
     return objectives.next_token_loss
 
 
-def make_train_step(graphdef, loss_fn, tx, schedule):
+def make_train_step(graphdef, frozen_graphdef, loss_fn, tx, schedule):
+    """jit(params, opt_state, frozen, batch, key, step): one optimiser step on `params`; `frozen`
+    (params of a frozen module, or None) is an argument so it is neither differentiated nor
+    compiled in as a constant."""
+
     @partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch, key, step):
+    def train_step(params, opt_state, frozen, batch, key, step):
+        frozen_module = None if frozen_graphdef is None else nnx.merge(frozen_graphdef, frozen)
+
         def compute(p):
-            return loss_fn(nnx.merge(graphdef, p), batch, key)
+            return loss_fn(nnx.merge(graphdef, p), frozen_module, batch, key)
 
         (_, metrics), grads = jax.value_and_grad(compute, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -105,6 +116,104 @@ def make_train_step(graphdef, loss_fn, tx, schedule):
         return params, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(step)}
 
     return train_step
+
+
+@dataclass
+class Trainee:
+    """What a run trains: a trainable module, maybe beside a frozen one, and how to score and export it."""
+
+    build: Callable[[], nnx.Module]  # the initial trainable module (not called on resume)
+    abstract: nnx.Module  # its structure, to restore a checkpoint into
+    frozen: nnx.Module | None  # a frozen module the loss reads (the MRP backbone)
+    loss: Callable  # loss(trainable, frozen, batch, key) -> (loss, metrics)
+    tokenizer: Tokenizer
+    block: int | None  # the data's block size (None: autoregressive rows)
+    pad_id: int
+    evaluate: Callable[[nnx.Module, nnx.Module | None], dict]  # (trainable, frozen) -> eval scores
+    export: Callable[[nnx.Module, Path], Path]  # (trainable, run_dir) -> run_dir/model
+
+
+def backbone_trainee(run: RunConfig, run_dir: Path) -> Trainee:
+    """A toy backbone from `run.model`, with the toy character tokenizer saved in `run_dir/tokenizer`."""
+    ids = save_char_tokenizer(run_dir / "tokenizer")
+    model_cfg = model_config(run, ids)
+    tokenizer = load_tokenizer(run_dir / "tokenizer", model_cfg)
+    loss = make_loss(run, model_cfg)
+
+    def evaluate(model, _frozen):
+        return {f"eval/{task}": toy_accuracy(model, tokenizer, task, n=run.train.eval_examples)
+                for task in sorted(run.data.tasks)}
+
+    return Trainee(
+        build=lambda: initial_model(model_cfg, run.train), abstract=abstract_model(model_cfg), frozen=None,
+        loss=lambda model, _frozen, batch, key: loss(model, batch, key), tokenizer=tokenizer,
+        block=model_cfg.block_size if run.objective == "block_diffusion" else None,
+        pad_id=model_cfg.pad_token_id, evaluate=evaluate, export=lambda model, out: export_run(model, out),
+    )
+
+
+def load_backbone(name: str) -> tuple[Path, Transformer, Tokenizer]:
+    """(checkpoint dir, model, tokenizer) of an MRP run's backbone: block-causal, toy tokenizer."""
+    try:
+        ckpt_dir = resolve_model(name)
+    except FileNotFoundError as exc:
+        raise RunConfigError(f"backbone: {exc}") from None
+    cfg = load_config(ckpt_dir)
+    if cfg.attention != "block_causal":
+        raise RunConfigError(
+            f"backbone {name} has {cfg.attention} attention; MRP training uses the block-diffusion layout and "
+            "needs a block-causal (SDAR-style) backbone such as toy-sdar"
+        )
+    tokenizer = load_tokenizer(ckpt_dir, cfg)
+    if tokenizer.backend.get_vocab(with_added_tokens=True) != char_tokenizer().get_vocab(with_added_tokens=True):
+        raise RunConfigError(f"backbone {name}'s tokenizer is not the toy character tokenizer that the toy tasks "
+                             "are written in; train MRP heads on a toy backbone such as toy-sdar")
+    return ckpt_dir, load_model(ckpt_dir), tokenizer
+
+
+def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
+    """An MRP head (`run.mrp`) on the frozen backbone `run.backbone`; eval logs the KL metrics of
+    `mrp_loss` on fixed held-out batches (one per task)."""
+    backbone_dir, backbone, tokenizer = load_backbone(run.backbone)
+    cfg, m = backbone.config, run.mrp
+    head_cfg = MRPConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_modules=m.num_modules,
+                         num_layers=m.num_layers, residual_scale=m.residual_scale)
+    loss = partial(mrp_loss, block=cfg.block_size, mask_id=cfg.mask_token_id, loss=m.loss, gt_topk=m.gt_topk,
+                   chain_steps=m.chain_steps, temperature=m.temperature)
+    head_graphdef, _ = nnx.split(abstract_head(cfg, head_cfg))
+    backbone_graphdef, _ = nnx.split(backbone)
+
+    @jax.jit
+    def eval_metrics(head_params, backbone_params, batch):
+        head, model = nnx.merge(head_graphdef, head_params), nnx.merge(backbone_graphdef, backbone_params)
+        return loss(head, model, batch, jax.random.key(EVAL_SEED))[1]
+
+    def evaluate(head, model):
+        scores = {}
+        for task in sorted(run.data.tasks):
+            examples = sample_examples({task: 1}, run.train.eval_examples, EVAL_SEED, 0)
+            batch = make_batch(examples, tokenizer, seq_len=run.data.seq_len, block=cfg.block_size,
+                               pad_id=cfg.pad_token_id)
+            arrays = {k: jnp.asarray(v) for k, v in vars(batch).items()}
+            metrics = jax.device_get(eval_metrics(nnx.state(head), nnx.state(model), arrays))
+            scores.update({f"eval/{task}/{k}": metrics[k] for k in ("kl", "kl_baseline", "top1", "top1_baseline")})
+        return scores
+
+    def export(head, run_dir):
+        out = run_dir / "model"
+        shutil.rmtree(out, ignore_errors=True)
+        export_model(backbone, out, tokenizer_from=backbone_dir)
+        return save_head(head, out)
+
+    return Trainee(
+        build=lambda: init_head(cfg, num_layers=m.num_layers, num_modules=m.num_modules,
+                                residual_scale=m.residual_scale, init_std=m.init_std, seed=run.train.seed),
+        abstract=abstract_head(cfg, head_cfg), frozen=backbone, loss=loss, tokenizer=tokenizer,
+        block=cfg.block_size, pad_id=cfg.pad_token_id, evaluate=evaluate, export=export,
+    )
+
+
+EVAL_SEED = 1234  # held-out batches and noise of MRP eval (the toy tasks' eval sets use their own)
 
 
 def _checkpoint_manager(run_dir: Path, cfg) -> ocp.CheckpointManager:
@@ -133,9 +242,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_config(run_dir, run)
     cfg = run.train
-    ids = save_char_tokenizer(run_dir / "tokenizer")
-    model_cfg = model_config(run, ids)
-    tokenizer = load_tokenizer(run_dir / "tokenizer", model_cfg)
+    trainee = mrp_trainee(run, run_dir) if run.objective == "mrp" else backbone_trainee(run, run_dir)
 
     mesh = make_mesh(model=1)
     data_size = mesh.shape["data"]
@@ -147,18 +254,21 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     manager = _checkpoint_manager(run_dir, cfg)
     start = manager.latest_step() or 0
     if start:  # resume: restore into the abstract structure (no init, `init_from` not read again)
-        graphdef, shapes = nnx.split(abstract_model(model_cfg))
+        graphdef, shapes = nnx.split(trainee.abstract)
         abstract = {"params": shapes, "opt_state": jax.eval_shape(tx.init, shapes)}
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
         restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         params, opt_state = restored["params"], restored["opt_state"]
     else:
-        graphdef, params = nnx.split(initial_model(model_cfg, cfg))
+        graphdef, params = nnx.split(trainee.build())
         params = jax.device_put(params, replicated)
         opt_state = jax.device_put(tx.init(params), replicated)
+    frozen_graphdef, frozen = None, None
+    if trainee.frozen is not None:
+        frozen_graphdef, frozen = nnx.split(trainee.frozen)
+        frozen = jax.device_put(frozen, replicated)
 
-    train_step = make_train_step(graphdef, make_loss(run, model_cfg), tx, schedule)
-    block = model_cfg.block_size if run.objective == "block_diffusion" else None
+    train_step = make_train_step(graphdef, frozen_graphdef, trainee.loss, tx, schedule)
     base_key = jax.random.key(cfg.seed)
     log = MetricsLog(run_dir, resume_step=start)
     last = min(cfg.steps, stop_at if stop_at is not None else cfg.steps)
@@ -168,10 +278,11 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     try:
         for step in range(start + 1, last + 1):
             examples = sample_examples(run.data.tasks, cfg.batch_size, run.data.seed, step)
-            batch = make_batch(examples, tokenizer, seq_len=run.data.seq_len, block=block, pad_id=model_cfg.pad_token_id)
+            batch = make_batch(examples, trainee.tokenizer, seq_len=run.data.seq_len, block=trainee.block,
+                               pad_id=trainee.pad_id)
             arrays = shard_batch(dict(vars(batch)), mesh)
             key = jax.random.fold_in(base_key, step)
-            params, opt_state, metrics = train_step(params, opt_state, arrays, key, jnp.int32(step))
+            params, opt_state, metrics = train_step(params, opt_state, frozen, arrays, key, jnp.int32(step))
             done = step
             tokens_seen += int(batch.valid.sum())
             bar.update(1)
@@ -185,9 +296,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
                 tokens_seen, window_start = 0, time.perf_counter()
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 eval_start = time.perf_counter()
-                model = nnx.merge(graphdef, params)
-                scores = {f"eval/{task}": toy_accuracy(model, tokenizer, task, n=cfg.eval_examples)
-                          for task in sorted(run.data.tasks)}
+                scores = trainee.evaluate(nnx.merge(graphdef, params), trainee.frozen)
                 log.write(step, scores)
                 bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
                 window_start += time.perf_counter() - eval_start  # tokens/s measures training only
@@ -202,7 +311,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
 
     model_dir = None
     if done == cfg.steps:
-        model_dir = export_run(nnx.merge(graphdef, params), run_dir)
+        model_dir = trainee.export(nnx.merge(graphdef, params), run_dir)
     return TrainResult(run_dir=run_dir, step=done, losses=losses, model_dir=model_dir)
 
 

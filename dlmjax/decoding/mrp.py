@@ -1,0 +1,211 @@
+"""MRP decoders: direct, spec (lossless) and remask (ALGORITHMS.md section 1).
+
+All three run an MRP head (dlmjax.heads.mrp) on the backbone's final hidden state of the
+current block; the head attends to its own KV cache of finished blocks, written by the same
+prefill/store forwards that fill the backbone's cache. Head forwards are not counted as NFE.
+
+- `mrp-direct`: after each backbone forward, commit the static pick (the most confident masked
+  position, first index on ties) from the backbone's logits, then `mrp_steps` times: one head
+  iteration on the block with that commit, and the static pick from the corrected logits.
+  Lossy: a quality/speed knob (mrp_steps=0 is static decoding).
+- `mrp-spec`: draft `drafts` static picks (the first from the seeded logits, then one per head
+  iteration), verify all of them in ONE backbone forward over the drafts+1 packed copies
+  C(0..drafts) of the block, accept per row the drafts whose copy's static pick agrees, then
+  commit the backbone's own pick on the last accepted copy (bonus). The next round is seeded
+  from that copy's logits and hidden state (no extra forward). Every committed token is the
+  backbone's static pick on the exact state, so the output equals `static` (1 per step), at
+  any batch size and whatever the head predicts; a bad head only costs speed.
+- `mrp-remask`: the dynamic regime. The backbone proposes every masked position with
+  confidence > tau; one head forward on the pre-commit block gives residual logits C; a
+  proposal is vetoed when |C[pos, token]| > delta (rule `residual`, the reference code's) or
+  when its post-residual confidence softmax(logits + C)[pos, token] < tau (rule `confidence`,
+  the blog's), or either (`both`). If every proposal is vetoed the one with the smallest |C|
+  stays; the progress guard keeps at least one commit per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from dlmjax.decoding import policies
+from dlmjax.decoding.engine import BlockForwards, DecodeState, block_tokens, policy_round
+from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
+
+REMASK_RULES = ("residual", "confidence", "both")
+
+
+def static_pick(logits_bkv, masked_bk, mask_id: int):
+    """(commit [B, K], tokens [B, K]): the most confident masked position per row and its
+    greedy token, exactly as `static` (k=1) commits. Rows with nothing masked commit nothing."""
+    scores = policies.score(logits_bkv, mask_id=mask_id)
+    return policies.static_commit(scores, masked_bk, 1), scores.tokens
+
+
+@dataclass(frozen=True)
+class MRPDecoder(DiffusionDecoder):
+    """Shared by the MRP decoders: they need an MRP head and a block-causal backbone."""
+
+    needs_head: ClassVar[bool] = True
+
+    def _greedy_only(self):
+        if self.temperature != 0.0:
+            raise DecoderSpecError(f"{self.name} is greedy (temperature=0): it follows the static pick")
+
+
+@register_decoder
+@dataclass(frozen=True)
+class MRPDirect(MRPDecoder):
+    """mrp_steps: head iterations (one extra commit each) per backbone forward."""
+
+    name: ClassVar[str] = "mrp-direct"
+    mrp_steps: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._greedy_only()
+        if self.mrp_steps < 0:
+            raise DecoderSpecError(f"mrp-direct: mrp_steps={self.mrp_steps} must be >= 0")
+
+    def run_round(self, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
+        del seed_key
+        before = block_tokens(state, fwd)
+        tokens, logits, hidden = before, state.logits, state.hidden
+        for step in range(self.mrp_steps + 1):
+            commit, proposed = static_pick(logits, (tokens == mask_id) & ~state.done[:, None], mask_id)
+            tokens = jnp.where(commit, proposed, tokens)
+            if step < self.mrp_steps:
+                logits, hidden, _ = fwd.head_step(step, tokens, hidden, logits, state.head_cache, state.block)
+        return _advance(fwd, state, before, tokens, mask_id)
+
+
+def _advance(fwd: BlockForwards, state: DecodeState, before_bk, after_bk, mask_id: int) -> DecodeState:
+    """Write the block's new tokens; run the next backbone forward if masks remain."""
+    canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, after_bk, fwd.block_start(state.block), axis=1)
+    remaining = jnp.any(after_bk == mask_id, axis=-1) & ~state.done
+    logits, hidden = jax.lax.cond(
+        jnp.any(remaining), lambda: fwd.step(canvas, state.cache, state.block), lambda: (state.logits, state.hidden)
+    )
+    return state.replace(
+        canvas=canvas, logits=logits, hidden=hidden,
+        rounds=state.rounds + jnp.any((before_bk == mask_id) & ~state.done[:, None], axis=-1),
+        committed=state.committed + jnp.sum(after_bk != before_bk, axis=-1),
+        nfe=state.nfe + remaining,
+        batch_nfe=state.batch_nfe + jnp.any(remaining),
+    )
+
+
+@register_decoder
+@dataclass(frozen=True)
+class MRPSpec(MRPDecoder):
+    """drafts: commits drafted per round (1 from the seeded logits + drafts-1 head iterations),
+    all verified by one packed backbone forward over drafts+1 copies."""
+
+    name: ClassVar[str] = "mrp-spec"
+    drafts: int = 3
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._greedy_only()
+        if self.drafts < 1:
+            raise DecoderSpecError(f"mrp-spec: drafts={self.drafts} must be >= 1")
+
+    def draft(self, fwd: BlockForwards, state: DecodeState, tokens_bk, mask_id: int):
+        """[B, drafts+1, K] copies C(0..drafts): C(0) the block as it is, C(k) after k drafted commits."""
+        copies, logits, hidden = [tokens_bk], state.logits, state.hidden
+        for step in range(self.drafts):
+            commit, proposed = static_pick(logits, (copies[-1] == mask_id) & ~state.done[:, None], mask_id)
+            copies.append(jnp.where(commit, proposed, copies[-1]))
+            if step < self.drafts - 1:
+                logits, hidden, _ = fwd.head_step(step, copies[-1], hidden, logits, state.head_cache, state.block)
+        return jnp.stack(copies, axis=1)
+
+    def run_round(self, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
+        del seed_key
+        tokens = block_tokens(state, fwd)
+        masked = (tokens == mask_id) & ~state.done[:, None]
+        copies = self.draft(fwd, state, tokens, mask_id)  # [B, N, K], N = drafts + 1
+        needs_forward = jnp.any(masked, axis=-1)
+        logits, hidden = jax.lax.cond(
+            jnp.any(needs_forward),
+            lambda: fwd.verify(state.canvas, copies, state.cache, state.block),
+            lambda: (jnp.zeros(copies.shape + state.logits.shape[-1:], state.logits.dtype),
+                     jnp.zeros(copies.shape + state.hidden.shape[-1:], state.hidden.dtype)),
+        )
+        # The backbone's static pick on every copy, then the per-row walk over the drafts.
+        n = copies.shape[1]
+        picks = [static_pick(logits[:, k], (copies[:, k] == mask_id) & ~state.done[:, None], mask_id) for k in range(n)]
+        agrees = []
+        for k in range(n - 1):
+            commit, proposed = picks[k]
+            drafted = copies[:, k + 1] != copies[:, k]
+            same = jnp.all(commit == drafted, axis=-1) & jnp.all(~commit | (proposed == copies[:, k + 1]), axis=-1)
+            agrees.append(same & jnp.any(drafted, axis=-1))
+        accepted = jnp.sum(jnp.cumprod(jnp.stack(agrees, axis=1).astype(jnp.int32), axis=1), axis=1)  # [B]
+
+        def at_accepted(x_bn):
+            return jnp.take_along_axis(x_bn, accepted.reshape((-1,) + (1,) * (x_bn.ndim - 1)), axis=1)[:, 0]
+
+        bonus_commit = at_accepted(jnp.stack([c for c, _ in picks], axis=1))
+        bonus_tokens = at_accepted(jnp.stack([t for _, t in picks], axis=1))
+        new_tokens = jnp.where(bonus_commit, bonus_tokens, at_accepted(copies))
+        canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, new_tokens, fwd.block_start(state.block), axis=1)
+        keep = needs_forward[:, None, None]
+        return state.replace(
+            canvas=canvas,
+            logits=jnp.where(keep, at_accepted(logits), state.logits),
+            hidden=jnp.where(keep, at_accepted(hidden), state.hidden),
+            rounds=state.rounds + needs_forward,
+            committed=state.committed + jnp.sum(new_tokens != tokens, axis=-1),
+            nfe=state.nfe + needs_forward,
+            batch_nfe=state.batch_nfe + jnp.any(needs_forward),
+        )
+
+
+@register_decoder
+@dataclass(frozen=True)
+class MRPRemask(MRPDecoder):
+    """tau: commit threshold; delta: residual veto bound; rule: residual | confidence | both."""
+
+    name: ClassVar[str] = "mrp-remask"
+    tau: float = 0.9
+    delta: float = 1.0
+    rule: str = "both"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.rule not in REMASK_RULES:
+            raise DecoderSpecError(f"mrp-remask: rule={self.rule!r}; choose one of {', '.join(REMASK_RULES)}")
+        if self.delta <= 0:
+            raise DecoderSpecError(f"mrp-remask: delta={self.delta} must be > 0")
+
+    def select(self, scores, masked_bk):
+        return policies.threshold_commit(scores, masked_bk, self.tau)
+
+    def vetoed(self, scores: policies.Scores, proposed_bk, logits_bkv, residual_bkv, mask_id: int):
+        """The proposals to keep after the veto (before the progress guard)."""
+        size = jnp.abs(jnp.take_along_axis(residual_bkv, scores.tokens[..., None], axis=-1)[..., 0])
+        veto = jnp.zeros_like(proposed_bk)
+        if self.rule in ("residual", "both"):
+            veto = veto | (size > self.delta)
+        if self.rule in ("confidence", "both"):
+            corrected = (logits_bkv + residual_bkv).at[..., mask_id].set(-jnp.inf)
+            post = jnp.take_along_axis(jax.nn.softmax(corrected, axis=-1), scores.tokens[..., None], axis=-1)[..., 0]
+            veto = veto | (post < self.tau)
+        kept = proposed_bk & ~veto
+        all_vetoed = jnp.any(proposed_bk, axis=-1, keepdims=True) & ~jnp.any(kept, axis=-1, keepdims=True)
+        smallest = policies.top_k_mask(-size, proposed_bk, 1)
+        return kept | (smallest & all_vetoed)
+
+    def run_round(self, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
+        tokens = block_tokens(state, fwd)
+        _, _, residual = fwd.head_step(0, tokens, state.hidden, state.logits, state.head_cache, state.block)
+
+        def commit_set(scores, masked_bk):
+            kept = self.vetoed(scores, self.select(scores, masked_bk), state.logits, residual, mask_id)
+            return policies.with_progress_guard(kept, scores, masked_bk)
+
+        return policy_round(self, fwd, state, mask_id=mask_id, seed_key=seed_key, commit_set=commit_set)

@@ -1,0 +1,267 @@
+"""MRP: a small head that predicts the residual between this step's logits and the next step's.
+
+One MRP module (DeepSeek-MTP shaped, ALGORITHMS.md section 1):
+
+    x   = eh_proj([enorm(embed(block ids after this iteration's commits)) ; hnorm(h)])
+    x   = N backbone-style decoder layers (the backbone's attention topology, own KV cache)
+    h_p = norm(x)
+
+`h` is the backbone's final-normed hidden state h_A (then h_A + s * sum of earlier h_p). The
+residual is added in hidden space before the backbone's frozen lm_head:
+
+    logits_k = logits_{k-1} + s * lm_head(h_p_k),    h_k = h_{k-1} + s * h_p_k
+
+A head holds `num_modules` modules; chain step k (0-based) uses module min(k, num_modules - 1).
+Embeddings and lm_head are the backbone's, passed in at call time, so a head stores neither.
+
+Interop: a head lives inside its backbone's checkpoint directory under the reference code's
+names `mrp_modules.{m}.model.{enorm,hnorm,eh_proj,layers.{j}.*,norm}` (layers named as the
+backbone's). `load_head` reads them (module and layer counts from the names, the residual scale
+from config.json `mrp_residual_scale`, default 1); `save_head` writes them in PyTorch format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlmjax.config import ModelConfig
+from dlmjax.io.hf import HF_RULES, INDEX_FILE, TRANSPOSE, KeyRule, load_config, open_shards
+from dlmjax.io.safetensors import CheckpointError, save_file
+from dlmjax.models.transformer import Block, KVCache, Linear, RMSNorm, Transformer, run_layers
+
+HEAD_FILE = "mrp_head.safetensors"
+SCALE_KEY = "mrp_residual_scale"
+
+
+class HeadMismatchError(ValueError):
+    """An MRP head used with a backbone it was not made for."""
+
+
+@dataclass(frozen=True)
+class MRPConfig:
+    """The head's shape. hidden_size and vocab_size are those of the backbone it belongs to."""
+
+    hidden_size: int
+    vocab_size: int
+    num_modules: int = 1
+    num_layers: int = 3  # decoder layers per module (the paper: 2-3 best)
+    residual_scale: float = 1.0  # s
+
+    def __post_init__(self):
+        if self.num_modules < 1 or self.num_layers < 1:
+            raise ValueError(f"MRP head needs num_modules >= 1 and num_layers >= 1, got {self.num_modules}, {self.num_layers}")
+
+
+class MRPModule(nnx.Module):
+    def __init__(self, backbone: ModelConfig, num_layers: int, *, rngs: nnx.Rngs):
+        d, dt = backbone.hidden_size, backbone.dtype
+        self.config = backbone  # topology, RoPE and layer shapes are the backbone's
+        self.enorm = RMSNorm(d, backbone.rms_norm_eps, dt)
+        self.hnorm = RMSNorm(d, backbone.rms_norm_eps, dt)
+        self.eh_proj = Linear(2 * d, d, bias=False, dtype=dt, rngs=rngs)
+        self.layers = nnx.List([Block(backbone, rngs=rngs) for _ in range(num_layers)])
+        self.norm = RMSNorm(d, backbone.rms_norm_eps, dt)
+
+    def __call__(self, embeds_bld, hidden_bld, positions_bl, *, segments_bl=None, valid_bl=None,
+                 cache: KVCache | None = None, write_cache: bool = False, visible_bll=None):
+        """(h_p [B, L, D], cache): the module's output over one chunk."""
+        x = self.eh_proj(jnp.concatenate([self.enorm(embeds_bld), self.hnorm(hidden_bld)], axis=-1))
+        x, new_kv, _ = run_layers(self.layers, self.config, x, positions_bl, segments_bl=segments_bl,
+                                  valid_bl=valid_bl, cache=cache, visible_bll=visible_bll)
+        if cache is not None and write_cache:
+            valid = jnp.ones(positions_bl.shape, bool) if valid_bl is None else valid_bl
+            cache = cache.append(new_kv, positions_bl, valid)
+        return self.norm(x), cache
+
+
+class MRPHead(nnx.Module):
+    def __init__(self, backbone: ModelConfig, cfg: MRPConfig, *, rngs: nnx.Rngs):
+        if (cfg.hidden_size, cfg.vocab_size) != (backbone.hidden_size, backbone.vocab_size):
+            raise HeadMismatchError(f"MRPConfig hidden/vocab {cfg.hidden_size}/{cfg.vocab_size} != backbone's "
+                                    f"{backbone.hidden_size}/{backbone.vocab_size}")
+        self.config = cfg
+        self.backbone_config = backbone
+        self.mrp_modules = nnx.List([MRPModule(backbone, cfg.num_layers, rngs=rngs) for _ in range(cfg.num_modules)])
+
+    def module_for(self, step: int) -> MRPModule:
+        """Chain step `step` (0-based) uses module min(step, num_modules - 1)."""
+        return self.mrp_modules[min(step, len(self.mrp_modules) - 1)]
+
+    def empty_caches(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
+        cfg = self.backbone_config.replace(num_layers=self.config.num_layers)
+        return tuple(KVCache.init(cfg, batch, capacity) for _ in self.mrp_modules)
+
+    def write_context(self, backbone: Transformer, caches, tokens_bl, hidden_bld, positions_bl, valid_bl):
+        """Append a finished chunk (clean tokens and the backbone's hidden state on them) to every
+        module's KV cache: the context later blocks' head forwards attend to."""
+        embeds = backbone.embed_tokens(tokens_bl)
+        return tuple(
+            module(embeds, hidden_bld, positions_bl, valid_bl=valid_bl, cache=cache, write_cache=True)[1]
+            for module, cache in zip(self.mrp_modules, caches)
+        )
+
+
+def check_compatible(head: MRPHead, backbone: ModelConfig) -> None:
+    """Refuse a head made for another backbone shape (hidden size, vocab, layer shapes)."""
+    made_for = head.backbone_config
+    fields = ("hidden_size", "vocab_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+              "qkv_bias", "o_bias", "qk_norm", "attention", "block_size")
+    differing = [f"{f}: head {getattr(made_for, f)} vs model {getattr(backbone, f)}"
+                 for f in fields if getattr(made_for, f) != getattr(backbone, f)]
+    if differing:
+        raise HeadMismatchError(
+            "this MRP head was trained for another backbone (" + "; ".join(differing) + "); "
+            "use the head shipped in the model's own checkpoint directory or train one for it "
+            "(dlmjax train configs/mrp/toy-sdar.yaml backbone=...)"
+        )
+
+
+def residual_step(head: MRPHead, backbone: Transformer, step: int, tokens_bl, hidden_bld, logits_blv,
+                  positions_bl, *, valid_bl=None, cache: KVCache | None = None, visible_bll=None):
+    """One chained head iteration: (logits_k, h_k, residual logits s * lm_head(h_p)).
+
+    tokens: the block after this iteration's commits; hidden, logits: h_{k-1}, logits_{k-1}."""
+    s = head.config.residual_scale
+    h_p, _ = head.module_for(step)(backbone.embed_tokens(tokens_bl), hidden_bld, positions_bl, valid_bl=valid_bl,
+                                   cache=cache, visible_bll=visible_bll)
+    residual = s * backbone.lm_logits(h_p)
+    return logits_blv + residual, hidden_bld + s * h_p, residual
+
+
+def init_head(backbone: ModelConfig, *, num_layers: int = 3, num_modules: int = 1, residual_scale: float = 1.0,
+              init_std: float = 0.2, seed: int = 0) -> MRPHead:
+    """A random head: matrices ~ N(0, init_std) (0.2: the reference's setting), norm scales 1."""
+    cfg = MRPConfig(backbone.hidden_size, backbone.vocab_size, num_modules, num_layers, residual_scale)
+    head = MRPHead(backbone, cfg, rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(head)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+
+    def reinit(x):
+        key = next(keys)
+        if x.ndim < 2:
+            return x
+        return (jax.random.normal(key, x.shape, jnp.float32) * init_std).astype(x.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(reinit, state))
+
+
+def abstract_head(backbone: ModelConfig, cfg: MRPConfig) -> MRPHead:
+    return nnx.eval_shape(lambda: MRPHead(backbone, cfg, rngs=nnx.Rngs(0)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Interop: reference weight names inside the backbone's checkpoint directory
+
+_PREFIX = re.compile(r"mrp_modules\.(\d+)\.model\.(.+)")
+_MODULE_RULES: tuple[KeyRule, ...] = (
+    KeyRule("model.enorm.weight", "enorm.scale"),
+    KeyRule("model.hnorm.weight", "hnorm.scale"),
+    KeyRule("model.norm.weight", "norm.scale"),
+    KeyRule("model.eh_proj.weight", "eh_proj.kernel", TRANSPOSE),
+    *(rule for rule in HF_RULES if "{i}" in rule.hf),  # model.layers.{i}.* as in the backbone
+)
+
+
+def is_head_tensor(name: str) -> bool:
+    return name.startswith("mrp_modules.")
+
+
+def _to_ours(name: str):
+    """HF name -> (our param path, transform) or None."""
+    m = _PREFIX.fullmatch(name)
+    if m is None:
+        return None
+    for rule in _MODULE_RULES:
+        path = rule.match_hf("model." + m.group(2))
+        if path is not None:
+            return f"mrp_modules.{m.group(1)}.{path}", rule.transform
+    return None
+
+
+def _to_hf(path: str):
+    module, _, rest = path.removeprefix("mrp_modules.").partition(".")
+    for rule in _MODULE_RULES:
+        name = rule.match_ours(rest)
+        if name is not None:
+            return f"mrp_modules.{module}.{name}", rule.transform
+    raise KeyError(f"no MRP weight name for parameter {path!r}")
+
+
+def has_head(ckpt_dir: str | Path) -> bool:
+    return any(is_head_tensor(n) for n in open_shards(ckpt_dir))
+
+
+def load_head(ckpt_dir: str | Path, backbone: ModelConfig | None = None) -> MRPHead:
+    """The MRP head stored in a checkpoint directory (checked against `backbone` if given)."""
+    ckpt_dir = Path(ckpt_dir)
+    shards = {n: s for n, s in open_shards(ckpt_dir).items() if is_head_tensor(n)}
+    if not shards:
+        raise CheckpointError(
+            f"{ckpt_dir} holds no MRP head (no mrp_modules.* tensors); train one with "
+            "`dlmjax train configs/mrp/toy-sdar.yaml --out runs/mrp` or pass a directory that has one"
+        )
+    made_for = load_config(ckpt_dir)
+    numbers = [re.match(r"mrp_modules\.(\d+)\.model\.layers\.(\d+)\.", n) for n in shards]
+    num_modules = 1 + max(int(re.match(r"mrp_modules\.(\d+)", n).group(1)) for n in shards)
+    num_layers = 1 + max((int(m.group(2)) for m in numbers if m), default=-1)
+    scale = float(json.loads((ckpt_dir / "config.json").read_text()).get(SCALE_KEY, 1.0))
+    cfg = MRPConfig(made_for.hidden_size, made_for.vocab_size, num_modules, max(num_layers, 1), scale)
+    graphdef, state = nnx.split(abstract_head(made_for, cfg))
+    expected = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}
+    loaded = {}
+    for name, shard in shards.items():
+        found = _to_ours(name)
+        if found is None or found[0] not in expected:
+            raise CheckpointError(f"tensor {name!r} in {shard.path.name} is not an MRP head weight of this backbone")
+        path, transform = found
+        array = transform.to_jax(shard.get(name))
+        if tuple(array.shape) != tuple(expected[path].shape):
+            raise CheckpointError(f"shape mismatch for {name!r}: {tuple(array.shape)}, expected {tuple(expected[path].shape)}")
+        loaded[path] = jnp.asarray(np.asarray(array).astype(made_for.dtype))
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise CheckpointError(f"MRP head in {ckpt_dir} is missing {[_to_hf(p)[0] for p in missing][:8]}")
+    state = nnx.from_flat_state(
+        [(tuple(int(k) if k.isdigit() else k for k in p.split(".")), expected[p].replace(loaded[p])) for p in expected]
+    )
+    head = nnx.merge(graphdef, state)
+    if backbone is not None:
+        check_compatible(head, backbone)
+    return head
+
+
+def head_tensors(head: MRPHead) -> dict[str, np.ndarray]:
+    """Reference-named torch-layout arrays of every head parameter."""
+    out = {}
+    for p, var in nnx.to_flat_state(nnx.state(head, nnx.Param)):
+        name, transform = _to_hf(".".join(map(str, p)))
+        out[name] = np.ascontiguousarray(transform.to_torch(np.asarray(jax.device_get(var[...]))))
+    return out
+
+
+def save_head(head: MRPHead, ckpt_dir: str | Path) -> Path:
+    """Write the head into its backbone's checkpoint directory: `mrp_head.safetensors` (PyTorch
+    format, reference names), the index listing every tensor of the directory, and the residual
+    scale in config.json. An earlier head there is replaced."""
+    ckpt_dir = Path(ckpt_dir)
+    config_path = ckpt_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    check_compatible(head, load_config(ckpt_dir))
+    backbone_files = {n: s.path.name for n, s in open_shards(ckpt_dir).items() if not is_head_tensor(n)}
+    (ckpt_dir / HEAD_FILE).unlink(missing_ok=True)
+    tensors = head_tensors(head)
+    save_file(tensors, ckpt_dir / HEAD_FILE, metadata={"format": "pt"})
+    weight_map = {**backbone_files, **{n: HEAD_FILE for n in tensors}}
+    total = sum((ckpt_dir / f).stat().st_size for f in set(weight_map.values()))
+    (ckpt_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config[SCALE_KEY] = head.config.residual_scale
+    config_path.write_text(json.dumps(config, indent=2))
+    return ckpt_dir
