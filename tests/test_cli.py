@@ -57,3 +57,31 @@ def test_export_cli_roundtrip(tmp_path, capsys):
 def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "dlmjax.cli", "--help"], capture_output=True, text=True, check=True)
     assert "generate" in out.stdout and "export" in out.stdout
+
+
+def test_mrp_decoders_and_export_carry_the_head(tmp_path, capsys):
+    """A head saved inside a checkpoint dir is picked up by `generate`; `export` writes it too
+    (reference names, PyTorch format); without a head the mrp decoders name the fix."""
+    from dlmjax.heads.mrp import init_head, load_head, save_head
+
+    src = dlmjax.presets.resolve_model("random-sdar")
+    assert main(["generate", "--model", str(src), "--prompt", "Hi", "--decoder", "mrp-spec"]) == 2
+    assert "needs an MRP head" in capsys.readouterr().err
+    ckpt = tmp_path / "with-head"
+    assert main(["export", str(src), str(ckpt)]) == 0
+    capsys.readouterr()
+    model = dlmjax.load_model(ckpt)
+    save_head(init_head(model.config, num_layers=1, seed=4), ckpt)
+    static = main(["generate", "--model", str(ckpt), "--prompt", "Hi", "--max-new-tokens", "8", "--json"])
+    static_row = json.loads(capsys.readouterr().out)
+    assert static == 0
+    for decoder in ("mrp-spec:drafts=2", "mrp-direct", "mrp-remask:tau=0.5"):
+        assert main(["generate", "--model", str(ckpt), "--prompt", "Hi", "--decoder", decoder,
+                     "--max-new-tokens", "8", "--json"]) == 0
+        row = json.loads(capsys.readouterr().out)
+        if decoder.startswith("mrp-spec"):
+            assert row["tokens"] == static_row["tokens"]
+    assert main(["export", str(ckpt), str(tmp_path / "again")]) == 0
+    assert "with its MRP head" in capsys.readouterr().out
+    head, again = load_head(ckpt), load_head(tmp_path / "again", model.config)
+    assert (head.mrp_modules[0].eh_proj.kernel[...] == again.mrp_modules[0].eh_proj.kernel[...]).all()

@@ -214,7 +214,7 @@ def test_missing_mask_token():
 
 
 def test_unknown_decoder_lists_valid_ones():
-    with pytest.raises(DecoderSpecError, match="unknown decoder 'fast'; valid decoders: ar, entropy, psd, static, threshold"):
+    with pytest.raises(DecoderSpecError, match="unknown decoder 'fast'; valid decoders: ar, entropy, mrp-direct, mrp-remask, mrp-spec, psd, static, threshold"):
         parse_decoder("fast")
 
 
