@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rebuild the shipped toy models (about 1 h 15 min in all on 2 CPU cores; rerun to resume):
+# Rebuild the shipped toy models and the toy-sdar MRP head (about 1 h 30 min in all on 2 CPU cores; rerun to resume):
 # trains toy-ar, then toy-sdar from it, from configs/, then copies each into dlmjax/toy/checkpoints with
 # its recorded accuracy. Extra args are config overrides for both runs (e.g. train.steps=100).
 source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
@@ -11,3 +11,6 @@ train toy-ar "$@"
 train toy-sdar-stage1 "$@"
 train toy-sdar "$@"
 "$PY" train/ship_toy.py runs/toy-sdar toy-sdar
+# The MRP head of toy-sdar (frozen backbone), stored beside it.
+train mrp/toy-sdar "$@"
+"$PY" train/ship_mrp_head.py runs/mrp/toy-sdar toy-sdar
