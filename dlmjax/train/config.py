@@ -68,6 +68,7 @@ class MRPSection:
     num_modules: int = 1  # chain step k uses module min(k, num_modules - 1)
     residual_scale: float = 1.0  # s in logits_k = logits_{k-1} + s * lm_head(h_p)
     init_std: float = 0.2  # normal std of every head matrix at init (the reference's setting)
+    init_norm_scale: float = 1.0  # initial scale of each module's output RMSNorm (reference: 1; 0: no residual at init)
     loss: str = "kd_diff"  # kd_diff | ce | mse, or the *_sum variants (mean over all chain steps)
     gt_topk: int = 1  # masked positions revealed per block and chain step
     chain_steps: int = 1  # head iterations trained per example (n)
@@ -79,9 +80,9 @@ class MRPSection:
         for name in ("num_layers", "num_modules", "gt_topk", "chain_steps"):
             if getattr(self, name) < 1:
                 raise RunConfigError(f"mrp.{name}={getattr(self, name)} must be >= 1")
-        if self.temperature <= 0 or self.init_std < 0:
-            raise RunConfigError(f"mrp.temperature must be > 0 and mrp.init_std >= 0 "
-                                 f"(got {self.temperature}, {self.init_std})")
+        if self.temperature <= 0 or self.init_std < 0 or self.init_norm_scale < 0:
+            raise RunConfigError(f"mrp.temperature must be > 0, mrp.init_std and mrp.init_norm_scale >= 0 "
+                                 f"(got {self.temperature}, {self.init_std}, {self.init_norm_scale})")
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,10 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         """Plain data; an mrp run leaves out `model`, other runs leave out `backbone` and `mrp`."""
+        order = ("objective", "backbone", "mrp", "data", "train") if self.objective == "mrp" else (
+            "objective", "model", "data", "train")
         out = dataclasses.asdict(self)
-        for key in ("model",) if self.objective == "mrp" else ("backbone", "mrp"):
-            del out[key]
-        return out
+        return {key: out[key] for key in order}
 
 
 _SECTIONS = {"data": DataConfig, "train": OptimConfig, "mrp": MRPSection}

@@ -205,9 +205,15 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
         export_model(backbone, out, tokenizer_from=backbone_dir)
         return save_head(head, out)
 
+    def build():
+        head = init_head(cfg, num_layers=m.num_layers, num_modules=m.num_modules, residual_scale=m.residual_scale,
+                         init_std=m.init_std, seed=run.train.seed)
+        for module in head.mrp_modules:  # the output norm sets the residual's size (init_std does not)
+            module.norm.scale[...] = module.norm.scale[...] * m.init_norm_scale
+        return head
+
     return Trainee(
-        build=lambda: init_head(cfg, num_layers=m.num_layers, num_modules=m.num_modules,
-                                residual_scale=m.residual_scale, init_std=m.init_std, seed=run.train.seed),
+        build=build,
         abstract=abstract_head(cfg, head_cfg), frozen=backbone, loss=loss, tokenizer=tokenizer,
         block=cfg.block_size, pad_id=cfg.pad_token_id, evaluate=evaluate, export=export,
     )
