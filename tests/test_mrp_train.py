@@ -9,17 +9,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from dlmjax.config import ModelConfig
-from dlmjax.heads.mrp import init_head, load_head
+from dlmjax.heads.mrp import load_head
 from dlmjax.io.hf import export_model, load_model
-from dlmjax.io.tokenizer import load_tokenizer
 from dlmjax.models.transformer import init_model
 from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.train.config import RunConfigError, load_run_config
-from dlmjax.train.data import make_batch, sample_examples
 from dlmjax.train.loop import make_optimizer, train
-from dlmjax.train.mrp import LOSSES, mrp_loss, reveal
+from dlmjax.train.mrp import kl_per_position, per_position_loss, reveal
 
 CONFIG = "configs/mrp/toy-sdar.yaml"
 TINY = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -37,6 +36,21 @@ def tiny_backbone(path, attention="block_causal", num_layers=2, weight_std=0.02)
     return export_model(nnx.merge(graphdef, state), path)  # the tokenizer is already there
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """A persistent compilation cache for this module: train() calls on the same shapes (the resumed
+    runs) load the step compiled by the first instead of compiling it again."""
+    saved = {name: getattr(jax.config, name) for name in
+             ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax_cache.reset_cache()
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
+
+
 @pytest.fixture(scope="module")
 def backbone(tmp_path_factory):
     return tiny_backbone(tmp_path_factory.mktemp("backbone"))
@@ -46,7 +60,7 @@ def tiny_overrides(backbone_dir, steps=6):
     # One task: its batches have one width, so each run compiles its step once.
     return [f"backbone={backbone_dir}", "mrp.num_layers=1", f"train.steps={steps}", "train.batch_size=8",
             "train.log_every=1", "train.checkpoint_every=3", "train.eval_every=0", "train.warmup_steps=2",
-            "data.tasks={toy-constraint: 1}"]
+            "data.tasks={toy-constraint: 1}", "mrp.loss=kd_diff_sum", "mrp.chain_steps=2"]
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +74,6 @@ def flat(module):
     return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(module))}
 
 
-def toy_batch(ckpt_dir, cfg, rows=8):
-    batch = make_batch(sample_examples({"toy-constraint": 1}, rows, 0, 1), load_tokenizer(ckpt_dir, cfg),
-                       seq_len=64, block=cfg.block_size, pad_id=cfg.pad_token_id)
-    return {k: jnp.asarray(v) for k, v in vars(batch).items()}
-
-
 def test_reveal_uncovers_gt_topk_masked_positions_per_block():
     clean = jnp.arange(10, 26, dtype=jnp.int32).reshape(2, 8)
     masked = jnp.array([[1, 1, 1, 0, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 1]], bool)
@@ -77,40 +85,37 @@ def test_reveal_uncovers_gt_topk_masked_positions_per_block():
     np.testing.assert_array_equal(np.asarray(tokens)[np.asarray(still)], 2)
 
 
-def test_a_zero_residual_scores_the_baseline_and_every_loss_runs(backbone):
-    model = load_model(backbone)
-    batch = toy_batch(backbone, model.config)
-    head = init_head(model.config, num_layers=1)
-    key = jax.random.key(0)
-    loss_of = lambda h, **kw: mrp_loss(h, model, batch, key, block=4, mask_id=model.config.mask_token_id, **kw)  # noqa: E731
-    _, metrics = loss_of(head)
-    assert metrics["supervised_tokens"] > 0 and metrics["kl_baseline"] > 0
-    assert not np.isclose(metrics["kl"], metrics["kl_baseline"])  # a random residual moves the logits
-    for module in head.mrp_modules:
-        module.norm.scale[...] = jnp.zeros_like(module.norm.scale[...])
-    _, metrics = loss_of(head)
-    assert metrics["kl"] == metrics["kl_baseline"] and metrics["top1"] == metrics["top1_baseline"]
-    for loss in ("kd_diff_sum", "ce", "mse_sum"):  # every kind and both reductions, over a chain of 2
-        value, _ = loss_of(head, loss=loss, chain_steps=2, temperature=2.0)
-        assert np.isfinite(value) and value >= 0, loss
-    assert set(LOSSES) == {"kd_diff", "ce", "mse", "kd_diff_sum", "ce_sum", "mse_sum"}
+def test_per_position_losses():
+    rng = np.random.default_rng(0)
+    logits, target = (jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.float32) for _ in range(2))
+    tokens = jnp.asarray(rng.integers(0, 7, (2, 3)), jnp.int32)
+    for kind in ("kd_diff", "mse"):
+        np.testing.assert_allclose(per_position_loss(kind, target, target, tokens, 2.0), 0.0, atol=1e-6)
+        assert (per_position_loss(kind, logits, target, tokens, 2.0) > 0).all()
+    kl_t2 = per_position_loss("kd_diff", logits, target, tokens, 2.0)
+    np.testing.assert_allclose(kl_t2, kl_per_position(target / 2, logits / 2) * 4, rtol=1e-5)  # T^2 KL at T
+    ce = per_position_loss("ce", logits, target, tokens, 1.0)
+    np.testing.assert_allclose(ce, -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1)[..., 0],
+                               rtol=1e-5)
     with pytest.raises(ValueError, match="kd_diff_sum"):
-        loss_of(head, loss="kl")
+        per_position_loss("kl", logits, target, tokens, 1.0)
 
 
 def test_training_beats_the_no_residual_baseline(tmp_path):
-    """A one-layer head on a one-layer random backbone, trained briefly, predicts the backbone's
-    logits after a reveal far better than the logits before it. (The backbone's weights are large,
-    std 0.6, so that a reveal visibly moves the other positions' logits; at std 0.02 it barely does.)"""
-    backbone = tiny_backbone(tmp_path / "backbone", num_layers=1, weight_std=0.6)
-    run = load_run_config(CONFIG, tiny_overrides(backbone, steps=120) + [
-        "train.batch_size=16", "train.lr=1e-2", "train.warmup_steps=5", "train.log_every=5",
-        "train.checkpoint_every=1000", "train.eval_every=120", "train.eval_examples=32",
-        "data.tasks={toy-constraint: 1}", "mrp.init_norm_scale=0",
+    """A one-layer head on a one-layer random backbone, trained for 100 steps, predicts the
+    backbone's logits after a reveal far better than the logits before it. (The backbone's weights
+    are large, std 0.3, so that a reveal visibly moves the other positions' logits; at std 0.02 it
+    barely does.)"""
+    backbone = tiny_backbone(tmp_path / "backbone", num_layers=1, weight_std=0.3)
+    run = load_run_config(CONFIG, tiny_overrides(backbone, steps=100) + [
+        "train.batch_size=16", "train.lr=1e-2", "train.warmup_steps=5", "train.checkpoint_every=1000",
+        "train.eval_every=100", "train.eval_examples=16", "mrp.init_norm_scale=0", "mrp.loss=kd_diff",
+        "mrp.chain_steps=1",
     ])
     train(run, tmp_path / "run", progress=False)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    late = [r for r in records if r["step"] > 80 and "kl" in r]  # the training batches of the last 40 steps
+    assert records[0]["kl"] == records[0]["kl_baseline"]  # init_norm_scale 0: no residual at step 1
+    late = [r for r in records if r["step"] > 60 and "kl" in r]  # the training batches of the last 40 steps
     kl, baseline = np.mean([r["kl"] for r in late]), np.mean([r["kl_baseline"] for r in late])
     assert kl < 0.5 * baseline, (kl, baseline)
     held_out = records[-1]  # eval on fixed held-out batches at the last step
@@ -157,7 +162,7 @@ def test_export_holds_the_frozen_backbone_and_the_trained_head(backbone, straigh
     assert loaded.keys() == expected.keys()
     for name, value in loaded.items():
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
-    assert not np.array_equal(loaded["mrp_modules.0.norm.scale"], np.ones_like(loaded["mrp_modules.0.norm.scale"]))
+    assert np.abs(loaded["mrp_modules.0.norm.scale"]).max() > 0  # trained away from its init (init_norm_scale 0)
 
 
 def test_config_errors_are_clear(tmp_path, backbone):

@@ -171,6 +171,9 @@ def load_backbone(name: str) -> tuple[Path, Transformer, Tokenizer]:
     return ckpt_dir, load_model(ckpt_dir), tokenizer
 
 
+EVAL_SEED = 1234  # held-out batches and noise of MRP eval (the toy tasks' eval sets use their own)
+
+
 def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
     """An MRP head (`run.mrp`) on the frozen backbone `run.backbone`; eval logs the KL metrics of
     `mrp_loss` on fixed held-out batches (one per task)."""
@@ -217,9 +220,6 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
         abstract=abstract_head(cfg, head_cfg), frozen=backbone, loss=loss, tokenizer=tokenizer,
         block=cfg.block_size, pad_id=cfg.pad_token_id, evaluate=evaluate, export=export,
     )
-
-
-EVAL_SEED = 1234  # held-out batches and noise of MRP eval (the toy tasks' eval sets use their own)
 
 
 def _checkpoint_manager(run_dir: Path, cfg) -> ocp.CheckpointManager:
