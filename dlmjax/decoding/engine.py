@@ -292,9 +292,14 @@ def policy_round(
     keys = round_keys(state, fwd.rows, seed_key) if decoder.temperature > 0 else None
     scores = score(state.logits, mask_id=mask_id, temperature=decoder.temperature, top_p=decoder.top_p, keys_b=keys)
     commit = (commit_set or decoder.commit_set)(scores, masked)
-    tokens = jnp.where(commit, scores.tokens, tokens)
-    canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, tokens, fwd.block_start(state.block), axis=1)
-    remaining = jnp.any(tokens == mask_id, axis=-1) & ~state.done
+    return advance(fwd, state, tokens, jnp.where(commit, scores.tokens, tokens), mask_id)
+
+
+def advance(fwd: BlockForwards, state: DecodeState, before_bk, after_bk, mask_id: int) -> DecodeState:
+    """Write the block's new tokens and count them; run the next step forward if masks remain
+    (its logits and hidden state seed the next round)."""
+    canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, after_bk, fwd.block_start(state.block), axis=1)
+    remaining = jnp.any(after_bk == mask_id, axis=-1) & ~state.done
     logits, hidden = jax.lax.cond(
         jnp.any(remaining), lambda: fwd.step(canvas, state.cache, state.block), lambda: (state.logits, state.hidden)
     )
@@ -302,11 +307,21 @@ def policy_round(
         canvas=canvas,
         logits=logits,
         hidden=hidden,
-        rounds=state.rounds + jnp.any(masked, axis=-1),
-        committed=state.committed + jnp.sum(commit, axis=-1),
+        rounds=state.rounds + jnp.any((before_bk == mask_id) & ~state.done[:, None], axis=-1),
+        committed=state.committed + jnp.sum(after_bk != before_bk, axis=-1),
         nfe=state.nfe + remaining,
         batch_nfe=state.batch_nfe + jnp.any(remaining),
     )
+
+
+def verify_if_needed(fwd: BlockForwards, state: DecodeState, candidates_bnk, needed_b):
+    """`fwd.verify` of the candidate copies when any row needs it; otherwise zeros and no forward."""
+    def skipped():
+        return (jnp.zeros(candidates_bnk.shape + state.logits.shape[-1:], state.logits.dtype),
+                jnp.zeros(candidates_bnk.shape + state.hidden.shape[-1:], state.hidden.dtype))
+
+    return jax.lax.cond(jnp.any(needed_b), lambda: fwd.verify(state.canvas, candidates_bnk, state.cache, state.block),
+                        skipped)
 
 
 def _eos_seen(canvas, rows: Rows, end_col, eos):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from dlmjax.decoding import policies
-from dlmjax.decoding.engine import BlockForwards, DecodeState, block_tokens, policy_round
+from dlmjax.decoding.engine import BlockForwards, DecodeState, advance, block_tokens, policy_round, verify_if_needed
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
 
 REMASK_RULES = ("residual", "confidence", "both")
@@ -79,23 +79,7 @@ class MRPDirect(MRPDecoder):
             tokens = jnp.where(commit, proposed, tokens)
             if step < self.mrp_steps:
                 logits, hidden, _ = fwd.head_step(step, tokens, hidden, logits, state.head_cache, state.block)
-        return _advance(fwd, state, before, tokens, mask_id)
-
-
-def _advance(fwd: BlockForwards, state: DecodeState, before_bk, after_bk, mask_id: int) -> DecodeState:
-    """Write the block's new tokens; run the next backbone forward if masks remain."""
-    canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, after_bk, fwd.block_start(state.block), axis=1)
-    remaining = jnp.any(after_bk == mask_id, axis=-1) & ~state.done
-    logits, hidden = jax.lax.cond(
-        jnp.any(remaining), lambda: fwd.step(canvas, state.cache, state.block), lambda: (state.logits, state.hidden)
-    )
-    return state.replace(
-        canvas=canvas, logits=logits, hidden=hidden,
-        rounds=state.rounds + jnp.any((before_bk == mask_id) & ~state.done[:, None], axis=-1),
-        committed=state.committed + jnp.sum(after_bk != before_bk, axis=-1),
-        nfe=state.nfe + remaining,
-        batch_nfe=state.batch_nfe + jnp.any(remaining),
-    )
+        return advance(fwd, state, before, tokens, mask_id)
 
 
 @register_decoder
@@ -129,12 +113,7 @@ class MRPSpec(MRPDecoder):
         masked = (tokens == mask_id) & ~state.done[:, None]
         copies = self.draft(fwd, state, tokens, mask_id)  # [B, N, K], N = drafts + 1
         needs_forward = jnp.any(masked, axis=-1)
-        logits, hidden = jax.lax.cond(
-            jnp.any(needs_forward),
-            lambda: fwd.verify(state.canvas, copies, state.cache, state.block),
-            lambda: (jnp.zeros(copies.shape + state.logits.shape[-1:], state.logits.dtype),
-                     jnp.zeros(copies.shape + state.hidden.shape[-1:], state.hidden.dtype)),
-        )
+        logits, hidden = verify_if_needed(fwd, state, copies, needs_forward)
         # The backbone's static pick on every copy, then the per-row walk over the drafts.
         n = copies.shape[1]
         picks = [static_pick(logits[:, k], (copies[:, k] == mask_id) & ~state.done[:, None], mask_id) for k in range(n)]

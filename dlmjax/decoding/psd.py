@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dlmjax.decoding import policies
-from dlmjax.decoding.engine import BlockForwards, DecodeState, block_tokens, policy_round
+from dlmjax.decoding.engine import BlockForwards, DecodeState, block_tokens, policy_round, verify_if_needed
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
 
 PSD_POLICIES = ("threshold", "topk", "decay", "margin")
@@ -95,12 +95,7 @@ class PSD(DiffusionDecoder):
         scores = policies.score(state.logits, mask_id=mask_id)
         drafts, sets = self.drafts(tokens, masked, scores)
         needs_forward = jnp.any(drafts[:, 0] == mask_id, axis=-1) & ~state.done  # masks left after S1
-        logits, hidden = jax.lax.cond(
-            jnp.any(needs_forward),
-            lambda: fwd.verify(state.canvas, drafts, state.cache, state.block),
-            lambda: (jnp.zeros(drafts.shape + state.logits.shape[-1:], state.logits.dtype),
-                     jnp.zeros(drafts.shape + state.hidden.shape[-1:], state.hidden.dtype)),
-        )
+        logits, hidden = verify_if_needed(fwd, state, drafts, needs_forward)
         depth = self.accepted_depth(drafts, sets, scores, logits, state.done, mask_id)
         pick = (depth - 1)[:, None, None]
         new_tokens = jnp.take_along_axis(drafts, pick, axis=1)[:, 0]
