@@ -3,8 +3,9 @@
 1. mrp-spec (lossless) against static (1 token per step): TPF ratio, wall-clock speedup, and how
    many outputs are identical to static's (all of them, or the decoder is broken).
 2. mrp-direct quality/speed curve: mrp_steps 0..4 against static:k=2..4 (no head).
-3. mrp-remask tau x delta sweep against threshold decoding at the same tau (rule `both`, and the
-   two single rules at delta=1), on toy-constraint (where low thresholds lose the most).
+3. mrp-remask tau x delta sweep against threshold decoding at the same tau (rule `both`, the two
+   single rules at delta=1, and `head_input=pre` at delta=1), on toy-constraint (where low
+   thresholds lose the most).
 
     PYTHONPATH=. python benchmarks/mrp_toy.py [--model toy-sdar] [--limit 128] [--out benchmarks/results/mrp_toy]
 
@@ -69,11 +70,16 @@ def plot_direct(records, out: Path):
     fig.savefig(out / "direct.png", dpi=120)
 
 
+def pre_name(tau):
+    return f"mrp-remask:tau={tau},delta=1.0,head_input=pre"
+
+
 def plot_remask(records, taus, deltas, out: Path, task="toy-constraint"):
     fig, (acc, tpf) = plt.subplots(2, 1, figsize=(6, 7), sharex=True)
     by = {r.decoder: r for r in records if r.task == task}
     series = [("threshold", [f"threshold:tau={t}" for t in taus], "k--")]
     series += [(f"mrp-remask delta={d}", [f"mrp-remask:tau={t},delta={d}" for t in taus], "o-") for d in deltas]
+    series += [("mrp-remask delta=1.0 head_input=pre", [pre_name(t) for t in taus], "x:")]
     for label, names, style in series:
         acc.plot(taus, [100 * by[n].accuracy for n in names], style, label=label)
         tpf.plot(taus, [by[n].tpf for n in names], style, label=label)
@@ -91,7 +97,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="toy-sdar")
     parser.add_argument("--limit", type=int, default=128)
-    parser.add_argument("--taus", default="0.5,0.6,0.7,0.8,0.9,0.95")
+    parser.add_argument("--taus", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95")
     parser.add_argument("--deltas", default="0.5,1,2,4")
     parser.add_argument("--out", default="benchmarks/results/mrp_toy")
     args = parser.parse_args()
@@ -108,6 +114,7 @@ def main():
     remask = [f"threshold:tau={t}" for t in taus]
     remask += [f"mrp-remask:tau={t},delta={d}" for t in taus for d in deltas]
     remask += [f"mrp-remask:tau={t},delta=1.0,rule={rule}" for t in taus for rule in ("residual", "confidence")]
+    remask += [pre_name(t) for t in taus]
     eval_sets = {task: load_eval_set(task, limit=args.limit) for task in TASKS}
     records, outputs = run_eval(model, tokenizer, list(eval_sets.values()), spec + direct, model_name=args.model,
                                 head=head)

@@ -162,8 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The parsed command line; `train` overrides may come before or after its options."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]
+        extra = [a for a in extra if a not in args.overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:  # our errors name the fix; no traceback needed

@@ -8,7 +8,7 @@ import pytest
 
 import dlmjax
 import dlmjax.presets
-from dlmjax.cli import main
+from dlmjax.cli import main, parse_args
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +52,16 @@ def test_export_cli_roundtrip(tmp_path, capsys):
     original, exported = dlmjax.load_model(src), dlmjax.load_model(tmp_path / "out")
     assert original.config == exported.config
     assert (original.embed[...] == exported.embed[...]).all()
+
+
+def test_train_overrides_go_before_or_after_options(capsys):
+    before = parse_args(["train", "configs/toy-sdar.yaml", "train.steps=3", "--out", "run", "train.lr=1e-3"])
+    assert before.overrides == ["train.steps=3", "train.lr=1e-3"] and before.out == "run"
+    with pytest.raises(SystemExit):
+        parse_args(["train", "configs/toy-sdar.yaml", "--out", "run", "--stesp", "3"])
+    assert "unrecognized arguments: --stesp 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["generate", "--model", "toy-sdar", "--prompt", "x", "a=b"])
 
 
 def test_module_entry_point_runs():

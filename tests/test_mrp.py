@@ -15,7 +15,8 @@ from dlmjax.decoding.policies import Scores
 from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
 from dlmjax.evaluation.tasks import load_eval_set
 from dlmjax.heads.mrp import (
-    HEAD_FILE, HeadMismatchError, has_head, head_tensors, init_head, load_head, residual_step, save_head,
+    HEAD_FILE, HeadMismatchError, has_head, head_tensors, init_head, load_head, residual_logits, residual_step,
+    save_head,
 )
 from dlmjax.io.hf import export_model, load_model
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile
@@ -98,8 +99,27 @@ def test_trained_head_makes_direct_decoding_accurate(toy):
     assert trained >= zero + 0.3, (trained, zero)
 
 
+def test_trained_head_remask_recovers_low_threshold_accuracy(toy):
+    """At tau=0.2 threshold decoding commits conflicting digits together on toy-constraint; the
+    shipped head, told what else commits this step, vetoes them. The literal `pre` reading (the
+    head sees only the pre-commit block) does not."""
+    model, tokenizer, path = toy
+    eval_set = load_eval_set("toy-constraint", limit=32)
+    prompts = [item.prompt for item in eval_set.items]
+    head = load_head(path, model.config)
+
+    def accuracy(decoder):
+        rows = decode_all(model, tokenizer, prompts, decoder, head, 32)
+        return sum(eval_set.score(eval_set.items, [r.text for r in rows])) / len(prompts)
+
+    threshold, remask = accuracy("threshold:tau=0.2"), accuracy("mrp-remask:tau=0.2,delta=1")
+    pre = accuracy("mrp-remask:tau=0.2,delta=1,head_input=pre")
+    assert remask >= threshold + 0.2 and remask >= pre + 0.2, (threshold, remask, pre)
+
+
 def test_packed_verification_equals_separate_forwards(toy, prompts):
-    """The spec round's drafts+1 copies verified in one forward = one step forward per copy."""
+    """The spec round's drafts+1 copies verified in one forward = one step forward per copy (and the
+    same for the head's packed forward)."""
     model, tokenizer, _ = toy
     head = random_head(model, seed=5)
     ids = [tokenizer.encode(p) for p in prompts[:4]]
@@ -122,6 +142,11 @@ def test_packed_verification_equals_separate_forwards(toy, prompts):
         logits_k, hidden_k = fwd.step(canvas_k, cache, block)
         np.testing.assert_allclose(packed_logits[:, k], logits_k, rtol=1e-5, atol=1e-5)  # logits reach ~15
         np.testing.assert_allclose(packed_hidden[:, k], hidden_k, rtol=1e-5, atol=1e-5)
+    # The head's packed forward over the same copies (mrp-remask's) = one head step per copy.
+    packed_residual = residual_logits(head, model, fwd.head_copies(0, copies, hidden, head_cache, block))
+    for k in range(5):
+        residual_k = fwd.head_step(0, copies[:, k], hidden, logits, head_cache, block)[2]
+        np.testing.assert_allclose(packed_residual[:, k], residual_k, rtol=1e-5, atol=1e-5)
 
 
 def test_head_kv_cache_equals_a_full_forward():

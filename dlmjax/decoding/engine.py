@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dlmjax.decoding.policies import score
-from dlmjax.heads.mrp import MRPHead, residual_step
+from dlmjax.heads.mrp import MRPHead, head_output, residual_step
 from dlmjax.models.transformer import KVCache, Transformer
 
 
@@ -262,6 +262,19 @@ class BlockForwards:
         module = min(step, len(head_cache) - 1)
         return residual_step(self.head, self.model, step, tokens_bk, hidden_bkd, logits_bkv, positions,
                              valid_bl=valid, cache=head_cache[module])
+
+    def head_copies(self, step: int, copies_bnk, hidden_bkd, head_cache, block):
+        """h_p [B, N, K, D] of N versions of the current block in ONE head forward (chain step
+        `step`): packed side by side like `verify` (segments 1..N, positions repeated), each copy
+        seeing the head's cache and itself, all reading the same hidden state."""
+        b, n, k = copies_bnk.shape
+        positions, valid = self._columns(self.block_start(block), k)
+        segments = jnp.broadcast_to(jnp.repeat(jnp.arange(1, n + 1, dtype=jnp.int32), k), (b, n * k))
+        module = min(step, len(head_cache) - 1)
+        h_p = head_output(self.head, self.model, step, copies_bnk.reshape(b, n * k), jnp.tile(hidden_bkd, (1, n, 1)),
+                          jnp.tile(positions, (1, n)), segments_bl=segments, valid_bl=jnp.tile(valid, (1, n)),
+                          cache=head_cache[module])
+        return h_p.reshape(b, n, k, -1)
 
     def store(self, canvas, cache, head_cache, block):
         """Write a finished block's KV (exact cache only; the head's too); returns

@@ -16,11 +16,21 @@ prefill/store forwards that fill the backbone's cache. Head forwards are not cou
   backbone's static pick on the exact state, so the output equals `static` (1 per step), at
   any batch size and whatever the head predicts; a bad head only costs speed.
 - `mrp-remask`: the dynamic regime. The backbone proposes every masked position with
-  confidence > tau; one head forward on the pre-commit block gives residual logits C; a
-  proposal is vetoed when |C[pos, token]| > delta (rule `residual`, the reference code's) or
+  confidence > tau; one head forward from the pre-commit hidden state gives residual logits C;
+  a proposal is vetoed when |C[pos, token]| > delta (rule `residual`, the reference code's) or
   when its post-residual confidence softmax(logits + C)[pos, token] < tau (rule `confidence`,
   the blog's), or either (`both`). If every proposal is vetoed the one with the smallest |C|
   stays; the progress guard keeps at least one commit per step.
+
+  What the head reads (`head_input`): the head is trained to predict a still-masked position's
+  next logits from the old hidden state and the block *after* new tokens were revealed. So by
+  default (`others`) C at a proposed position is read with every other proposal committed and
+  that position still masked: the head's estimate of how the position's logits move once the
+  rest of this step's commits land, i.e. whether they conflict with it. That is K versions of
+  the block (one per position), packed into one head forward like the verification forward.
+  `pre` reads the pre-commit block as it is (ALGORITHMS.md's literal wording): the head then
+  sees no newly revealed token and predicts almost no change, so it rarely vetoes
+  (benchmarks/results/mrp_toy measures both).
 """
 
 from __future__ import annotations
@@ -34,8 +44,10 @@ import jax.numpy as jnp
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import BlockForwards, DecodeState, advance, block_tokens, policy_round, verify_if_needed
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
+from dlmjax.heads.mrp import residual_logits
 
 REMASK_RULES = ("residual", "confidence", "both")
+REMASK_HEAD_INPUTS = ("others", "pre")
 
 
 def static_pick(logits_bkv, masked_bk, mask_id: int):
@@ -147,17 +159,22 @@ class MRPSpec(MRPDecoder):
 @register_decoder
 @dataclass(frozen=True)
 class MRPRemask(MRPDecoder):
-    """tau: commit threshold; delta: residual veto bound; rule: residual | confidence | both."""
+    """tau: commit threshold; delta: residual veto bound; rule: residual | confidence | both;
+    head_input: others (each proposal judged with the other proposals committed) | pre."""
 
     name: ClassVar[str] = "mrp-remask"
     tau: float = 0.9
     delta: float = 1.0
     rule: str = "both"
+    head_input: str = "others"
 
     def __post_init__(self):
         super().__post_init__()
         if self.rule not in REMASK_RULES:
             raise DecoderSpecError(f"mrp-remask: rule={self.rule!r}; choose one of {', '.join(REMASK_RULES)}")
+        if self.head_input not in REMASK_HEAD_INPUTS:
+            raise DecoderSpecError(f"mrp-remask: head_input={self.head_input!r}; choose one of "
+                                   f"{', '.join(REMASK_HEAD_INPUTS)}")
         if self.delta <= 0:
             raise DecoderSpecError(f"mrp-remask: delta={self.delta} must be > 0")
 
@@ -179,12 +196,24 @@ class MRPRemask(MRPDecoder):
         smallest = policies.top_k_mask(-size, proposed_bk, 1)
         return kept | (smallest & all_vetoed)
 
+    def residual(self, fwd: BlockForwards, state: DecodeState, before_bk, proposed_after_bk):
+        """C [B, K, V]: the head's residual at every position of the block, read as `head_input` says."""
+        if self.head_input == "pre":
+            return fwd.head_step(0, before_bk, state.hidden, state.logits, state.head_cache, state.block)[2]
+        k = before_bk.shape[1]
+        # Copy j: every proposal committed except position j, which keeps its pre-commit token.
+        copies = jnp.where(jnp.eye(k, dtype=bool)[None], before_bk[:, None, :], proposed_after_bk[:, None, :])
+        h_p = fwd.head_copies(0, copies, state.hidden, state.head_cache, state.block)  # [B, K(copy), K, D]
+        own = h_p[:, jnp.arange(k), jnp.arange(k)]  # copy j's output at position j
+        return residual_logits(fwd.head, fwd.model, own)
+
     def run_round(self, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
         tokens = block_tokens(state, fwd)
-        _, _, residual = fwd.head_step(0, tokens, state.hidden, state.logits, state.head_cache, state.block)
 
         def commit_set(scores, masked_bk):
-            kept = self.vetoed(scores, self.select(scores, masked_bk), state.logits, residual, mask_id)
+            proposed = self.select(scores, masked_bk)
+            residual = self.residual(fwd, state, tokens, jnp.where(proposed, scores.tokens, tokens))
+            kept = self.vetoed(scores, proposed, state.logits, residual, mask_id)
             return policies.with_progress_guard(kept, scores, masked_bk)
 
         return policy_round(self, fwd, state, mask_id=mask_id, seed_key=seed_key, commit_set=commit_set)

@@ -39,14 +39,15 @@ class RunRecord:
 
 def default_decoders(model, head=None) -> list[str]:
     """AR for causal models; for diffusion models one token per step, the whole block at once,
-    two confidence thresholds and PSD; with an MRP head also mrp-spec, mrp-direct and mrp-remask."""
+    two confidence thresholds and PSD; with an MRP head also mrp-spec, mrp-direct, and mrp-remask
+    beside threshold decoding at the same low tau (where threshold loses accuracy)."""
     if model.config.attention == "causal":
         return ["ar"]
     block = model.config.block_size or 32
     decoders = ["static", f"static:k={block}", "threshold:tau=0.9", "threshold:tau=0.7",
                 "psd:policy=threshold,tau=0.9,depth=4"]
     if head is not None:
-        decoders += ["mrp-spec:drafts=3", "mrp-direct:mrp_steps=1", "mrp-remask:tau=0.7"]
+        decoders += ["mrp-spec:drafts=3", "mrp-direct:mrp_steps=1", "threshold:tau=0.2", "mrp-remask:tau=0.2,delta=0.5"]
     return decoders
 
 

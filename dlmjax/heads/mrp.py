@@ -124,16 +124,28 @@ def check_compatible(head: MRPHead, backbone: ModelConfig) -> None:
         )
 
 
+def head_output(head: MRPHead, backbone: Transformer, step: int, tokens_bl, hidden_bld, positions_bl, *,
+                segments_bl=None, valid_bl=None, cache: KVCache | None = None, visible_bll=None):
+    """h_p [B, L, D] of chain step `step`'s module (no cache write)."""
+    h_p, _ = head.module_for(step)(backbone.embed_tokens(tokens_bl), hidden_bld, positions_bl,
+                                   segments_bl=segments_bl, valid_bl=valid_bl, cache=cache, visible_bll=visible_bll)
+    return h_p
+
+
+def residual_logits(head: MRPHead, backbone: Transformer, h_p):
+    """The residual in logit space, s * lm_head(h_p)."""
+    return head.config.residual_scale * backbone.lm_logits(h_p)
+
+
 def residual_step(head: MRPHead, backbone: Transformer, step: int, tokens_bl, hidden_bld, logits_blv,
                   positions_bl, *, valid_bl=None, cache: KVCache | None = None, visible_bll=None):
     """One chained head iteration: (logits_k, h_k, residual logits s * lm_head(h_p)).
 
     tokens: the block after this iteration's commits; hidden, logits: h_{k-1}, logits_{k-1}."""
-    s = head.config.residual_scale
-    h_p, _ = head.module_for(step)(backbone.embed_tokens(tokens_bl), hidden_bld, positions_bl, valid_bl=valid_bl,
-                                   cache=cache, visible_bll=visible_bll)
-    residual = s * backbone.lm_logits(h_p)
-    return logits_blv + residual, hidden_bld + s * h_p, residual
+    h_p = head_output(head, backbone, step, tokens_bl, hidden_bld, positions_bl, valid_bl=valid_bl, cache=cache,
+                      visible_bll=visible_bll)
+    residual = residual_logits(head, backbone, h_p)
+    return logits_blv + residual, hidden_bld + head.config.residual_scale * h_p, residual
 
 
 def init_head(backbone: ModelConfig, *, num_layers: int = 3, num_modules: int = 1, residual_scale: float = 1.0,
