@@ -75,7 +75,7 @@ def pre_name(tau):
 
 
 def plot_remask(records, taus, deltas, out: Path, task="toy-constraint"):
-    fig, (acc, tpf) = plt.subplots(2, 1, figsize=(6, 7), sharex=True)
+    fig, (acc, tpf, front) = plt.subplots(3, 1, figsize=(6, 10))
     by = {r.decoder: r for r in records if r.task == task}
     series = [("threshold", [f"threshold:tau={t}" for t in taus], "k--")]
     series += [(f"mrp-remask delta={d}", [f"mrp-remask:tau={t},delta={d}" for t in taus], "o-") for d in deltas]
@@ -83,11 +83,14 @@ def plot_remask(records, taus, deltas, out: Path, task="toy-constraint"):
     for label, names, style in series:
         acc.plot(taus, [100 * by[n].accuracy for n in names], style, label=label)
         tpf.plot(taus, [by[n].tpf for n in names], style, label=label)
+        front.plot([by[n].tpf for n in names], [100 * by[n].accuracy for n in names], style, label=label)
     acc.axhline(100 * by["static"].accuracy, color="grey", lw=0.8, label="static")
     acc.set_title(f"{task}: mrp-remask (rule both) vs threshold")
     acc.set_ylabel("accuracy %")
     tpf.set_ylabel("tokens per forward")
     tpf.set_xlabel("tau")
+    front.set_xlabel("tokens per forward (each point one tau)")
+    front.set_ylabel("accuracy %")
     acc.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "remask.png", dpi=120)
