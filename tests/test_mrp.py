@@ -140,10 +140,13 @@ def test_packed_verification_equals_separate_forwards(toy, prompts):
         logits_k, hidden_k = fwd.step(canvas_k, cache, block)
         np.testing.assert_allclose(packed_logits[:, k], logits_k, rtol=1e-5, atol=1e-5)  # logits reach ~15
         np.testing.assert_allclose(packed_hidden[:, k], hidden_k, rtol=1e-5, atol=1e-5)
-    # The head's packed forward over the same copies (mrp-remask's) = one head step per copy.
+    # The head's packed forward over the same copies (mrp-remask's) = one unpacked head step per copy.
     packed_residual = residual_logits(head, model, fwd.head_copies(0, copies, hidden, head_cache, block))
+    positions = jnp.asarray(rows.positions)[:, geometry.prefix : geometry.prefix + cfg.block_size]
+    valid = jnp.asarray(rows.valid)[:, geometry.prefix : geometry.prefix + cfg.block_size]
     for k in range(5):
-        residual_k = fwd.head_step(0, copies[:, k], hidden, logits, head_cache, block)[2]
+        residual_k = residual_step(head, model, 0, copies[:, k], hidden, logits, positions, valid_bl=valid,
+                                   cache=head_cache[0])[2]
         np.testing.assert_allclose(packed_residual[:, k], residual_k, rtol=1e-5, atol=1e-5)
 
 

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dlmjax.decoding.policies import score
-from dlmjax.heads.mrp import MRPHead, head_output, residual_step
+from dlmjax.heads.mrp import MRPHead, apply_residual, head_output
 from dlmjax.models.transformer import KVCache, Transformer
 
 
@@ -238,9 +238,8 @@ class BlockForwards:
         copies = jax.vmap(
             lambda cand: jax.lax.dynamic_update_slice_in_dim(window, cand, offset, axis=1), in_axes=1, out_axes=1
         )(candidates_bnk)  # [B, N, width]
-        segments = jnp.broadcast_to(jnp.repeat(jnp.arange(1, n + 1, dtype=jnp.int32), width), (b, n * width))
         out = self.model(
-            copies.reshape(b, n * width), jnp.tile(positions, (1, n)), segments_bl=segments,
+            copies.reshape(b, n * width), jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, width),
             valid_bl=jnp.tile(valid, (1, n)), cache=self._visible_cache(cache, start),
         )
         def block_part(x_bld):
@@ -258,22 +257,18 @@ class BlockForwards:
         """One MRP head iteration over the current block (chain step `step`, 0-based): returns
         (corrected logits, next head input h, residual logits). The head attends to its own
         cache of finished blocks and to the block itself."""
-        positions, valid = self._columns(self.block_start(block), self.geometry.block)
-        module = min(step, len(head_cache) - 1)
-        return residual_step(self.head, self.model, step, tokens_bk, hidden_bkd, logits_bkv, positions,
-                             valid_bl=valid, cache=head_cache[module])
+        h_p = self.head_copies(step, tokens_bk[:, None, :], hidden_bkd, head_cache, block)[:, 0]
+        return apply_residual(self.head, self.model, h_p, logits_bkv, hidden_bkd)
 
     def head_copies(self, step: int, copies_bnk, hidden_bkd, head_cache, block):
         """h_p [B, N, K, D] of N versions of the current block in ONE head forward (chain step
-        `step`): packed side by side like `verify` (segments 1..N, positions repeated), each copy
-        seeing the head's cache and itself, all reading the same hidden state."""
+        `step`): packed side by side like `verify`, each copy seeing the head's cache and itself,
+        all reading the same hidden state."""
         b, n, k = copies_bnk.shape
         positions, valid = self._columns(self.block_start(block), k)
-        segments = jnp.broadcast_to(jnp.repeat(jnp.arange(1, n + 1, dtype=jnp.int32), k), (b, n * k))
-        module = min(step, len(head_cache) - 1)
         h_p = head_output(self.head, self.model, step, copies_bnk.reshape(b, n * k), jnp.tile(hidden_bkd, (1, n, 1)),
-                          jnp.tile(positions, (1, n)), segments_bl=segments, valid_bl=jnp.tile(valid, (1, n)),
-                          cache=head_cache[module])
+                          jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, k),
+                          valid_bl=jnp.tile(valid, (1, n)), cache=head_cache[self.head.module_index(step)])
         return h_p.reshape(b, n, k, -1)
 
     def store(self, canvas, cache, head_cache, block):
@@ -284,6 +279,12 @@ class BlockForwards:
         k, start = self.geometry.block, self.block_start(block)
         tokens = jax.lax.dynamic_slice_in_dim(canvas, start, k, axis=1)
         return *self._write(tokens, start, k, cache, head_cache), 1
+
+
+def copy_segments(batch: int, copies: int, width: int):
+    """Segment ids [B, copies * width] of copies packed side by side: 1..copies, so each copy sees
+    the cache (segment 0) and itself only."""
+    return jnp.broadcast_to(jnp.repeat(jnp.arange(1, copies + 1, dtype=jnp.int32), width), (batch, copies * width))
 
 
 def block_tokens(state: DecodeState, fwd: BlockForwards):

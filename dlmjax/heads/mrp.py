@@ -91,9 +91,12 @@ class MRPHead(nnx.Module):
         self.backbone_config = backbone
         self.mrp_modules = nnx.List([MRPModule(backbone, cfg.num_layers, rngs=rngs) for _ in range(cfg.num_modules)])
 
-    def module_for(self, step: int) -> MRPModule:
+    def module_index(self, step: int) -> int:
         """Chain step `step` (0-based) uses module min(step, num_modules - 1)."""
-        return self.mrp_modules[min(step, len(self.mrp_modules) - 1)]
+        return min(step, len(self.mrp_modules) - 1)
+
+    def module_for(self, step: int) -> MRPModule:
+        return self.mrp_modules[self.module_index(step)]
 
     def empty_caches(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
         cfg = self.backbone_config.replace(num_layers=self.config.num_layers)
@@ -137,6 +140,12 @@ def residual_logits(head: MRPHead, backbone: Transformer, h_p):
     return head.config.residual_scale * backbone.lm_logits(h_p)
 
 
+def apply_residual(head: MRPHead, backbone: Transformer, h_p, logits_blv, hidden_bld):
+    """(logits_k, h_k, residual logits): logits_{k-1} + s * lm_head(h_p) and h_{k-1} + s * h_p."""
+    residual = residual_logits(head, backbone, h_p)
+    return logits_blv + residual, hidden_bld + head.config.residual_scale * h_p, residual
+
+
 def residual_step(head: MRPHead, backbone: Transformer, step: int, tokens_bl, hidden_bld, logits_blv,
                   positions_bl, *, valid_bl=None, cache: KVCache | None = None, visible_bll=None):
     """One chained head iteration: (logits_k, h_k, residual logits s * lm_head(h_p)).
@@ -144,8 +153,7 @@ def residual_step(head: MRPHead, backbone: Transformer, step: int, tokens_bl, hi
     tokens: the block after this iteration's commits; hidden, logits: h_{k-1}, logits_{k-1}."""
     h_p = head_output(head, backbone, step, tokens_bl, hidden_bld, positions_bl, valid_bl=valid_bl, cache=cache,
                       visible_bll=visible_bll)
-    residual = residual_logits(head, backbone, h_p)
-    return logits_blv + residual, hidden_bld + head.config.residual_scale * h_p, residual
+    return apply_residual(head, backbone, h_p, logits_blv, hidden_bld)
 
 
 def init_head(backbone: ModelConfig, *, num_layers: int = 3, num_modules: int = 1, residual_scale: float = 1.0,
