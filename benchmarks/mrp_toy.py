@@ -23,10 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from dlmjax.evaluation.runner import run_eval  # noqa: E402
 from dlmjax.evaluation.tasks import load_eval_set  # noqa: E402
-from dlmjax.heads.mrp import load_head  # noqa: E402
-from dlmjax.io.hf import load_model  # noqa: E402
-from dlmjax.io.tokenizer import load_tokenizer  # noqa: E402
-from dlmjax.presets import resolve_model  # noqa: E402
+from dlmjax.presets import load_checkpoint  # noqa: E402
 
 TASKS = ("toy-arith", "toy-constraint")
 
@@ -105,10 +102,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/mrp_toy")
     args = parser.parse_args()
 
-    path = resolve_model(args.model)
-    model = load_model(path)
-    tokenizer = load_tokenizer(path, model.config)
-    head = load_head(path, model.config)
+    _, model, tokenizer, head = load_checkpoint(args.model)
     taus = [float(t) for t in args.taus.split(",")]
     deltas = [float(d) for d in args.deltas.split(",")]
 

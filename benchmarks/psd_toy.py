@@ -12,9 +12,7 @@ import argparse
 from dlmjax.evaluation.report import write_report
 from dlmjax.evaluation.runner import run_eval
 from dlmjax.evaluation.tasks import load_eval_set
-from dlmjax.io.hf import load_model
-from dlmjax.io.tokenizer import load_tokenizer
-from dlmjax.presets import resolve_model
+from dlmjax.presets import load_checkpoint
 
 
 def main():
@@ -26,9 +24,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/psd_toy")
     args = parser.parse_args()
 
-    path = resolve_model(args.model)
-    model = load_model(path)
-    tokenizer = load_tokenizer(path, model.config)
+    _, model, tokenizer, _ = load_checkpoint(args.model)
     block = model.config.block_size
     decoders = ["static", "static:k=2", f"static:k={block}"]
     for tau in args.taus.split(","):

@@ -17,25 +17,11 @@ import sys
 from dlmjax.decoding.spec import decoder_names
 
 
-def _load(model_arg: str, dtype: str | None = None, head_arg: str | None = None):
-    """(path, model, tokenizer, MRP head or None): the head from --mrp-head, else the one stored
-    in the model's own directory, if any."""
-    from dlmjax.heads.mrp import has_head, load_head
-    from dlmjax.io.hf import load_model
-    from dlmjax.io.tokenizer import load_tokenizer
-    from dlmjax.presets import resolve_model
-
-    path = resolve_model(model_arg)
-    model = load_model(path, dtype=dtype)
-    head_dir = resolve_model(head_arg) if head_arg else path
-    head = load_head(head_dir, model.config) if head_arg or has_head(path) else None
-    return path, model, load_tokenizer(path, model.config), head
-
-
 def cmd_generate(args) -> int:
     from dlmjax.decoding.api import generate
+    from dlmjax.presets import load_checkpoint
 
-    _, model, tokenizer, head = _load(args.model, args.dtype, args.mrp_head)
+    _, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head)
     prompts = args.prompt
     if args.chat:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -75,9 +61,10 @@ def cmd_eval(args) -> int:
     from dlmjax.evaluation.report import write_report
     from dlmjax.evaluation.runner import default_decoders, run_eval
     from dlmjax.evaluation.tasks import load_eval_set
+    from dlmjax.presets import load_checkpoint
     from dlmjax.sharding import make_mesh
 
-    path, model, tokenizer, head = _load(args.model, args.dtype, args.mrp_head)
+    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head)
     tasks = args.task or ["toy-arith", "toy-constraint"]
     if args.data is not None and len(tasks) != 1:
         raise ValueError("--data applies to one task; pass a single --task with it")

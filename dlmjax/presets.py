@@ -15,8 +15,10 @@ import shutil
 from pathlib import Path
 
 from dlmjax.config import ModelConfig
-from dlmjax.io.hf import export_model
-from dlmjax.models.transformer import init_model
+from dlmjax.heads.mrp import MRPHead, has_head, load_head
+from dlmjax.io.hf import export_model, load_model
+from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
+from dlmjax.models.transformer import Transformer, init_model
 from dlmjax.toy.tokenizer import save_char_tokenizer
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -70,3 +72,14 @@ def resolve_model(name_or_dir: str | os.PathLike) -> Path:
     raise FileNotFoundError(
         f"--model {name_or_dir!r} is neither a checkpoint directory nor a preset; presets: {', '.join(preset_names())}"
     )
+
+
+def load_checkpoint(name_or_dir: str | os.PathLike, *, dtype: str | None = None,
+                    head_from: str | os.PathLike | None = None) -> tuple[Path, Transformer, Tokenizer, MRPHead | None]:
+    """(checkpoint dir, model, tokenizer, MRP head or None) for a path or preset name. The head
+    comes from `head_from` (a path or preset), else from the model's own directory if it holds one."""
+    path = resolve_model(name_or_dir)
+    model = load_model(path, dtype=dtype)
+    head_dir = resolve_model(head_from) if head_from else path
+    head = load_head(head_dir, model.config) if head_from or has_head(path) else None
+    return path, model, load_tokenizer(path, model.config), head
