@@ -91,6 +91,10 @@ def test_mrp_decoders_and_export_carry_the_head(tmp_path, capsys):
         row = json.loads(capsys.readouterr().out)
         if decoder.startswith("mrp-spec"):
             assert row["tokens"] == static_row["tokens"]
+    # --mrp-head takes the head from another directory than the model's
+    assert main(["generate", "--model", str(src), "--mrp-head", str(ckpt), "--prompt", "Hi", "--decoder",
+                 "mrp-spec:drafts=2", "--max-new-tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == static_row["tokens"]
     assert main(["export", str(ckpt), str(tmp_path / "again")]) == 0
     assert "with its MRP head" in capsys.readouterr().out
     head, again = load_head(ckpt), load_head(tmp_path / "again", model.config)

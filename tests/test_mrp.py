@@ -216,6 +216,8 @@ def test_head_for_another_backbone_is_refused(toy, tmp_path):
         generate(model, ["1+2="], tokenizer=tokenizer, decoder="mrp-remask")
     with pytest.raises(DecoderSpecError, match="greedy"):
         parse_decoder("mrp-spec:temperature=0.7")
+    with pytest.raises(DecoderSpecError, match="head_input='post'; choose one of others, pre"):
+        parse_decoder("mrp-remask:head_input=post")
     # a head stored beside another backbone refuses to load for this one
     export_model(other_hidden, tmp_path / "other")
     save_head(random_head(other_hidden), tmp_path / "other")
