@@ -1,0 +1,282 @@
+"""Drafters in the DFlash checkpoint format (z-lab/dflash; loaded natively by vLLM and SGLang).
+
+A DFlash directory holds config.json and model.safetensors:
+
+- config.json: `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"` and Qwen3's fields
+  (hidden_size, num_hidden_layers, heads, head_dim, intermediate_size, rms_norm_eps, rope_theta
+  or rope_parameters, layer_types, sliding_window, dtype, ...), plus `block_size`,
+  `num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`.
+- weights: `fc.weight` [D, n_ids * D], `hidden_norm.weight`, `norm.weight` and per layer
+  `layers.{i}.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
+  self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight`. No embedding, no lm_head.
+
+Translation is strict both ways: an unknown key or a missing required key is an error naming it.
+Keys that carry no numerics (transformers bookkeeping, token ids) are kept verbatim, so a
+published config.json converts to `DrafterConfig` and back unchanged. When
+`dflash_config.target_layer_ids` is absent the ids are DFlash's default (evenly over [1, N - 3]);
+they are always written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlmjax.config import DTYPES, ConfigError, ModelConfig
+from dlmjax.heads.drafter import (
+    FULL, SLIDING, Drafter, DrafterConfig, abstract_drafter, check_compatible, default_target_layer_ids,
+)
+from dlmjax.io.hf import IDENTITY, TRANSPOSE, KeyRule, open_shards, read_config
+from dlmjax.io.safetensors import CheckpointError, save_file
+
+ARCHITECTURE = "DFlashDraftModel"
+WEIGHTS_FILE = "model.safetensors"
+DRAFTER_SUBDIR = "drafter"  # where a drafter stored beside its target lives
+
+# ----------------------------------------------------------------------------------------------
+# config.json <-> DrafterConfig
+
+_REQUIRED = (
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "block_size",
+    "num_target_layers", "dflash_config",
+)
+_NUMERIC = set(_REQUIRED) | {
+    "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
+    "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "dtype", "torch_dtype",
+    "attention_bias", "attention_dropout", "hidden_act",
+}
+# Kept verbatim, never read: transformers bookkeeping and the target's token ids.
+_PASSTHROUGH = {
+    "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "transformers_version",
+    "use_cache", "tie_word_embeddings", "_name_or_path", "output_hidden_states", "return_dict",
+}
+_DFLASH_KEYS = {"target_layer_ids", "mask_token_id", "block_size"}
+
+
+def _rope_theta(raw: dict) -> float:
+    if raw.get("rope_scaling") is not None:
+        raise ConfigError(f"config key `rope_scaling` = {raw['rope_scaling']!r} is not supported for drafters; only plain RoPE")
+    params = raw.get("rope_parameters")
+    if params is not None:
+        if params.get("rope_type", "default") != "default" or set(params) - {"rope_type", "rope_theta"}:
+            raise ConfigError(f"config key `rope_parameters` = {params!r} is not supported; only rope_type 'default'")
+        return float(params["rope_theta"])
+    if "rope_theta" not in raw:
+        raise ConfigError("drafter config.json is missing `rope_theta` (or `rope_parameters.rope_theta`)")
+    return float(raw["rope_theta"])
+
+
+def _layer_types(raw: dict, n: int) -> tuple[str, ...]:
+    if "layer_types" in raw and raw["layer_types"] is not None:
+        return tuple(raw["layer_types"])
+    # transformers' Qwen3Config rule when layer_types is absent
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    first_sliding = raw.get("max_window_layers", n)
+    return tuple(SLIDING if window is not None and i >= first_sliding else FULL for i in range(n))
+
+
+def from_dflash_config(raw: dict) -> DrafterConfig:
+    """config.json dict -> DrafterConfig (strict). Keys without numerics ride along in
+    `hf_extra`, so `to_dflash_config` writes the same dict back."""
+    unknown = sorted(set(raw) - _NUMERIC - _PASSTHROUGH)
+    if unknown:
+        raise ConfigError(
+            f"unknown drafter config keys {unknown}: dlmjax refuses keys it does not implement; "
+            f"known keys: {sorted(_NUMERIC | _PASSTHROUGH)}"
+        )
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise ConfigError(f"drafter config.json is missing required keys {missing} (DFlash format)")
+    if raw["architectures"] != [ARCHITECTURE]:
+        raise ConfigError(f"config key `architectures` = {raw['architectures']!r}; a DFlash drafter has [{ARCHITECTURE!r}]")
+    if raw["model_type"] != "qwen3":
+        raise ConfigError(f"config key `model_type` = {raw['model_type']!r}; DFlash drafter layers are qwen3")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config key `hidden_act` = {raw['hidden_act']!r}; only silu is implemented")
+    if raw.get("attention_bias", False):
+        raise ConfigError("config key `attention_bias` = true is not supported for drafters; set false")
+    if raw.get("attention_dropout", 0.0) not in (0, 0.0):
+        raise ConfigError(f"config key `attention_dropout` = {raw['attention_dropout']}; dlmjax has no dropout, set 0.0")
+    dcfg = raw["dflash_config"]
+    if not isinstance(dcfg, dict):
+        raise ConfigError(f"config key `dflash_config` must be an object, got {dcfg!r}")
+    unknown = sorted(set(dcfg) - _DFLASH_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown dflash_config keys {unknown}; known: {sorted(_DFLASH_KEYS)}")
+    if "mask_token_id" not in dcfg:
+        raise ConfigError("drafter config.json is missing `dflash_config.mask_token_id`")
+    if "block_size" in dcfg and dcfg["block_size"] != raw["block_size"]:
+        raise ConfigError(f"block_size {raw['block_size']} and dflash_config.block_size {dcfg['block_size']} disagree")
+    dtype = raw.get("dtype", raw.get("torch_dtype")) or "bfloat16"
+    if dtype not in DTYPES:
+        raise ConfigError(f"config key `dtype` = {dtype!r}; supported: {', '.join(DTYPES)}")
+    n = raw["num_hidden_layers"]
+    ids = dcfg.get("target_layer_ids") or default_target_layer_ids(raw["num_target_layers"], n)
+    cfg = DrafterConfig(
+        hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_layers=n,
+        num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
+        vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"], target_layer_ids=tuple(ids),
+        mask_token_id=int(dcfg["mask_token_id"]), block_size=int(raw["block_size"]),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(raw),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096), layer_types=_layer_types(raw, n),
+        sliding_window=raw.get("sliding_window") if SLIDING in _layer_types(raw, n) else None, dtype=dtype,
+    )
+    # Everything except the fields DrafterConfig owns is written back as it was read.
+    owned = {
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "vocab_size", "num_target_layers", "dflash_config", "block_size", "rms_norm_eps",
+        "max_position_embeddings", "layer_types", "dtype", "architectures", "model_type",
+    }
+    verbatim = {k: v for k, v in raw.items() if k not in owned}
+    verbatim["_dflash_block_size_inside"] = "block_size" in dcfg
+    verbatim["_dtype_key"] = "torch_dtype" if "torch_dtype" in raw and "dtype" not in raw else "dtype"
+    return cfg.replace(hf_extra=tuple((k, json.dumps(v)) for k, v in sorted(verbatim.items())))
+
+
+def to_dflash_config(cfg: DrafterConfig) -> dict:
+    """DrafterConfig -> config.json dict (the inverse of `from_dflash_config`)."""
+    verbatim = {k: json.loads(v) for k, v in cfg.hf_extra}
+    inside = verbatim.pop("_dflash_block_size_inside", False)
+    dtype_key = verbatim.pop("_dtype_key", "dtype")
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE], "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
+        "layer_types": list(cfg.layer_types), "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers, dtype_key: cfg.dtype,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+    }
+    if inside:
+        out["dflash_config"]["block_size"] = cfg.block_size
+    if "rope_parameters" in verbatim:
+        verbatim["rope_parameters"] = {**verbatim["rope_parameters"], "rope_theta": _same_number(verbatim["rope_parameters"].get("rope_theta"), cfg.rope_theta)}
+    else:
+        out["rope_theta"] = _same_number(verbatim.pop("rope_theta", None), cfg.rope_theta)
+    if SLIDING in cfg.layer_types:
+        out["sliding_window"] = cfg.sliding_window
+    defaults = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rope_scaling": None,
+                "tie_word_embeddings": False, "use_cache": True}
+    for key, value in defaults.items():
+        out.setdefault(key, value)
+    out.update(verbatim)
+    return out
+
+
+def _same_number(original, value):
+    """Write `value` as the config had it (1000000 stays an int) when it is unchanged."""
+    return original if original is not None and float(original) == float(value) else value
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+
+
+def _layer(hf: str, ours: str) -> KeyRule:
+    return KeyRule(f"layers.{{i}}.{hf}", f"layers.{{i}}.{ours}", TRANSPOSE if ours.endswith(".kernel") else IDENTITY)
+
+
+DFLASH_RULES: tuple[KeyRule, ...] = (
+    KeyRule("fc.weight", "fc.kernel", TRANSPOSE),
+    KeyRule("hidden_norm.weight", "hidden_norm.scale"),
+    KeyRule("norm.weight", "norm.scale"),
+    _layer("input_layernorm.weight", "attn_norm.scale"),
+    _layer("post_attention_layernorm.weight", "mlp_norm.scale"),
+    *(_layer(f"self_attn.{p}_proj.weight", f"attn.{p}.kernel") for p in "qkvo"),
+    _layer("self_attn.q_norm.weight", "attn.q_norm.scale"),
+    _layer("self_attn.k_norm.weight", "attn.k_norm.scale"),
+    *(_layer(f"mlp.{p}_proj.weight", f"mlp.{p}.kernel") for p in ("gate", "up", "down")),
+)
+
+
+def _flat(state) -> dict[str, nnx.Variable]:
+    return {".".join(str(k) for k in path): var for path, var in nnx.to_flat_state(state)}
+
+
+def _rule_for_hf(name: str) -> KeyRule | None:
+    return next((r for r in DFLASH_RULES if r.match_hf(name) is not None), None)
+
+
+def load_drafter(ckpt_dir: str | Path, target_config: ModelConfig | None = None, *, dtype: str | None = None) -> Drafter:
+    """Read a DFlash drafter directory (a published one as it is). With `target_config`, refuse a
+    drafter made for another target (both values named). `dtype` overrides the parameter dtype."""
+    ckpt_dir = Path(ckpt_dir)
+    cfg = from_dflash_config(read_config(ckpt_dir))
+    if dtype:
+        cfg = cfg.replace(dtype=dtype)
+    if target_config is not None:
+        check_compatible(cfg, target_config)
+    graphdef, abstract_state = nnx.split(abstract_drafter(cfg))
+    expected = _flat(abstract_state)
+    loaded: dict[str, jax.Array] = {}
+    for name, shard in open_shards(ckpt_dir).items():
+        rule = _rule_for_hf(name)
+        if rule is None:
+            raise CheckpointError(
+                f"tensor {name!r} in {shard.path.name} is not a DFlash drafter weight "
+                "(expected fc, hidden_norm, norm and layers.{i}.* in Qwen3 names; no embedding or lm_head)"
+            )
+        path = rule.match_hf(name)
+        if path not in expected:
+            raise CheckpointError(f"tensor {name!r} has no place in a drafter with num_hidden_layers={cfg.num_layers}")
+        if path in loaded:
+            raise CheckpointError(f"duplicate tensor {name!r}")
+        array = rule.transform.to_jax(np.asarray(shard.get(name)))
+        want = tuple(expected[path].shape)
+        if tuple(array.shape) != want:
+            torch_shape = tuple(reversed(want)) if rule.transform is TRANSPOSE else want
+            raise CheckpointError(
+                f"shape mismatch for {name!r}: checkpoint {tuple(np.asarray(shard.get(name)).shape)}, config expects "
+                f"{torch_shape} (hidden_size={cfg.hidden_size}, {len(cfg.target_layer_ids)} target_layer_ids)"
+            )
+        loaded[path] = jnp.asarray(array.astype(jnp.dtype(cfg.dtype)))
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        names = [next(r.match_ours(p) for r in DFLASH_RULES if r.match_ours(p)) for p in missing]
+        raise CheckpointError(f"drafter checkpoint {ckpt_dir} is missing tensors {names[:8]}")
+    state = nnx.from_flat_state(
+        [(tuple(int(k) if k.isdigit() else k for k in p.split(".")), expected[p].replace(loaded[p])) for p in expected]
+    )
+    return nnx.merge(graphdef, state)
+
+
+def save_drafter(drafter: Drafter, out_dir: str | Path, *, dtype: str | None = "bfloat16") -> Path:
+    """Write `drafter` as a DFlash directory (config.json + model.safetensors, PyTorch names).
+    `dtype` (default bfloat16, what vLLM/SGLang serve) or None to keep the parameters' dtype."""
+    out_dir = Path(out_dir)
+    if (out_dir / WEIGHTS_FILE).exists():
+        raise CheckpointError(f"{out_dir} already holds {WEIGHTS_FILE}; save the drafter into an empty or new directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.config
+    tensors: dict[str, np.ndarray] = {}
+    for path, var in sorted(_flat(nnx.state(drafter, nnx.Param)).items()):
+        rule = next(r for r in DFLASH_RULES if r.match_ours(path) is not None)
+        value = jax.device_get(var[...])
+        if dtype is not None:
+            value = jnp.asarray(value).astype(jnp.dtype(dtype))
+        tensors[rule.match_ours(path)] = np.ascontiguousarray(rule.transform.to_torch(np.asarray(value)))
+    save_file(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
+    written = cfg if dtype is None else cfg.replace(dtype=dtype)
+    config = to_dflash_config(written)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def find_drafter_dir(target_dir: str | Path) -> Path | None:
+    """A drafter stored beside its target: `<target_dir>/drafter/` with a DFlash config.json."""
+    d = Path(target_dir) / DRAFTER_SUBDIR
+    return d if (d / "config.json").is_file() else None
+
+
+__all__ = [
+    "ARCHITECTURE", "DFLASH_RULES", "DRAFTER_SUBDIR", "find_drafter_dir", "from_dflash_config",
+    "load_drafter", "save_drafter", "to_dflash_config",
+]

@@ -1,0 +1,251 @@
+"""The DFlash drafter: config translation, strict errors, weights round trip, and parity of the
+draft logits with an independent PyTorch reference (tests/drafter_reference.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import dlmjax
+from dlmjax.config import ConfigError
+from dlmjax.heads.drafter import (
+    DrafterConfig, DrafterMismatchError, block_logits, context_features, default_target_layer_ids, init_drafter,
+)
+from dlmjax.io.dflash import from_dflash_config, load_drafter, save_drafter, to_dflash_config
+from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
+from drafter_reference import RefDrafter, draft_logits, target_pass
+from tiny_models import randomize, torch_model
+
+# A config.json as z-lab publishes it for Qwen3-8B (block 16).
+QWEN3_8B_B16 = {
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "block_size": 16,
+    "bos_token_id": 151643,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "dtype": "bfloat16",
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "layer_types": ["full_attention"] * 5,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 5,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 36,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.57.3",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+TARGET_LAYERS = 6
+MASK_ID = 95
+
+
+def tiny_drafter_config(num_layers=2, block_size=8, layer_types=None, sliding_window=None, ids=None) -> dict:
+    raw = copy.deepcopy(QWEN3_8B_B16)
+    raw.update(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=96, num_target_layers=TARGET_LAYERS, block_size=block_size,
+        rope_theta=10000.0, max_position_embeddings=512, max_window_layers=num_layers, dtype="float32",
+        layer_types=layer_types or ["full_attention"] * num_layers, sliding_window=sliding_window,
+        use_sliding_window=sliding_window is not None,
+    )
+    raw["dflash_config"] = {
+        "mask_token_id": MASK_ID,
+        "target_layer_ids": list(ids or default_target_layer_ids(TARGET_LAYERS, num_layers)),
+    }
+    return raw
+
+
+def write_reference_drafter(path, raw: dict, seed: int = 0):
+    """A random PyTorch reference drafter saved as a DFlash directory; returns the module."""
+    torch.manual_seed(seed)
+    ref = randomize(RefDrafter(raw), seed=seed, scale=0.3)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw))
+    save_file({k: v.numpy() for k, v in ref.state_dict().items()}, path / "model.safetensors", metadata={"format": "pt"})
+    return ref
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random Qwen3 target, in transformers and in dlmjax."""
+    model = torch_model("qwen3", seed=3, num_hidden_layers=TARGET_LAYERS)
+    path = tmp_path_factory.mktemp("target")
+    model.save_pretrained(path)
+    return model, dlmjax.load_model(path), path
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json
+
+
+def test_published_qwen3_8b_config_round_trips_unchanged():
+    cfg = from_dflash_config(QWEN3_8B_B16)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.block_size, cfg.num_target_layers) == (5, 4096, 16, 36)
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.mask_token_id == 151669
+    assert cfg.rope_theta == 1e6 and cfg.dtype == "bfloat16" and cfg.layer_types == ("full_attention",) * 5
+    assert to_dflash_config(cfg) == QWEN3_8B_B16
+    assert json.dumps(to_dflash_config(cfg), sort_keys=True) == json.dumps(QWEN3_8B_B16, sort_keys=True)
+
+
+def test_default_target_layer_ids_and_always_written():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layer_ids(32, 4) == (1, 10, 20, 29)
+    raw = copy.deepcopy(QWEN3_8B_B16)
+    del raw["dflash_config"]["target_layer_ids"]
+    cfg = from_dflash_config(raw)
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33)
+    assert to_dflash_config(cfg)["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda r: r.update(foo_bar=1), "foo_bar"),
+        (lambda r: r.pop("num_target_layers"), "num_target_layers"),
+        (lambda r: r["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda r: r["dflash_config"].update(extra=1), "extra"),
+        (lambda r: r.update(architectures=["Qwen3ForCausalLM"]), "DFlashDraftModel"),
+        (lambda r: r.update(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling"),
+    ],
+)
+def test_strict_config_errors_name_the_key(change, message):
+    raw = copy.deepcopy(QWEN3_8B_B16)
+    change(raw)
+    with pytest.raises(ConfigError, match=message):
+        from_dflash_config(raw)
+
+
+def test_incompatible_target_is_refused_with_both_values(target, tmp_path):
+    _, ours, _ = target
+    write_reference_drafter(tmp_path / "ok", tiny_drafter_config())
+    load_drafter(tmp_path / "ok", ours.config)  # fits
+    cases = [
+        (dict(hidden_size=64, intermediate_size=64), r"hidden_size 64 != target hidden_size 32"),
+        (dict(num_target_layers=8), r"num_target_layers 8 != target num_hidden_layers 6"),
+    ]
+    for i, (change, message) in enumerate(cases):
+        raw = tiny_drafter_config()
+        raw.update(change)
+        (tmp_path / f"c{i}").mkdir()
+        (tmp_path / f"c{i}" / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(DrafterMismatchError, match=message):
+            load_drafter(tmp_path / f"c{i}", ours.config)
+    cfg = from_dflash_config(tiny_drafter_config())
+    from dlmjax.heads.drafter import check_compatible
+
+    with pytest.raises(DrafterMismatchError, match=r"mask_token_id 200 is outside the target's vocab \(vocab_size 96\)"):
+        check_compatible(cfg.replace(mask_token_id=200), ours.config)
+    with pytest.raises(DrafterMismatchError, match=r"target_layer_ids \[6\] are out of range .* 6 layers"):
+        check_compatible(cfg.replace(target_layer_ids=(1, 6)), ours.config)
+    with pytest.raises(DrafterMismatchError, match="causal"):
+        check_compatible(cfg, ours.config.replace(attention="bidirectional", family="llada"))
+
+
+def test_wrong_fc_shape_is_a_clear_error(tmp_path):
+    raw = tiny_drafter_config()
+    write_reference_drafter(tmp_path, raw)
+    raw["dflash_config"]["target_layer_ids"] = [1, 2, 3]  # fc now expects 3 x hidden inputs
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"shape mismatch for 'fc.weight': checkpoint \(32, 64\), config expects \(32, 96\)"):
+        load_drafter(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# weights
+
+
+def test_import_export_is_bit_exact(tmp_path):
+    raw = tiny_drafter_config()
+    raw["dtype"] = "bfloat16"
+    write_reference_drafter(tmp_path / "src", tiny_drafter_config())
+    src = SafetensorsFile(tmp_path / "src" / "model.safetensors")
+    bf16 = {k: np.asarray(src.get(k)).astype(jnp.bfloat16) for k in src.keys()}
+    save_file(bf16, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "src" / "config.json").write_text(json.dumps(raw))
+    drafter = load_drafter(tmp_path / "src")
+    save_drafter(drafter, tmp_path / "out")
+    out = SafetensorsFile(tmp_path / "out" / "model.safetensors")
+    assert sorted(out.keys()) == sorted(bf16)
+    assert "embed_tokens.weight" not in out.keys() and "lm_head.weight" not in out.keys()
+    for k, v in bf16.items():
+        got = np.asarray(out.get(k))
+        assert got.dtype == v.dtype and got.shape == v.shape
+        assert got.tobytes() == v.tobytes(), k
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == raw
+
+
+def test_fresh_drafter_saves_in_dflash_names(target, tmp_path):
+    _, ours, _ = target
+    cfg = DrafterConfig.for_target(ours.config, num_layers=2, block_size=4, mask_token_id=MASK_ID)
+    save_drafter(init_drafter(cfg), tmp_path, dtype="bfloat16")
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["architectures"] == ["DFlashDraftModel"] and written["dtype"] == "bfloat16"
+    assert written["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3]}
+    names = set(SafetensorsFile(tmp_path / "model.safetensors").keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+            "layers.0.mlp.gate_proj.weight"} <= names
+    assert load_drafter(tmp_path, ours.config).config.replace(hf_extra=()) == cfg.replace(dtype="bfloat16")
+
+
+# ----------------------------------------------------------------------------------------------
+# parity with the PyTorch reference
+
+
+def _dlmjax_draft_logits(drafter, target, feats_np, block_np):
+    s, k = feats_np.shape[1], block_np.shape[1]
+    ctx = drafter.context(jnp.asarray(feats_np))
+    ctx_pos = jnp.arange(s, dtype=jnp.int32)[None]
+    kv = drafter.context_kv(ctx, ctx_pos)
+    positions = jnp.arange(s, s + k, dtype=jnp.int32)[None]
+    return np.asarray(block_logits(drafter, target, jnp.asarray(block_np), positions, kv, ctx_pos, jnp.ones((1, s), bool)))
+
+
+@pytest.mark.parametrize(
+    "layer_types, window",
+    [(None, None), (["sliding_attention", "full_attention"], 5)],
+    ids=["full", "sliding"],
+)
+def test_draft_logits_match_reference(target, tmp_path, layer_types, window):
+    tm, ours, _ = target
+    raw = tiny_drafter_config(layer_types=layer_types, sliding_window=window)
+    ref = write_reference_drafter(tmp_path, raw, seed=1)
+    drafter = load_drafter(tmp_path, ours.config)
+    tokens = np.random.RandomState(0).randint(0, 90, (1, 11))
+    _, feats = target_pass(tm, torch.from_numpy(tokens).long(), ref.ids)
+    block = np.array([[int(tokens[0, -1])] + [MASK_ID] * 7])
+    expected = draft_logits(ref, tm, feats, torch.from_numpy(block).long()).numpy()
+    got = _dlmjax_draft_logits(drafter, ours, feats.numpy(), block)
+    assert np.abs(got - expected).max() <= 1e-5
+    assert np.abs(expected).max() > 0.1  # the logits are not trivially small
+
+
+def test_context_features_are_hf_hidden_states_id_plus_one(target, tmp_path):
+    tm, ours, _ = target
+    cfg = from_dflash_config(tiny_drafter_config(num_layers=3, ids=[5, 0, 2]))  # unsorted, incl. the last layer
+    tokens = np.random.RandomState(1).randint(0, 90, (1, 9))
+    out = ours(jnp.asarray(tokens), hidden_layers=cfg.hidden_layers)
+    got = np.asarray(context_features(ours, cfg, out.layer_hidden))
+    _, expected = target_pass(tm, torch.from_numpy(tokens).long(), list(cfg.target_layer_ids))
+    assert got.shape == (1, 9, 3 * 32)
+    assert np.abs(got - expected.numpy()).max() <= 1e-5
