@@ -1,0 +1,270 @@
+"""Speculative decoding of a causal target with a DFlash-style diffusion drafter (seed 003).
+
+One `jax.jit`: a prefill forward of the target writes the prompt's KV and yields the first token
+and the prompt's context features; then a `lax.while_loop` runs rounds of
+
+    block   = [last token, MASK x (K - 1)]          at positions p .. p + K - 1
+    draft   = drafter(block | context cache)[1:]     (K - 1 proposals, one drafter forward)
+    verify  = target([last, draft] | target cache)   (one target forward over K tokens)
+    accept  greedy:  the longest prefix of the draft equal to the target's argmax, plus the
+                     target's token after it (the bonus);
+            sampled: each draft token with probability min(1, p/q); at the first rejection a
+                     token from norm(max(0, p - q)); after a full accept a bonus from p.
+
+Rows advance by their own accepted length: both caches are written at per-row offsets. The
+target cache gets the K verified tokens' KV with only the accepted ones valid (the next round
+overwrites the rest: "crop after rejection"); the drafter cache likewise keeps the context K/V of
+accepted tokens, from the verification forward's hidden states. A row stops at its first EOS
+(padded after it, like `generate_ar`) or at `max_new_tokens`.
+
+Counts: `target_forwards` = verification rounds (the prefill not counted); `accepted[b, r]` =
+tokens row b gained in round r (accepted drafts + 1); `mean_accepted_length` = their mean over
+the rounds a row took part in (tokens per target forward, DFlash's acceptance length).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from dlmjax.decoding.ar import left_pad, positions_from_valid
+from dlmjax.decoding.policies import nucleus_filter
+from dlmjax.heads.drafter import Drafter, block_logits, check_compatible, context_features
+from dlmjax.models.transformer import KVCache, Transformer, run_layers
+from dlmjax.sharding import shard_batch
+
+
+@struct.dataclass
+class SpecResult:
+    tokens: jax.Array  # [B, max_new_tokens] int32, pad after a row's EOS
+    num_generated: jax.Array  # [B] int32, EOS included
+    target_forwards: jax.Array  # int32 scalar: verification forwards (prefill excluded)
+    accepted: jax.Array  # [B, max_new_tokens] int32: tokens gained per round (0 once a row is done)
+
+    @property
+    def nfe(self):
+        """Target forwards that produced tokens, prefill included (the `ar` decoder's count)."""
+        return self.target_forwards + 1
+
+    def accepted_lengths(self) -> list[list[int]]:
+        """Per row, the accepted length of each round it took part in."""
+        acc = np.asarray(self.accepted)
+        return [[int(a) for a in row if a > 0] for row in acc]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verification forward, over every row's rounds."""
+        acc = np.asarray(self.accepted)
+        rounds = int((acc > 0).sum())
+        return float(acc.sum() / rounds) if rounds else 0.0
+
+
+def write_rows(buf_bs, new_bk, offsets_b):
+    """Write new_bk [B, K, ...] into buf_bs [B, S, ...] at a per-row slot offset."""
+    return jax.vmap(lambda buf, new, o: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), o, axis=0))(
+        buf_bs, new_bk, offsets_b
+    )
+
+
+def write_cache(cache: KVCache, layer_kv, positions_bk, valid_bk, offsets_b) -> KVCache:
+    return KVCache(
+        k=tuple(write_rows(buf, k, offsets_b) for buf, (k, _) in zip(cache.k, layer_kv)),
+        v=tuple(write_rows(buf, v, offsets_b) for buf, (_, v) in zip(cache.v, layer_kv)),
+        positions=write_rows(cache.positions, positions_bk.astype(jnp.int32), offsets_b),
+        valid=write_rows(cache.valid, valid_bk, offsets_b),
+        length=cache.length,  # unused: rows keep their own offsets
+    )
+
+
+def target_forward(target: Transformer, tokens_bl, positions_bl, valid_bl, cache: KVCache | None, hidden_layers):
+    """The target's forward without writing its cache: (logits [B,L,V] f32, per-layer (k, v),
+    collected hidden states at `hidden_layers`)."""
+    x = target.embed_tokens(tokens_bl)
+    x, new_kv, collected = run_layers(
+        target.layers, target.config, x, positions_bl, valid_bl=valid_bl, cache=cache, hidden_layers=hidden_layers
+    )
+    return target.lm_logits(target.final_norm(x)), new_kv, collected
+
+
+def _probs(logits, temperature: float, top_p: float):
+    logits = logits.astype(jnp.float32) / temperature
+    if top_p < 1.0:
+        logits = nucleus_filter(logits, top_p)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def _pick(x_bk, idx_b):
+    return jnp.take_along_axis(x_bk, idx_b[:, None], axis=1)[:, 0]
+
+
+def accept_greedy(draft_bk1, target_logits_bkv):
+    """(accepted draft count n [B], bonus token [B]) for greedy verification."""
+    post = jnp.argmax(target_logits_bkv, axis=-1).astype(jnp.int32)
+    n = jnp.cumprod(draft_bk1 == post[:, :-1], axis=1).sum(axis=1).astype(jnp.int32)
+    return n, _pick(post, n)
+
+
+def accept_sampled(draft_bk1, q_bk1v, p_bkv, key):
+    """Speculative rejection sampling: accept draft i with probability min(1, p_i(d)/q_i(d));
+    at the first rejection n, sample from norm(max(0, p_n - q_n)); after a full accept, from p_K."""
+    k_accept, k_bonus = jax.random.split(key)
+    p_d = jnp.take_along_axis(p_bkv[:, :-1], draft_bk1[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q_bk1v, draft_bk1[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(k_accept, p_d.shape)
+    n = jnp.cumprod(u * q_d < p_d, axis=1).sum(axis=1).astype(jnp.int32)
+    q_pad = jnp.concatenate([q_bk1v, jnp.zeros_like(p_bkv[:, :1])], axis=1)  # position K-1: plain p
+    residual = jnp.maximum(p_bkv - q_pad, 0.0)
+    r = jnp.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]
+    p_n = jnp.take_along_axis(p_bkv, n[:, None, None], axis=1)[:, 0]
+    mass = r.sum(axis=-1, keepdims=True)
+    r = jnp.where(mass > 0, r / jnp.where(mass > 0, mass, 1.0), p_n)  # p == q exactly: resample from p
+    bonus = jax.random.categorical(k_bonus, jnp.log(r), axis=-1).astype(jnp.int32)
+    return n, bonus
+
+
+@partial(
+    jax.jit,
+    static_argnames=("t_graph", "d_graph", "max_new_tokens", "block", "temperature", "top_p", "eos_ids", "pad_id"),
+)
+def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, max_new_tokens, block, temperature,
+              top_p, eos_ids, pad_id):
+    target, drafter = nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state)
+    dcfg = drafter.config
+    b, lp = tokens_bl.shape
+    k_blk = block
+    capacity = lp + max_new_tokens + k_blk
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    sampled = temperature > 0.0
+    hidden_layers = dcfg.hidden_layers
+    arange_k = jnp.arange(k_blk, dtype=jnp.int32)
+
+    # prefill: the prompt's KV, the first token, the prompt's context features
+    positions = positions_from_valid(valid_bl)
+    logits, kv, collected = target_forward(target, tokens_bl, positions, valid_bl, None, hidden_layers)
+    zeros_b = jnp.zeros((b,), jnp.int32)
+    tcache = write_cache(KVCache.init(target.config, b, capacity), kv, positions, valid_bl, zeros_b)
+    ctx = drafter.context(context_features(target, dcfg, collected))
+    dcache = write_cache(
+        KVCache.init(dcfg.layer_model_config(), b, capacity), drafter.context_kv(ctx, positions), positions, valid_bl,
+        zeros_b,
+    )
+    key, sub = jax.random.split(key)
+    if sampled:
+        first = jax.random.categorical(sub, jnp.log(_probs(logits[:, -1], temperature, top_p)), axis=-1)
+    else:
+        first = jnp.argmax(logits[:, -1], axis=-1)
+    first = first.astype(jnp.int32)
+    generated = jnp.full((b, max_new_tokens + 1), pad_id, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos) | (max_new_tokens <= 1)
+
+    def cond(carry):
+        return ~jnp.all(carry["done"])
+
+    def body(c):
+        active = ~c["done"]
+        key, k_draft, k_verify = jax.random.split(c["key"], 3)
+        bpos = c["pos"][:, None] + arange_k
+        blk = jnp.concatenate([c["last"][:, None], jnp.full((b, k_blk - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
+        d_logits = block_logits(drafter, target, blk, bpos, tuple(zip(c["dcache"].k, c["dcache"].v)),
+                                c["dcache"].positions, c["dcache"].valid)[:, 1:]
+        if sampled:
+            q = _probs(d_logits, temperature, top_p)
+            draft = jax.random.categorical(k_draft, jnp.log(q), axis=-1).astype(jnp.int32)
+        else:
+            draft = jnp.argmax(d_logits, axis=-1).astype(jnp.int32)
+        verify = jnp.concatenate([c["last"][:, None], draft], axis=1)
+        t_logits, kv, collected = target_forward(
+            target, verify, bpos, jnp.ones((b, k_blk), bool), c["tcache"], hidden_layers
+        )
+        if sampled:
+            n, bonus = accept_sampled(draft, q, _probs(t_logits, temperature, top_p), k_verify)
+        else:
+            n, bonus = accept_greedy(draft, t_logits)
+
+        # the tokens this round emits: n drafts then the bonus; cut at EOS and at max_new_tokens
+        emitted = jnp.where(arange_k < n[:, None], jnp.concatenate([draft, draft[:, :1]], axis=1), bonus[:, None])
+        in_round = arange_k <= n[:, None]
+        is_eos = jnp.isin(emitted, eos) & in_round
+        after_eos = (jnp.cumsum(is_eos, axis=1) - is_eos) > 0
+        keep = in_round & ~after_eos & (c["count"][:, None] + arange_k < max_new_tokens) & active[:, None]
+        cols = jnp.where(keep, c["count"][:, None] + arange_k, max_new_tokens)  # the last column is a sink
+        generated = c["generated"].at[jnp.arange(b)[:, None], cols].set(jnp.where(keep, emitted, pad_id))
+        count = c["count"] + keep.sum(axis=1).astype(jnp.int32)
+        done = c["done"] | (is_eos & keep).any(axis=1) | (count >= max_new_tokens)
+
+        valid = in_round & active[:, None]
+        tcache = write_cache(c["tcache"], kv, bpos, valid, c["offset"])
+        ctx = drafter.context(context_features(target, dcfg, collected))
+        dcache = write_cache(c["dcache"], drafter.context_kv(ctx, bpos), bpos, valid, c["offset"])
+        gained = jnp.where(active, n + 1, 0)
+        return dict(
+            round=c["round"] + 1, generated=generated, count=count, done=done,
+            last=jnp.where(active, bonus, c["last"]), pos=c["pos"] + gained, offset=c["offset"] + gained,
+            tcache=tcache, dcache=dcache, key=key,
+            accepted=c["accepted"].at[:, c["round"]].set(gained),
+        )
+
+    init = dict(
+        round=jnp.zeros((), jnp.int32), generated=generated, count=jnp.ones((b,), jnp.int32), done=done,
+        last=first, pos=positions[:, -1] + 1, offset=jnp.full((b,), lp, jnp.int32), tcache=tcache, dcache=dcache,
+        key=key, accepted=jnp.zeros((b, max_new_tokens), jnp.int32),
+    )
+    out = jax.lax.while_loop(cond, body, init)
+    return SpecResult(
+        tokens=out["generated"][:, :max_new_tokens], num_generated=out["count"], target_forwards=out["round"],
+        accepted=out["accepted"],
+    )
+
+
+def generate_with_drafter(
+    target: Transformer,
+    drafter: Drafter,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    block: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_ids: tuple[int, ...] | None = None,
+    pad_id: int | None = None,
+    mesh=None,
+) -> SpecResult:
+    """Speculative decoding of token-id `prompts` (a batch, left-padded here) with `drafter`.
+
+    `block` (default the drafter's block_size) is K: the drafter proposes K - 1 tokens per round.
+    temperature 0 is greedy and gives the target's own greedy output token for token; otherwise
+    rejection sampling keeps the target's (temperature, top_p) distribution exactly.
+    """
+    cfg = target.config
+    check_compatible(drafter.config, cfg)
+    block = int(block or drafter.config.block_size)
+    if block < 2:
+        raise ValueError(f"block={block}: a drafter block needs at least 2 tokens (the last token + 1 proposal)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}; ask for at least 1 token")
+    eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    pad_id = cfg.pad_token_id if pad_id is None else pad_id
+    pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
+    tokens, valid = left_pad(prompts, pad_id)
+    limit = min(cfg.max_position_embeddings, drafter.config.max_position_embeddings)
+    if tokens.shape[1] + max_new_tokens + block > limit:
+        raise ValueError(
+            f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + block ({block}) exceeds "
+            f"max_position_embeddings ({limit}) of the target or the drafter"
+        )
+    if mesh is not None:
+        tokens, valid = shard_batch((tokens, valid), mesh)
+    t_graph, t_state = nnx.split(target)
+    d_graph, d_state = nnx.split(drafter)
+    return _generate(
+        t_graph, t_state, d_graph, d_state, tokens, valid, jax.random.key(seed), max_new_tokens=int(max_new_tokens),
+        block=block, temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids, pad_id=int(pad_id),
+    )
+
+
+__all__ = ["SpecResult", "accept_greedy", "accept_sampled", "generate_with_drafter", "target_forward"]
