@@ -27,7 +27,7 @@ from dlmjax.config import ModelConfig
 from dlmjax.train.mrp import LOSSES
 from dlmjax.train.objectives import WEIGHTINGS
 
-OBJECTIVES = ("block_diffusion", "next_token", "mrp")
+OBJECTIVES = ("block_diffusion", "next_token", "mrp", "drafter")
 
 
 class RunConfigError(ValueError):
@@ -86,6 +86,35 @@ class MRPSection:
 
 
 @dataclass(frozen=True)
+class DrafterSection:
+    """A DFlash drafter (dlmjax.heads.drafter) on a frozen causal target, and its losses
+    (dlmjax.losses; dlmjax.train.drafter)."""
+
+    num_layers: int = 1  # drafter decoder layers
+    block_size: int = 8  # K: the block is [last token, MASK x (K-1)]
+    target_layer_ids: list | None = None  # None: DFlash's default, evenly over [1, N-3]
+    mask_token_id: int | None = None  # None: the target's (toy tokenizer: <|mask|>)
+    anchors_per_row: int = 4  # blocks trained per row and step
+    labels: str = "target"  # target: the target's greedy predictions (self-distillation) | data
+    ce_weight: float = 1.0
+    decay_gamma: float = 0.0  # 0: position-uniform CE; else w_k = exp(-(k-1)/gamma)
+    focal_alpha: float = 0.0  # first-error focal term weight alpha_f
+    focal_gamma: float = 2.0
+    chain_alpha: float = 0.0  # chain loss weight alpha_c
+    export_dtype: str = "bfloat16"  # dtype of the exported DFlash weights
+    eval_prompts: int = 16  # per task: mean accepted length of greedy speculative decoding
+
+    def __post_init__(self):
+        if self.labels not in ("target", "data"):
+            raise RunConfigError(f"drafter.labels={self.labels!r}; choose target (self-distillation) or data")
+        if self.block_size < 2 or self.num_layers < 1 or self.anchors_per_row < 1:
+            raise RunConfigError(f"drafter.block_size must be >= 2, num_layers and anchors_per_row >= 1 (got "
+                                 f"{self.block_size}, {self.num_layers}, {self.anchors_per_row})")
+        if self.decay_gamma < 0 or self.focal_alpha < 0 or self.chain_alpha < 0:
+            raise RunConfigError("drafter.decay_gamma, focal_alpha and chain_alpha must be >= 0 (0 turns a term off)")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     objective: str = "block_diffusion"
     model: dict = field(default_factory=dict)
@@ -93,6 +122,7 @@ class RunConfig:
     train: OptimConfig = OptimConfig()
     backbone: str | None = None  # objective mrp: the frozen backbone (preset name or checkpoint directory)
     mrp: MRPSection = MRPSection()
+    drafter: DrafterSection = DrafterSection()
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -104,6 +134,11 @@ class RunConfig:
         if self.objective == "mrp":
             self._check_mrp()
             return
+        if self.objective == "drafter":
+            self._check_drafter()
+            return
+        if self.drafter != DrafterSection():
+            raise RunConfigError(f"the `drafter` section belongs to objective drafter, not {self.objective}")
         if self.backbone is not None or self.mrp != MRPSection():
             raise RunConfigError(f"`backbone` and the `mrp` section belong to objective mrp, not {self.objective}; "
                                  "set objective: mrp or remove them")
@@ -129,16 +164,27 @@ class RunConfig:
             raise RunConfigError("train.init_from is for backbones; objective mrp starts from a random head "
                                  "(set mrp.init_std) and reads its backbone from `backbone`")
 
+    def _check_drafter(self):
+        if self.model or self.mrp != MRPSection():
+            raise RunConfigError("objective drafter trains a drafter for a frozen target: remove the model and mrp "
+                                 "sections and name the target (backbone: toy-ar or a checkpoint directory)")
+        if not self.backbone:
+            raise RunConfigError("objective drafter needs `backbone:` (the causal target: a preset such as toy-ar or "
+                                 "a checkpoint directory)")
+        if self.train.init_from is not None:
+            raise RunConfigError("train.init_from is for backbones; objective drafter starts from a random drafter")
+
     def to_dict(self) -> dict:
         """Plain data; an mrp run leaves out `model`, other runs leave out `backbone` and `mrp`."""
-        order = ("objective", "backbone", "mrp", "data", "train") if self.objective == "mrp" else (
-            "objective", "model", "data", "train")
+        order = {"mrp": ("objective", "backbone", "mrp", "data", "train"),
+                 "drafter": ("objective", "backbone", "drafter", "data", "train")}.get(
+            self.objective, ("objective", "model", "data", "train"))
         out = dataclasses.asdict(self)
         return {key: out[key] for key in order}
 
 
-_SECTIONS = {"data": DataConfig, "train": OptimConfig, "mrp": MRPSection}
-_TOP_LEVEL = ("objective", "backbone", "model", "data", "train", "mrp")
+_SECTIONS = {"data": DataConfig, "train": OptimConfig, "mrp": MRPSection, "drafter": DrafterSection}
+_TOP_LEVEL = ("objective", "backbone", "model", "data", "train", "mrp", "drafter")
 
 
 def _section(name: str, values: dict):
@@ -191,6 +237,7 @@ def from_dict(raw: dict) -> RunConfig:
         train=_section("train", raw.get("train") or {}),
         backbone=None if backbone is None else str(backbone),
         mrp=_section("mrp", raw.get("mrp") or {}),
+        drafter=_section("drafter", raw.get("drafter") or {}),
     )
 
 

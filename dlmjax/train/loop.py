@@ -248,7 +248,12 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_config(run_dir, run)
     cfg = run.train
-    trainee = mrp_trainee(run, run_dir) if run.objective == "mrp" else backbone_trainee(run, run_dir)
+    if run.objective == "drafter":
+        from dlmjax.train.drafter import drafter_trainee  # imports this module's Trainee
+
+        trainee = drafter_trainee(run, run_dir)
+    else:
+        trainee = mrp_trainee(run, run_dir) if run.objective == "mrp" else backbone_trainee(run, run_dir)
 
     mesh = make_mesh(model=1)
     data_size = mesh.shape["data"]

@@ -1,0 +1,173 @@
+"""Drafter training: each loss on a hand-computed example, the chain loss's gradient at the
+extremes, the block layout, and a short run on a tiny target that lowers the loss, resumes
+exactly and exports a DFlash directory that decodes identically."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+from dlmjax.decoding.ar import generate_ar
+from dlmjax.decoding.speculative import generate_with_drafter
+from dlmjax.io.dflash import load_drafter
+from dlmjax.io.hf import load_model
+from dlmjax.losses import (
+    LossWeights, chain_loss, decay_ce, drafter_loss, first_error_focal, first_error_onehot, uniform_ce,
+)
+from dlmjax.train.config import RunConfigError, load_run_config
+from dlmjax.train.drafter import block_inputs, sample_anchors
+from dlmjax.train.loop import train
+from test_mrp_train import tiny_backbone
+
+CONFIG = "configs/drafter/toy-ar.yaml"
+
+# Two blocks of K = 3 over a 2-token vocabulary. Block 0: p(label) = 0.8 at k=1, 0.25 at k=2
+# (argmax wrong there: the first error). Block 1: p = 0.9, 0.9 (no error).
+PROBS = np.array([
+    [[0.5, 0.5], [0.8, 0.2], [0.75, 0.25]],
+    [[0.5, 0.5], [0.9, 0.1], [0.9, 0.1]],
+], np.float32)
+LOGITS = jnp.log(jnp.asarray(PROBS))
+LABELS = jnp.array([[0, 0, 1], [0, 0, 0]], jnp.int32)
+MASK = jnp.array([[False, True, True], [False, True, True]])
+L = math.log
+
+
+def test_uniform_ce_by_hand():
+    expected = (-L(0.8) - L(0.25) - L(0.9) - L(0.9)) / 4
+    assert float(uniform_ce(LOGITS, LABELS, MASK)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_decay_ce_by_hand():
+    w2 = math.exp(-1 / 2.0)  # gamma 2: w_1 = 1, w_2 = exp(-1/2)
+    expected = (-L(0.8) - w2 * L(0.25) - L(0.9) - w2 * L(0.9)) / (2 + 2 * w2)
+    assert float(decay_ce(LOGITS, LABELS, MASK, 2.0)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_first_error_focal_by_hand():
+    np.testing.assert_array_equal(np.asarray(first_error_onehot(LOGITS, LABELS, MASK)),
+                                  [[False, False, True], [False, False, False]])
+    expected = (1 - 0.25) ** 2 * -L(0.25)  # one block has an error; it is the mean's only term
+    assert float(first_error_focal(LOGITS, LABELS, MASK, 2.0)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_chain_loss_by_hand():
+    expected = -((0.8 + 0.8 * 0.25) + (0.9 + 0.9 * 0.9)) / 2
+    assert float(chain_loss(LOGITS, LABELS, MASK)) == pytest.approx(expected, rel=1e-5)
+    # an unsupervised position ends the chain
+    cut = MASK.at[0, 1].set(False)
+    assert float(chain_loss(LOGITS, LABELS, cut)) == pytest.approx(-(0.0 + 0.9 + 0.81) / 2, rel=1e-5)
+
+
+def test_losses_compose_additively():
+    w = LossWeights(ce_weight=1.0, decay_gamma=2.0, focal_alpha=0.3, focal_gamma=2.0, chain_alpha=4.0)
+    total, parts = drafter_loss(LOGITS, LABELS, MASK, w)
+    expected = (decay_ce(LOGITS, LABELS, MASK, 2.0) + 0.3 * first_error_focal(LOGITS, LABELS, MASK, 2.0)
+                + 4.0 * chain_loss(LOGITS, LABELS, MASK))
+    assert float(total) == pytest.approx(float(expected), rel=1e-6)
+    base, _ = drafter_loss(LOGITS, LABELS, MASK, LossWeights())
+    assert float(base) == pytest.approx(float(uniform_ce(LOGITS, LABELS, MASK)), rel=1e-6)
+
+
+@pytest.mark.parametrize("label_logit", [-60.0, 60.0], ids=["p->0", "p->1"])
+def test_chain_loss_gradient_finite_at_extremes(label_logit):
+    logits = jnp.zeros((1, 4, 5)).at[..., 0].set(label_logit)
+    labels = jnp.zeros((1, 4), jnp.int32)
+    mask = jnp.array([[False, True, True, True]])
+    for fn in (chain_loss, lambda lg, lb, m: first_error_focal(lg, lb, m, 2.0)):
+        grad = jax.grad(lambda x: fn(x, labels, mask))(logits)
+        assert np.isfinite(np.asarray(grad)).all()
+    value = float(chain_loss(logits, labels, mask))
+    assert value == pytest.approx(-3.0 if label_logit > 0 else 0.0, abs=1e-6)
+
+
+def test_anchors_and_block_layout():
+    tokens = jnp.array([[10, 11, 12, 13, 14, 15, 0, 0]], jnp.int32)
+    valid = jnp.array([[1, 1, 1, 1, 1, 1, 0, 0]], bool)
+    gen = jnp.array([[0, 0, 1, 1, 1, 1, 0, 0]], bool)  # prompt 10 11, generated 12..15
+    anchors, ok = sample_anchors(jax.random.key(0), valid, gen, 4)
+    assert sorted(np.asarray(anchors)[0][np.asarray(ok)[0]].tolist()) == [2, 3, 4]  # 5 has no label after it
+    blk, pos, labels, mask = block_inputs(tokens, valid, tokens, jnp.array([[4]]), jnp.array([[True]]), block=4,
+                                          mask_id=2)
+    assert blk.tolist() == [[[14, 2, 2, 2]]] and pos.tolist() == [[[4, 5, 6, 7]]]
+    assert labels[0, 0, :2].tolist() == [14, 15] and mask.tolist() == [[[False, True, False, False]]]
+
+
+def test_config_errors():
+    with pytest.raises(RunConfigError, match="backbone"):
+        load_run_config(CONFIG, ["backbone=null"])
+    with pytest.raises(RunConfigError, match="drafter.labels"):
+        load_run_config(CONFIG, ["drafter.labels=oracle"])
+    with pytest.raises(RunConfigError, match="unknown drafter keys"):
+        load_run_config(CONFIG, ["drafter.foo=1"])
+
+
+# ----------------------------------------------------------------------------------------------
+# a short run on a tiny causal target
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    saved = {name: getattr(jax.config, name) for name in
+             ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax_cache.reset_cache()
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return tiny_backbone(tmp_path_factory.mktemp("target"), attention="causal", num_layers=4, weight_std=0.3)
+
+
+def overrides(target_dir, steps):
+    return [f"backbone={target_dir}", f"train.steps={steps}", "train.batch_size=8", "train.log_every=1",
+            "train.checkpoint_every=4", "train.eval_every=0", "train.warmup_steps=2", "train.lr=1e-2",
+            "data.tasks={toy-constraint: 1}", "drafter.block_size=4", "drafter.target_layer_ids=[1, 2]",
+            "drafter.anchors_per_row=4", "drafter.chain_alpha=0.5"]
+
+
+@pytest.fixture(scope="module")
+def straight(target_dir, tmp_path_factory):
+    run = load_run_config(CONFIG, overrides(target_dir, 12))
+    return run, train(run, tmp_path_factory.mktemp("straight") / "run", progress=False)
+
+
+def test_training_lowers_the_loss(straight):
+    _, result = straight
+    losses = [result.losses[s] for s in sorted(result.losses)]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.1
+
+
+def test_resume_is_exact(straight, target_dir, tmp_path):
+    run, full = straight
+    first = train(run, tmp_path / "run", stop_at=5, progress=False)
+    assert first.step == 5 and first.model_dir is None
+    rest = train(run, tmp_path / "run", progress=False)
+    assert rest.step == 12 and min(rest.losses) == 6
+    for step, loss in rest.losses.items():
+        assert loss == pytest.approx(full.losses[step], rel=1e-5, abs=1e-6)
+
+
+def test_export_is_a_dflash_dir_that_decodes_like_ar(straight, target_dir):
+    _, result = straight
+    config = json.loads((result.model_dir / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["dflash_config"]["target_layer_ids"] == [1, 2] and config["num_target_layers"] == 4
+    target = load_model(target_dir)
+    drafter = load_drafter(result.model_dir, target.config)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
+    spec = generate_with_drafter(target, drafter, prompts, max_new_tokens=16, eos_ids=(1,), pad_id=0)
+    ar = generate_ar(target, prompts, max_new_tokens=16, eos_ids=(1,), pad_id=0)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
