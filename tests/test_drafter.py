@@ -16,7 +16,7 @@ from dlmjax.config import ConfigError
 from dlmjax.heads.drafter import (
     DrafterConfig, DrafterMismatchError, block_logits, context_features, default_target_layer_ids, init_drafter,
 )
-from dlmjax.io.dflash import from_dflash_config, load_drafter, save_drafter, to_dflash_config
+from dlmjax.io.dflash import from_dflash_config, load_drafter, resolve_drafter, save_drafter, to_dflash_config
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from drafter_reference import RefDrafter, draft_logits, target_pass
 from tiny_models import randomize, torch_model
@@ -160,6 +160,14 @@ def test_incompatible_target_is_refused_with_both_values(target, tmp_path):
         check_compatible(cfg.replace(target_layer_ids=(1, 6)), ours.config)
     with pytest.raises(DrafterMismatchError, match="causal"):
         check_compatible(cfg, ours.config.replace(attention="bidirectional", family="llada"))
+
+
+def test_drafter_decoder_without_a_drafter_is_a_clear_error(target, tmp_path):
+    _, ours, path = target
+    with pytest.raises(CheckpointError, match=r"no drafter|none in .*drafter; pass --drafter DIR"):
+        resolve_drafter(path, ours.config)
+    write_reference_drafter(tmp_path / "d", tiny_drafter_config())
+    assert resolve_drafter(path, ours.config, tmp_path / "d").config.num_layers == 2
 
 
 def test_wrong_fc_shape_is_a_clear_error(tmp_path):

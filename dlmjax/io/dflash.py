@@ -276,7 +276,23 @@ def find_drafter_dir(target_dir: str | Path) -> Path | None:
     return d if (d / "config.json").is_file() else None
 
 
+def resolve_drafter(target_dir: str | Path | None, target_config: ModelConfig, drafter_dir: str | Path | None = None,
+                    *, dtype: str | None = None) -> Drafter:
+    """The drafter for a target: `drafter_dir` if given (the CLI's `--drafter DIR`), else the one
+    stored beside the target (`<target_dir>/drafter/`). Refuses a drafter for another target."""
+    if drafter_dir is None:
+        found = None if target_dir is None else find_drafter_dir(target_dir)
+        if found is None:
+            where = f"{Path(target_dir) / DRAFTER_SUBDIR}" if target_dir is not None else "beside the target"
+            raise CheckpointError(
+                f"decoder `drafter` needs a drafter, and there is none in {where}; pass --drafter DIR "
+                "(a DFlash directory: config.json with architectures [\"DFlashDraftModel\"] + model.safetensors)"
+            )
+        drafter_dir = found
+    return load_drafter(drafter_dir, target_config, dtype=dtype)
+
+
 __all__ = [
     "ARCHITECTURE", "DFLASH_RULES", "DRAFTER_SUBDIR", "find_drafter_dir", "from_dflash_config",
-    "load_drafter", "save_drafter", "to_dflash_config",
+    "load_drafter", "resolve_drafter", "save_drafter", "to_dflash_config",
 ]
