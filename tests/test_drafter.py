@@ -213,7 +213,7 @@ def test_fresh_drafter_saves_in_dflash_names(target, tmp_path):
     names = set(SafetensorsFile(tmp_path / "model.safetensors").keys())
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
             "layers.0.mlp.gate_proj.weight"} <= names
-    assert load_drafter(tmp_path, ours.config).config.replace(hf_extra=()) == cfg.replace(dtype="bfloat16")
+    assert load_drafter(tmp_path, ours.config).config.replace(hf_extra=()) == cfg.replace(dtype="bfloat16", hf_extra=())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -130,10 +130,21 @@ class DrafterConfig:
             vocab_size=target.vocab_size, num_target_layers=target.num_layers, target_layer_ids=tuple(ids),
             mask_token_id=int(mask), block_size=block_size, rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings,
-            dtype=target.dtype,
+            dtype=target.dtype, hf_extra=target_token_fields(target),
         )
         fields.update(overrides)
         return cls(**fields)
+
+
+def target_token_fields(target: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """The target's token ids and head tying, written into a new drafter's config.json as the
+    published drafters carry them (servers read the head from the target either way)."""
+    import json
+
+    eos = list(target.eos_token_ids)
+    fields = {"tie_word_embeddings": target.tie_word_embeddings, "bos_token_id": target.bos_token_id,
+              "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
+    return tuple((k, json.dumps(v)) for k, v in sorted(fields.items()))
 
 
 def check_compatible(cfg: DrafterConfig, target: ModelConfig) -> None:
