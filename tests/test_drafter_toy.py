@@ -73,3 +73,14 @@ def test_export_reimport_decodes_identically(toy, tmp_path):
     b = generate_with_drafter(model, again, prompts, **_kw(tokenizer))
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     np.testing.assert_array_equal(np.asarray(a.accepted), np.asarray(b.accepted))
+
+
+def test_data_parallel_batch_decodes_identically(toy):
+    from dlmjax.sharding import make_mesh
+
+    _, model, tokenizer, drafter, prompts = toy
+    mesh = make_mesh(model=1)  # 8 fake CPU devices on 'data'
+    plain = generate_with_drafter(model, drafter, prompts, **_kw(tokenizer))
+    sharded = generate_with_drafter(model, drafter, prompts, mesh=mesh, **_kw(tokenizer))
+    np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(sharded.accepted), np.asarray(plain.accepted))
