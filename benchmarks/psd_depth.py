@@ -42,7 +42,7 @@ def main():
     rng = np.random.RandomState(0)
     vocab = model.config.vocab_size
     prompts = [rng.randint(1, vocab - 1, args.prompt_len + i).tolist() for i in range(args.batch)]
-    print(f"{'policy':<22}{'depth':>6}{'NFE':>6}{'TPF':>7}{'wall ms':>10}{'same tokens':>13}")
+    print(f"{'policy':<22}{'depth':>6}{'fwds':>6}{'TPF':>7}{'wall ms':>10}{'same tokens':>13}")
     for policy in args.policies:
         reference = None
         for depth in args.depths:
@@ -52,7 +52,7 @@ def main():
             out = [row.tokens for row in runs[0].rows]
             reference = reference or out
             wall = statistics.median(r.wall_s for r in runs)
-            print(f"{policy:<22}{depth:>6}{runs[0].nfe:>6}{runs[0].tpf:>7.2f}{wall * 1e3:>10.1f}"
+            print(f"{policy:<22}{depth:>6}{runs[0].forwards:>6}{runs[0].tpf:>7.2f}{wall * 1e3:>10.1f}"
                   f"{str(out == reference):>13}")
 
 

@@ -29,15 +29,14 @@ def cmd_generate(args) -> int:
                       max_new_tokens=args.max_new_tokens, seed=args.seed, head=head)
     for row in result.rows:
         if args.json:
-            print(json.dumps(row.to_json()))
+            print(json.dumps({**row.to_json(), "batch_forwards": result.forwards, "batch_tpf": result.batch_tpf}))
         else:
             print(row.text)
             print(f"  [{row.num_tokens} tokens, NFE {row.nfe}, TPF {row.tpf:.2f}]", file=sys.stderr)
     if not args.json:
         print(
-            f"{result.decoder}: batch NFE {result.nfe} (+{result.prefill_forwards} prefill, "
-            f"{result.store_forwards} store), TPF {result.tpf:.2f}, {result.wall_s:.2f} s, "
-            f"{result.tokens_per_s:.1f} tokens/s",
+            f"{result.decoder}: {result.forwards} forwards, TPF {result.tpf:.2f} per row, {result.batch_tpf:.2f} per "
+            f"batch slot, {result.wall_s:.2f} s, {result.tokens_per_s:.1f} tokens/s",
             file=sys.stderr,
         )
     return 0

@@ -24,8 +24,9 @@ def test_generate_json_one_object_per_prompt(capsys):
     assert len(lines) == 2
     for line in lines:
         row = json.loads(line)
-        assert {"text", "tokens", "nfe", "tpf"} <= set(row)
+        assert {"text", "tokens", "nfe", "tpf", "batch_forwards", "batch_tpf"} <= set(row)
         assert 0 < len(row["tokens"]) <= 8 and row["nfe"] >= 1 and row["tpf"] >= 1.0
+        assert row["batch_forwards"] >= row["nfe"] and 0 < row["batch_tpf"] <= row["tpf"] * 2
 
 
 def test_generate_ar_preset(capsys):

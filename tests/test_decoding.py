@@ -103,10 +103,10 @@ def test_cached_step_on_fresh_cache_is_exact(family, mode):
         PROMPTS[:3], block=4, max_new_tokens=MAX_NEW, block_causal=False, pad_id=PAD, mask_id=MASK
     )
     canvas = jnp.asarray(canvas).at[:, geometry.prefix + 4 : geometry.prefix + 6].set(7)  # block 1 partly filled
-    exact = engine.BlockForwards(model, rows, geometry, "none")
-    cached = engine.BlockForwards(model, rows, geometry, mode)
-    block = jnp.asarray(1)
-    _, _, cache = cached.begin_block(canvas, None, block)
+    exact = engine.BlockForwards(model, rows, geometry, "none", MASK)
+    cached = engine.BlockForwards(model, rows, geometry, mode, MASK)
+    block = jnp.ones((3,), jnp.int32)
+    _, _, cache = cached.refresh(canvas, block)
     np.testing.assert_allclose(cached.step(canvas, cache, block)[0], exact.step(canvas, None, block)[0], atol=2e-5)
 
 
@@ -164,17 +164,19 @@ def test_same_seed_same_output_when_sampling(spec):
 def test_metrics_static_one_per_step(sdar):
     result = generate(sdar, [PROMPTS[1]], decoder="static", max_new_tokens=MAX_NEW)  # 8 tokens: 2 whole blocks
     row = result.rows[0]
-    assert result.prefill_forwards == 1
-    assert row.nfe == len([t for t in row.tokens]) or EOS in row.tokens
+    assert EOS not in row.tokens and row.nfe == row.num_tokens == MAX_NEW
     assert row.tpf == 1.0
-    assert result.store_forwards == math.ceil(row.num_tokens / 4)
+    # The prefill yields block 0's logits and each finished block is stored by the next block's
+    # first step: every forward is a denoising forward (no prefill or store forwards of their own).
+    assert result.forwards == row.nfe
+    assert result.batch_tpf == 1.0
     assert result.wall_s > 0 and result.tokens_per_s > 0
 
 
 def test_threshold_uses_fewer_forwards_than_static(sdar):
     static = generate(sdar, PROMPTS, decoder="static", max_new_tokens=MAX_NEW)
     threshold = generate(sdar, PROMPTS, decoder="threshold:tau=0.4", max_new_tokens=MAX_NEW)
-    assert threshold.nfe < static.nfe
+    assert threshold.forwards < static.forwards
     assert threshold.tpf > static.tpf == 1.0
 
 
@@ -272,10 +274,9 @@ def test_packed_verification_equals_separate_forwards(family, mode):
     geometry, canvas, rows = engine.plan_layout(
         PROMPTS[:3], block=4, max_new_tokens=MAX_NEW, block_causal=family == "sdar", pad_id=PAD, mask_id=MASK
     )
-    fwd = engine.BlockForwards(model, rows, geometry, mode)
-    block = jnp.asarray(0)
-    cache, _, _ = fwd.prefill(jnp.asarray(canvas))
-    _, _, cache = fwd.begin_block(jnp.asarray(canvas), cache, block)
+    fwd = engine.BlockForwards(model, rows, geometry, mode, MASK)
+    block = jnp.zeros((3,), jnp.int32)
+    _, _, cache, _ = fwd.prefill(jnp.asarray(canvas))
     start = geometry.prefix
     base = jnp.asarray(canvas)[:, start : start + 4]
     candidates = jnp.stack([base, base.at[:, 3].set(5), base.at[:, 2:].set(9)], axis=1)  # [B, 3, K]
@@ -300,4 +301,4 @@ def test_row_stops_after_the_block_with_its_eos():
     result = generate(model, [prompt], decoder="static", max_new_tokens=12)
     row = result.rows[0]
     assert row.tokens == free.tokens[: free.tokens.index(eos) + 1]
-    assert row.nfe == 4 and result.nfe == 4 and result.store_forwards == 1
+    assert row.nfe == 4 and result.forwards == 4

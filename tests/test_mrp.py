@@ -124,15 +124,11 @@ def test_packed_verification_equals_separate_forwards(toy, prompts):
     cfg = model.config
     geometry, canvas, rows = engine.plan_layout(ids, block=cfg.block_size, max_new_tokens=16, block_causal=True,
                                                 pad_id=cfg.pad_token_id, mask_id=cfg.mask_token_id)
-    fwd = engine.BlockForwards(model, rows, geometry, "exact", head)
-    canvas, block = jnp.asarray(canvas), jnp.asarray(0)
-    cache, head_cache, _ = fwd.prefill(canvas)
-    logits, hidden, _ = fwd.begin_block(canvas, cache, block)
-    zeros = jnp.zeros((len(ids),), jnp.int32)
-    state = engine.DecodeState(canvas=canvas, block=block, logits=logits, hidden=hidden, cache=cache,
-                               head_cache=head_cache, done=jnp.zeros((len(ids),), bool), rounds=zeros, nfe=zeros,
-                               committed=zeros, batch_nfe=jnp.asarray(0), store_forwards=jnp.asarray(0))
-    copies = MRPSpec(drafts=4).draft(fwd, state, engine.block_tokens(state, fwd), cfg.mask_token_id)
+    fwd = engine.BlockForwards(model, rows, geometry, "exact", cfg.mask_token_id, head)
+    canvas = jnp.asarray(canvas)
+    state = engine.start(fwd, canvas)
+    block, cache, head_cache, logits, hidden = state.block, state.cache, state.head_cache, state.logits, state.hidden
+    copies = MRPSpec(drafts=4).draft(fwd, state, fwd.block_tokens(canvas, block))
     assert copies.shape[1] == 5 and bool(jnp.any(copies[:, 4] != copies[:, 0]))
     packed_logits, packed_hidden = fwd.verify(canvas, copies, cache, block)
     for k in range(5):
@@ -159,7 +155,7 @@ def test_head_kv_cache_equals_a_full_forward():
     out = model(tokens, positions)
     full, full_hidden, _ = residual_step(head, model, 0, tokens, out.hidden, out.logits, positions)
     caches = head.write_context(model, head.empty_caches(1, 16), tokens[:, :8], out.hidden[:, :8], positions[:, :8],
-                                jnp.ones((1, 8), bool))
+                                jnp.ones((1, 8), bool), jnp.zeros((1,), jnp.int32))
     part, part_hidden, _ = residual_step(head, model, 0, tokens[:, 8:], out.hidden[:, 8:], out.logits[:, 8:],
                                          positions[:, 8:], cache=caches[0])
     np.testing.assert_allclose(part, full[:, 8:], atol=1e-4)

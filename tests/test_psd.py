@@ -9,7 +9,7 @@ from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
 from dlmjax.decoding.psd import PSD
 from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
-from test_decoding import MASK, MAX_NEW, PAD, PROMPTS, peaky_model
+from test_decoding import EOS, MASK, MAX_NEW, PAD, PROMPTS, peaky_model
 
 POLICIES = ["threshold,tau=0.5", "topk,k=1", "decay,tau=0.4,decay=0.1", "margin,margin=0.3"]
 
@@ -28,7 +28,7 @@ def test_psd_equals_its_policy_one_step_per_forward(sdar, policy):
     stepwise = generate(sdar, PROMPTS, decoder=f"psd:policy={policy},depth=1", max_new_tokens=MAX_NEW)
     speculative = generate(sdar, PROMPTS, decoder=f"psd:policy={policy},depth=4", max_new_tokens=MAX_NEW)
     assert tokens(speculative) == tokens(stepwise)
-    assert speculative.nfe <= stepwise.nfe
+    assert speculative.forwards <= stepwise.forwards
     assert all(s.nfe <= p.nfe for s, p in zip(speculative.rows, stepwise.rows))
 
 
@@ -59,36 +59,36 @@ def test_psd_on_bidirectional_cache_modes(cache):
 
 
 class CountingModel:
-    """Wraps a model and counts its calls (at trace time: each call site once)."""
+    """Wraps a model and counts its calls."""
 
     def __init__(self, model):
         self.model, self.config, self.calls = model, model.config, 0
+
+    def lm_logits(self, hidden):
+        return self.model.lm_logits(hidden)
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
         return self.model(*args, **kwargs)
 
 
-def test_one_round_makes_exactly_one_model_call(sdar):
-    """Drafts are built without the model; the round's only call is the packed verification,
+def test_drafts_make_no_model_call_and_a_round_is_one_forward(sdar):
+    """Drafts are built without the model; the round's only forward is the packed verification,
     and it counts as one forward."""
     geometry, canvas, rows = engine.plan_layout([PROMPTS[1]], block=4, max_new_tokens=MAX_NEW, block_causal=True,
                                                 pad_id=PAD, mask_id=MASK)
     model = CountingModel(sdar)
-    fwd = engine.BlockForwards(model, rows, geometry, "exact")
-    canvas = jnp.asarray(canvas)
-    cache, _, _ = fwd.prefill(canvas)
-    logits, hidden, cache = fwd.begin_block(canvas, cache, jnp.asarray(0))
-    zeros = jnp.zeros((1,), jnp.int32)
-    state = engine.DecodeState(canvas=canvas, block=jnp.asarray(0), logits=logits, hidden=hidden, cache=cache,
-                               head_cache=None,
-                               done=jnp.zeros((1,), bool), rounds=zeros, nfe=zeros, committed=zeros,
-                               batch_nfe=jnp.asarray(0), store_forwards=jnp.asarray(0))
+    fwd = engine.BlockForwards(model, rows, geometry, "exact", MASK)
+    state = engine.start(fwd, jnp.asarray(canvas))
+    assert int(state.forwards) == 1 and int(state.nfe[0]) == 1  # the prefill yields block 0's logits
+    decoder = PSD(policy="topk", depth=4)
+    tokens = fwd.block_tokens(state.canvas, state.block)
     model.calls = 0
-    after = PSD(policy="topk", depth=4).run_round(fwd, state, mask_id=MASK, seed_key=jax.random.key(0))
-    assert model.calls == 1
-    assert int(after.batch_nfe) == 1 and int(after.nfe[0]) == 1
-    assert int(after.committed[0]) >= 1
+    plan = decoder.plan(fwd, state, tokens, tokens == MASK, None)
+    assert model.calls == 0 and plan.copies.shape == (1, 4, 4)
+    after = engine.decode_round(decoder, fwd, state, seed_key=jax.random.key(0), eos=jnp.asarray([EOS]))
+    assert int(after.forwards) == 2 and int(after.nfe[0]) == 2
+    assert int(after.committed[0]) >= 2, "the verification accepted no draft beyond the first commit"
 
 
 def test_bad_psd_options():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -36,12 +37,16 @@ class RowResult:
 class GenerationResult:
     rows: list[RowResult]
     decoder: str
-    nfe: int  # denoising forwards run for the batch
-    prefill_forwards: int
-    store_forwards: int
-    tpf: float  # committed tokens / row NFE over all rows
+    forwards: int  # model forwards run for the batch, of any kind
+    tpf: float  # committed tokens / row NFE over all rows (what one row gains per forward it takes)
+    batch_tpf: float  # committed tokens / (forwards x batch size) (what the batch gains per forward)
     wall_s: float  # the decode call, compilation included on a first call
     tokens_per_s: float  # generated tokens (up to EOS) / wall_s
+
+    def to_json(self) -> dict:
+        """The batch's counters (the rows are reported one by one)."""
+        return {"decoder": self.decoder, "forwards": self.forwards, "tpf": self.tpf, "batch_tpf": self.batch_tpf,
+                "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s}
 
 
 def _resolve_decoder(decoder) -> DiffusionDecoder | AR:
@@ -126,6 +131,62 @@ def _check_length(model: Transformer, prompt_len: int, max_new_tokens: int):
         )
 
 
+@dataclass
+class _Request:
+    """A validated request: prompts as ids, the decoder, the special ids and, for diffusion
+    decoders, the layout of every prompt and the engine's static arguments."""
+
+    model: Transformer
+    tokenizer: Tokenizer | None
+    decoder: DiffusionDecoder | AR
+    ids: list[list[int]]
+    eos: tuple[int, ...]
+    pad: int
+    mask_id: int | None
+    max_new_tokens: int
+    head_split: tuple
+    layout: tuple | None = None  # (Geometry, canvas [N, T], Rows) of every prompt (diffusion decoders)
+
+    @property
+    def causal(self) -> bool:
+        return self.model.config.attention == "causal"
+
+    def engine_args(self) -> dict:
+        geometry = self.layout[0]
+        return dict(decoder=self.decoder, geometry=geometry, cache_mode=_cache_mode(self.decoder, self.model),
+                    mask_id=int(self.mask_id), pad_id=self.pad, eos_ids=self.eos, head_graphdef=self.head_split[0])
+
+    def row(self, tokens, count: int, nfe: int, committed: int) -> RowResult:
+        row_tokens = np.asarray(tokens)[:count].tolist()
+        text = self.tokenizer.decode(row_tokens) if self.tokenizer is not None else None
+        return RowResult(text=text, tokens=row_tokens, nfe=int(nfe), tpf=float(committed) / max(int(nfe), 1),
+                         num_tokens=len(row_tokens))
+
+
+def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, head) -> _Request:
+    decoder = _resolve_decoder(decoder)
+    ids = _encode(prompts, tokenizer)
+    _check_length(model, max(len(p) for p in ids), max_new_tokens)
+    causal = model.config.attention == "causal"
+    if isinstance(decoder, AR) != causal:
+        kind = "causal" if causal else model.config.attention
+        fix = "use --decoder ar" if causal else "use a diffusion decoder (static, threshold, entropy)"
+        raise DecoderSpecError(f"decoder {decoder.name!r} does not fit a {kind} {model.config.family} model; {fix}")
+    mask_id, eos, pad = _special_ids(model, tokenizer, need_mask=not causal)
+    if row_ids is not None and len(row_ids) != len(ids):
+        raise ValueError(f"row_ids has {len(row_ids)} entries for {len(ids)} prompts; give one per prompt")
+    request = _Request(model, tokenizer, decoder, ids, eos, pad, mask_id, max_new_tokens, _head_for(decoder, model, head))
+    if not causal:
+        geometry, canvas, rows = engine.plan_layout(
+            ids, block=_block_size(decoder, model), max_new_tokens=max_new_tokens,
+            block_causal=model.config.attention == "block_causal", pad_id=pad, mask_id=mask_id,
+        )
+        if row_ids is not None:
+            rows = rows.replace(row_ids=np.asarray(row_ids, np.int32))
+        request.layout = (geometry, canvas, rows)
+    return request
+
+
 def generate(
     model: Transformer,
     prompts,
@@ -146,65 +207,159 @@ def generate(
     mesh: split the batch over the mesh's 'data' axis (data-parallel decoding; the batch size
       must divide by it). Place the model's params on the same mesh.
     head: the MRP head the mrp-* decoders run (`dlmjax.heads.mrp.load_head(checkpoint_dir)`).
-    """
-    decoder = _resolve_decoder(decoder)
-    ids = _encode(prompts, tokenizer)
-    _check_length(model, max(len(p) for p in ids), max_new_tokens)
-    causal = model.config.attention == "causal"
-    if isinstance(decoder, AR) != causal:
-        kind = "causal" if causal else model.config.attention
-        fix = "use --decoder ar" if causal else "use a diffusion decoder (static, threshold, entropy)"
-        raise DecoderSpecError(f"decoder {decoder.name!r} does not fit a {kind} {model.config.family} model; {fix}")
-    mask_id, eos, pad = _special_ids(model, tokenizer, need_mask=not causal)
-    head_split = _head_for(decoder, model, head)
 
+    Every prompt is one row of one batch; `Stream` runs more prompts than a batch holds.
+    """
+    req = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
+                   row_ids=row_ids, head=head)
+    decoder = req.decoder
     start = time.perf_counter()
-    if causal:
-        out = generate_ar(model, ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
-                          top_p=decoder.top_p, seed=seed, eos_ids=eos, pad_id=pad, mesh=mesh)
+    if req.causal:
+        out = generate_ar(model, req.ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
+                          top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, mesh=mesh)
         out = jax.device_get(out)
         # Each token comes from one forward (the prefill gives the first): TPF is 1 by definition.
         counts = np.asarray(out.num_generated)
-        nfe_rows, committed, batch_nfe, prefill, stores = counts, counts, int(out.nfe), 0, 0
+        nfe_rows, committed, forwards = counts, counts, int(out.nfe)
     else:
-        block = _block_size(decoder, model)
-        geometry, canvas, rows = engine.plan_layout(
-            ids, block=block, max_new_tokens=max_new_tokens, block_causal=model.config.attention == "block_causal",
-            pad_id=pad, mask_id=mask_id,
-        )
-        if row_ids is not None:
-            if len(row_ids) != len(ids):
-                raise ValueError(f"row_ids has {len(row_ids)} entries for {len(ids)} prompts; give one per prompt")
-            rows = rows.replace(row_ids=np.asarray(row_ids, np.int32))
+        _, canvas, rows = req.layout
         if mesh is not None:
             canvas, rows = shard_batch((canvas, rows), mesh)
         graphdef, params = nnx.split(model)
-        head_graphdef, head_params = head_split
-        out = engine.decode(
-            graphdef, params, canvas, rows, jax.random.key(seed), head_params, decoder=decoder, geometry=geometry,
-            cache_mode=_cache_mode(decoder, model), mask_id=int(mask_id), pad_id=pad, eos_ids=eos,
-            head_graphdef=head_graphdef,
-        )
+        out = engine.decode(graphdef, params, canvas, rows, jax.random.key(seed), req.head_split[1],
+                            **req.engine_args())
         out = jax.device_get(out)
         counts, nfe_rows, committed = map(np.asarray, (out.num_generated, out.nfe, out.committed))
-        batch_nfe, prefill, stores = int(out.batch_nfe), int(out.prefill_forwards), int(out.store_forwards)
+        forwards = int(out.forwards)
     wall = time.perf_counter() - start
 
     tokens = np.asarray(out.tokens)
-    rows_out = []
-    for i in range(len(ids)):
-        row_tokens = tokens[i, : counts[i]].tolist()
-        text = tokenizer.decode(row_tokens) if tokenizer is not None else None
-        nfe = int(nfe_rows[i])
-        rows_out.append(RowResult(text=text, tokens=row_tokens, nfe=nfe,
-                                  tpf=float(committed[i]) / max(nfe, 1), num_tokens=len(row_tokens)))
+    rows_out = [req.row(tokens[i], counts[i], nfe_rows[i], committed[i]) for i in range(len(req.ids))]
     return GenerationResult(
         rows=rows_out,
         decoder=decoder_spec(decoder),
-        nfe=batch_nfe,
-        prefill_forwards=prefill,
-        store_forwards=stores,
+        forwards=forwards,
         tpf=float(np.sum(committed)) / max(int(np.sum(nfe_rows)), 1),
+        batch_tpf=float(np.sum(committed)) / max(forwards * len(req.ids), 1),
         wall_s=wall,
         tokens_per_s=float(np.sum(counts)) / max(wall, 1e-9),
     )
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+class Stream:
+    """Continuous batching: decode any number of prompts through `batch_size` slots; when a row
+    is done, the next prompt takes its slot, so a run costs about mean-row-NFE x N / batch
+    forwards rather than the sum of every batch's slowest row.
+
+        stream = Stream(model, prompts, batch_size=64, tokenizer=tok, decoder="threshold:tau=0.9")
+        for index, row in stream:      # as rows finish, not in prompt order
+            ...
+        stream.forwards, stream.batch_tpf, stream.wall_s
+
+    Each row's result is the one `generate` gives for that prompt alone (rows never see each
+    other; `row_ids`, default the prompt's index, keys its sampling stream). New prompts are
+    started `refill` at a time (default batch/8), by one forward of their own that yields their
+    first block's logits. Causal models (`ar`) run batch after batch. `limit` decodes only the
+    first prompts with the layout of all (compiles what the full run needs: a warm-up).
+    """
+
+    def __init__(self, model: Transformer, prompts, *, batch_size: int = 64, refill: int | None = None,
+                 tokenizer: Tokenizer | None = None, decoder="static", max_new_tokens: int = 64, seed: int = 0,
+                 row_ids=None, mesh=None, head: MRPHead | None = None, limit: int | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        self.request = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
+                                row_ids=row_ids, head=head)
+        self.decoder = decoder_spec(self.request.decoder)
+        self.count = len(self.request.ids) if limit is None else min(limit, len(self.request.ids))
+        data = mesh.shape["data"] if mesh is not None else 1
+        self.batch = _round_up(min(batch_size, self.count), data)
+        self.refill = min(self.batch, _round_up(refill or max(1, self.batch // 8), data))
+        self.seed, self.mesh, self.row_ids = seed, mesh, row_ids
+        self.forwards = 0  # model forwards run
+        self.slot_forwards = 0  # rows carried by those forwards, summed (batch x forwards for full batches)
+        self.committed = 0  # tokens committed for the prompts
+        self.generated = 0  # tokens generated up to EOS
+        self.wall_s = 0.0  # time spent decoding (not in the caller's loop body)
+
+    @property
+    def batch_tpf(self) -> float:
+        """Committed tokens per row slot of every forward run."""
+        return self.committed / max(self.slot_forwards, 1)
+
+    def __iter__(self):
+        self.forwards = self.slot_forwards = self.committed = self.generated = 0
+        self.wall_s = 0.0
+        clock = time.perf_counter()
+        for index, row, forwards, slots in (self._batches() if self.request.causal else self._continuous()):
+            self.forwards += forwards
+            self.slot_forwards += slots
+            if row is not None:
+                self.committed += round(row.tpf * row.nfe)
+                self.generated += row.num_tokens
+                self.wall_s += time.perf_counter() - clock
+                yield index, row
+                clock = time.perf_counter()
+        self.wall_s += time.perf_counter() - clock
+
+    def _batches(self):
+        """AR decoding, one batch after another (a row's cost is its own length there anyway)."""
+        req = self.request
+        for start in range(0, self.count, self.batch):
+            chunk = list(range(start, min(start + self.batch, self.count)))
+            padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
+            result = generate(req.model, [req.ids[i] for i in padded], tokenizer=req.tokenizer, decoder=req.decoder,
+                              max_new_tokens=req.max_new_tokens, seed=self.seed, mesh=self.mesh)
+            yield None, None, result.forwards, result.forwards * self.batch
+            for i, row in zip(chunk, result.rows):
+                yield i, row, 0, 0
+
+    def _place(self, tree):
+        return tree if self.mesh is None else shard_batch(tree, self.mesh)
+
+    def _continuous(self):
+        req, b, r = self.request, self.batch, self.refill
+        _, canvas_all, rows_all = req.layout
+        graphdef, params = nnx.split(req.model)
+        args = req.engine_args()
+        start_args = {k: args[k] for k in ("geometry", "cache_mode", "mask_id", "head_graphdef")}
+        key = jax.random.key(self.seed)
+
+        def admit(state, rows, prompts, slots, size):
+            picked = prompts + [prompts[0]] * (size - len(prompts))
+            canvas_r, rows_r = self._place((canvas_all[picked], jax.tree.map(lambda x: x[picked], rows_all)))
+            slots_r = np.asarray(slots + [b] * (size - len(slots)), np.int32)
+            return engine.admit(graphdef, params, state, rows, canvas_r, rows_r, slots_r, req.head_split[1],
+                                **start_args)
+
+        queue = list(range(self.count))
+        first, queue = queue[:b], queue[b:]
+        state, rows = admit(None, None, first, list(range(b)), b)
+        slot_prompt = first + [None] * (b - len(first))
+        if len(first) < b:  # more slots than prompts: the extra rows are done from the start
+            state = state.replace(done=state.done | (np.arange(b) >= len(first)))
+        yield None, None, 1, b
+        while any(p is not None for p in slot_prompt):
+            before = int(state.forwards)
+            stop_at = min(r, len(queue)) if queue else b
+            state, out = engine.decode_until(graphdef, params, state, rows, key, stop_at, req.head_split[1], **args)
+            out, done = jax.device_get((out, state.done))
+            yield None, None, int(out.forwards) - before, (int(out.forwards) - before) * b
+            for slot in np.flatnonzero(done):
+                if slot_prompt[slot] is not None:
+                    yield slot_prompt[slot], req.row(out.tokens[slot], out.num_generated[slot], out.nfe[slot],
+                                                     out.committed[slot]), 0, 0
+                    slot_prompt[slot] = None
+            free = [s for s in range(b) if slot_prompt[s] is None]
+            if queue and free:
+                take = min(len(queue), len(free))
+                prompts, queue = queue[:take], queue[take:]
+                size = min(b, r * 2 ** math.ceil(math.log2(math.ceil(take / r))))  # few compiled sizes
+                state, rows = admit(state, rows, prompts, free[:take], size)
+                for s, i in zip(free, prompts):
+                    slot_prompt[s] = i
+                yield None, None, 1, size

@@ -1,29 +1,42 @@
-"""The block-diffusion decoding engine: one `jax.jit`, two nested `lax.while_loop`s.
+"""The block-diffusion decoding engine: one `jax.jit`, one `lax.while_loop` of rounds in which
+every row advances through its own blocks.
 
 Layout. A batch of left-padded prompts shares one canvas [B, T] = prefix columns [0, C) plus
 `num_blocks` generation blocks of K columns. Each row's positions count from its first real
 token, so its output never depends on the other rows.
 - Block-causal models (SDAR): blocks sit at multiples of K in each row's own positions, as in
   SDAR's reference. A row whose prompt length is not a multiple of K starts generating inside
-  a block whose first r_b columns hold the end of its prompt (fixed, never masked). The whole
-  prompt blocks before it are prefilled into the exact KV cache (one prefill forward); every
-  finished block is written by one store forward (counted apart from denoising forwards).
+  a block whose first r_b columns hold the end of its prompt (fixed, never masked). The exact KV
+  cache is addressed by canvas column (slot c holds column c's keys and values).
 - Bidirectional models (LLaDA, Dream): semi-autoregressive blocks start right after the prompt.
   Cache mode `none` runs the full canvas each step (exact); `prefix` and `dual` are Fast-dLLM's
   approximations: once per block a full forward refreshes the KV of the prefix (and, for
   `dual`, of the suffix too), and steps then forward only the block (dual) or the block and the
   suffix (prefix) against it.
 
-Loop. Outer loop over blocks; inner loop over rounds until no active row has a masked position
-in the block. A round commits from the block's current logits (`state.logits`), then runs the
-next forward only if something is still masked; its result seeds the next round. Decoders that
-draft and verify (MRP spec, PSD) replace the round and seed the next one from their verification
-forward, so the same loop serves them. Rows that are done (EOS in a finished block, or all their
-tokens generated) stop committing; rows that finished the block wait for the others, which
-changes nothing in their output.
+Rows advance on their own. Each row has its own current block (`DecodeState.block` [B]); a row
+that finishes a block moves to its next one at once while the others keep denoising, and one
+forward serves every row, each at its own block and positions. The only exception is prefix/
+dual: their refresh is a full-canvas forward, so rows there wait for each other at block ends
+(`BlockForwards.sync_blocks`).
 
-Counters: NFE = denoising forwards (per row: the forwards that row used; per batch: forwards
-run), prefill and store forwards apart, committed = tokens committed into masked positions.
+The first forward (`BlockForwards.prefill`) writes the prompt's whole blocks into the exact cache
+and yields block 0's logits in the same forward. A finished block is never written by a forward
+of its own: the forward that runs a row's next block's first step carries the finished block in
+front of it ([clean block b ; block b+1 copies], block-causal visibility), writes its KV (and the
+MRP head's) and yields block b+1's logits. A decode thus runs exactly its denoising forwards.
+
+A round (`decode_round`), per row:
+1. the decoder's `plan` commits from the row's latest logits (the certain commits) and names the
+   versions of the block ("copies") the round's forward evaluates: one for the policy decoders,
+   the drafts for PSD and MRP spec;
+2. a row whose block is now complete finishes (EOS, or its last block) or moves to its next block;
+3. one forward evaluates every row's copies (a row that moved: its new block, storing the old);
+4. the decoder's `resolve` reads the forward: the accepted copy (PSD, MRP spec) and the logits
+   that seed the row's next round.
+
+Counters: per row NFE = the forwards it used (each yields denoising logits for it, the prefill
+included) and committed tokens; per batch `forwards` = every model forward run.
 """
 
 from __future__ import annotations
@@ -31,15 +44,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from dlmjax.decoding.policies import score
 from dlmjax.heads.mrp import MRPHead, apply_residual, head_output
-from dlmjax.models.transformer import KVCache, Transformer
+from dlmjax.models.transformer import KVCache, Transformer, put_rows, take_rows
 
 
 @dataclass(frozen=True)
@@ -70,17 +83,16 @@ class Rows:
 @struct.dataclass
 class DecodeState:
     canvas: jax.Array  # [B, T] int32
-    block: jax.Array  # int32 scalar: current generation block
-    logits: jax.Array  # [B, K, V] float32: the current block's latest logits (seed of the next round)
+    block: jax.Array  # [B] int32: each row's current generation block
+    logits: jax.Array  # [B, K, V] float32: each row's current block's latest logits (seed of its next round)
     hidden: jax.Array  # [B, K, D] the backbone's final-normed hidden state behind `logits` (MRP's input)
     cache: KVCache | None
     head_cache: tuple[KVCache, ...] | None  # an MRP head's own KV cache of finished blocks, per module
     done: jax.Array  # [B] bool
-    rounds: jax.Array  # [B] int32 rounds each row took part in (its sampling-key counter)
-    nfe: jax.Array  # [B] int32 denoising forwards each row used
-    batch_nfe: jax.Array  # int32 denoising forwards run
-    store_forwards: jax.Array  # int32
+    rounds: jax.Array  # [B] int32 rounds in which the row committed (its sampling-key counter)
+    nfe: jax.Array  # [B] int32 forwards that yielded denoising logits for the row
     committed: jax.Array  # [B] int32 tokens committed into masked positions
+    forwards: jax.Array  # int32: model forwards run for the batch
 
 
 @struct.dataclass
@@ -88,10 +100,18 @@ class DecodeOutput:
     tokens: jax.Array  # [B, max_new_tokens] int32; pad after EOS
     num_generated: jax.Array  # [B] int32 tokens up to and including EOS
     nfe: jax.Array  # [B] int32
-    batch_nfe: jax.Array  # int32
-    prefill_forwards: jax.Array  # int32
-    store_forwards: jax.Array  # int32
     committed: jax.Array  # [B] int32
+    forwards: jax.Array  # int32
+
+
+@struct.dataclass
+class Plan:
+    """A decoder's round before the forward: the block after the commits it is sure of, and the
+    versions of the block the forward evaluates (`resolve` reads them)."""
+
+    tokens: jax.Array  # [B, K]
+    copies: jax.Array  # [B, N, K]
+    aux: Any = None  # the decoder's own (e.g. PSD's draft commit sets)
 
 
 class LayoutError(ValueError):
@@ -140,13 +160,16 @@ def plan_layout(
 
 @dataclass(frozen=True)
 class BlockForwards:
-    """The forwards of one decoding run: prefill, block-start, step and store, per cache mode;
-    with an MRP head, its iterations over the block and its own cache of finished blocks."""
+    """The forwards of one decoding run, every row at its own block (`block_b` [B]): the first
+    forward, the round forward over candidate copies (carrying finished blocks to store), per
+    cache mode; with an MRP head, its iterations over the block and its own cache of finished
+    blocks."""
 
     model: Transformer
     rows: Rows
     geometry: Geometry
     cache_mode: str  # "exact" (block-causal KV cache) | "none" | "prefix" | "dual"
+    mask_id: int
     head: MRPHead | None = None
 
     @property
@@ -154,131 +177,184 @@ class BlockForwards:
         # Shifted-logit models (Dream) need the token before the block to score the block's first position.
         return 1 if self.model.config.shift_logits else 0
 
-    def block_start(self, block):
-        return self.geometry.prefix + block * self.geometry.block
+    @property
+    def sync_blocks(self) -> bool:
+        """prefix/dual refresh their cache with a full-canvas forward at a block start, shared by
+        all rows: rows there start their blocks together."""
+        return self.cache_mode in ("prefix", "dual")
 
-    def _columns(self, start, size):
-        positions = jax.lax.dynamic_slice_in_dim(self.rows.positions, start, size, axis=1)
-        valid = jax.lax.dynamic_slice_in_dim(self.rows.valid, start, size, axis=1)
-        return positions, valid
+    def block_start(self, block_b):
+        return self.geometry.prefix + block_b * self.geometry.block
 
-    def prefill(self, canvas):
-        """(cache, head cache) after the prompt's whole blocks, and the number of prefill forwards (static)."""
-        batch = canvas.shape[0]
-        head_cache = None if self.head is None else self.head.empty_caches(batch, self.geometry.total)
-        if self.cache_mode != "exact" or self.geometry.prefix == 0:
-            cache = None if self.cache_mode == "none" else self._empty_cache(batch)
-            return cache, head_cache, 0
-        c = self.geometry.prefix
-        cache, head_cache = self._write(canvas[:, :c], 0, c, self._empty_cache(batch), head_cache)
-        return cache, head_cache, 1
+    def block_tokens(self, canvas, block_b):
+        """[B, K]: each row's tokens in its block `block_b`."""
+        return take_rows(canvas, self.block_start(block_b), self.geometry.block)
 
-    def _write(self, tokens, start, size, cache, head_cache):
-        """Append a clean chunk's KV to the backbone's cache (and the head's, from the same forward)."""
-        positions, valid = self._columns(start, size)
-        out = self.model(tokens, positions, valid_bl=valid, cache=cache, write_cache=True, compute_logits=False)
-        if head_cache is not None:
-            head_cache = self.head.write_context(self.model, head_cache, tokens, out.hidden, positions, valid)
-        return out.cache, head_cache
+    def put_block(self, canvas, block_b, tokens_bk):
+        return put_rows(canvas, self.block_start(block_b), tokens_bk)
+
+    def _columns(self, first_b, width: int):
+        """(positions, valid) [B, width] of each row's columns [first_b, first_b + width)."""
+        return take_rows(self.rows.positions, first_b, width), take_rows(self.rows.valid, first_b, width)
 
     def _empty_cache(self, batch):
         return KVCache.init(self.model.config, batch, self.geometry.total)
 
-    def begin_block(self, canvas, cache, block):
-        """(logits [B, K, V], hidden [B, K, D], cache) at the start of a block. prefix/dual
-        refresh their cache here."""
+    def prefill(self, canvas):
+        """The first forward: (logits [B, K, V], hidden [B, K, D]) of block 0 for every row, with
+        the cache (and the head's) holding the prompt's whole blocks (exact) or the refreshed
+        canvas (prefix/dual)."""
+        batch, zeros = canvas.shape[0], jnp.zeros((canvas.shape[0],), jnp.int32)
+        head_cache = None if self.head is None else self.head.empty_caches(batch, self.geometry.total)
         if self.cache_mode in ("prefix", "dual"):
-            out = self.model(canvas, self.rows.positions, valid_bl=self.rows.valid,
-                             cache=self._empty_cache(canvas.shape[0]), write_cache=True)
-            start, k = self.block_start(block), self.geometry.block
-            logits = jax.lax.dynamic_slice_in_dim(out.logits, start, k, axis=1)
-            return logits, jax.lax.dynamic_slice_in_dim(out.hidden, start, k, axis=1), out.cache
-        return *self.step(canvas, cache, block), cache
+            return *self.refresh(canvas, zeros), head_cache
+        if self.cache_mode == "none":
+            logits, hidden = self.verify(canvas, self.block_tokens(canvas, zeros)[:, None], None, zeros)
+            return logits[:, 0], hidden[:, 0], None, head_cache
+        c, k = self.geometry.prefix, self.geometry.block
+        out = self.model(canvas[:, : c + k], self.rows.positions[:, : c + k], valid_bl=self.rows.valid[:, : c + k],
+                         compute_logits=False)
+        cache = self._empty_cache(batch)
+        if c:
+            cache, head_cache = self._store(cache, head_cache, canvas[:, :c], out.hidden[:, :c],
+                                            [(kk[:, :c], vv[:, :c]) for kk, vv in out.chunk_kv], zeros, c)
+        return self.model.lm_logits(out.hidden[:, c:]), out.hidden[:, c:], cache, head_cache
 
-    def _window(self, block):
-        """(first column, static width) of what a step forwards: the block alone against the
-        exact cache; the whole canvas without one; for prefix the block and everything after it
-        (from C, the finished blocks masked out as keys); for dual the block. Shifted-logit models
-        take one column more on the left to score the block's first position."""
-        k, start, total = self.geometry.block, self.block_start(block), self.geometry.total
+    def _store(self, cache, head_cache, tokens_bl, hidden_bld, chunk_kv, start_b, width, write_b=None):
+        """Write a clean chunk of `width` columns from `start_b` into the backbone's cache (and the head's)."""
+        positions, valid = self._columns(start_b, width)
+        cache = cache.write_rows(chunk_kv, start_b, positions, valid, write_b)
+        if head_cache is not None:
+            head_cache = self.head.write_context(self.model, head_cache, tokens_bl, hidden_bld, positions, valid,
+                                                 start_b, write_b)
+        return cache, head_cache
+
+    def refresh(self, canvas, block_b):
+        """prefix/dual: one full-canvas forward that rewrites the whole cache; (logits, hidden) of
+        each row's block `block_b`, and the cache."""
+        out = self.model(canvas, self.rows.positions, valid_bl=self.rows.valid,
+                         cache=self._empty_cache(canvas.shape[0]), write_cache=True)
+        start, k = self.block_start(block_b), self.geometry.block
+        return take_rows(out.logits, start, k), take_rows(out.hidden, start, k), out.cache
+
+    def evaluate(self, canvas, copies_bnk, cache, head_cache, block_b, store_b):
+        """The round forward: (logits [B, N, K, V], hidden [B, N, K, D], cache, head cache) of every
+        row's N candidate copies of its block `block_b`. Rows with `store_b` have just moved to
+        this block: exact mode writes their finished previous block in the same forward;
+        prefix/dual refresh instead (their rows move together)."""
+        n = copies_bnk.shape[1]
+        if self.cache_mode == "none":
+            return *self.verify(canvas, copies_bnk, cache, block_b), cache, head_cache
+        if self.cache_mode in ("prefix", "dual"):
+            def refreshed():
+                logits, hidden, fresh = self.refresh(canvas, block_b)
+                return (jnp.repeat(logits[:, None], n, axis=1), jnp.repeat(hidden[:, None], n, axis=1), fresh,
+                        head_cache)
+
+            return jax.lax.cond(jnp.any(store_b), refreshed,
+                                lambda: (*self.verify(canvas, copies_bnk, cache, block_b), cache, head_cache))
+        return jax.lax.cond(
+            jnp.any(store_b),
+            lambda: self.verify_and_store(canvas, copies_bnk, cache, head_cache, block_b, store_b),
+            lambda: (*self.verify(canvas, copies_bnk, cache, block_b), cache, head_cache),
+        )
+
+    def verify_and_store(self, canvas, copies_bnk, cache, head_cache, block_b, store_b):
+        """Exact mode: [block b-1 (clean, rows with `store_b` only) ; N copies of block b] in one
+        forward. Block-causal visibility lets the copies see the clean block as they would see it
+        in the cache, so their logits equal a store forward followed by `verify`; the clean
+        block's KV is written for those rows."""
+        b, n, k = copies_bnk.shape
+        start = self.block_start(block_b)
+        prev_positions, prev_valid = self._columns(start - k, k)
+        prev_valid = prev_valid & store_b[:, None]
+        positions, valid = self._columns(start, k)
+        tokens = jnp.concatenate([self.block_tokens(canvas, block_b - 1), copies_bnk.reshape(b, n * k)], axis=1)
+        segments = jnp.concatenate([jnp.zeros((b, k), jnp.int32), copy_segments(b, n, k)], axis=1)
+        out = self.model(tokens, jnp.concatenate([prev_positions, jnp.tile(positions, (1, n))], axis=1),
+                         segments_bl=segments, valid_bl=jnp.concatenate([prev_valid, jnp.tile(valid, (1, n))], axis=1),
+                         cache=cache, compute_logits=False, chunk_parts=(k, n * k))
+        cache, head_cache = self._store(cache, head_cache, tokens[:, :k], out.hidden[:, :k],
+                                        [(kk[:, :k], vv[:, :k]) for kk, vv in out.chunk_kv], start - k, k, store_b)
+        hidden = out.hidden[:, k:].reshape(b, n, k, -1)
+        return self.model.lm_logits(hidden), hidden, cache, head_cache
+
+    def _window(self, block_b):
+        """(first column [B], static width) of what a forward of the block reads: the block alone
+        against the exact cache; the whole canvas without one; for prefix the block and
+        everything after it (from C, the finished blocks masked out as keys); for dual the block.
+        Shifted-logit models take one column more on the left to score the block's first position."""
+        k, start, total = self.geometry.block, self.block_start(block_b), self.geometry.total
         if self.cache_mode == "exact":
             return start, k
         if self.cache_mode == "none":
-            return jnp.zeros((), jnp.int32), total
+            return jnp.zeros_like(start), total
         if self.cache_mode == "prefix":
             first = self.geometry.prefix - self.lead
-            return jnp.asarray(first, jnp.int32), total - first
+            return jnp.full_like(start, first), total - first
         return start - self.lead, k + self.lead
 
-    def _visible_cache(self, cache, start):
+    def _visible_cache(self, cache, start_b):
         """prefix/dual: hide the cached KV of what this forward recomputes."""
         if self.cache_mode in ("exact", "none"):
             return cache
-        cols = jnp.arange(cache.capacity)
-        hidden = cols >= start if self.cache_mode == "prefix" else (cols >= start) & (cols < start + self.geometry.block)
-        return cache.replace(valid=cache.valid & ~hidden[None, :])
+        cols = jnp.arange(cache.capacity)[None, :]
+        hidden = cols >= start_b[:, None]
+        if self.cache_mode == "dual":
+            hidden = hidden & (cols < start_b[:, None] + self.geometry.block)
+        return cache.replace(valid=cache.valid & ~hidden)
 
-    def verify(self, canvas, candidates_bnk, cache, block):
-        """(logits [B, N, K, V], hidden [B, N, K, D]) of N candidate versions of the current block,
-        in ONE forward.
+    def verify(self, canvas, candidates_bnk, cache, block_b):
+        """(logits [B, N, K, V], hidden [B, N, K, D]) of N candidate versions of each row's block
+        `block_b`, in ONE forward.
 
-        The copies (the step's window with the block replaced by each candidate) are packed side
+        The copies (the row's window with the block replaced by each candidate) are packed side
         by side with their positions repeated; segment ids 1..N let each copy see the cached
         context and itself only. A copy's logits equal a step forward on its canvas (MRP spec,
         PSD verification).
         """
         b, n, k = candidates_bnk.shape
-        start = self.block_start(block)
-        first, width = self._window(block)
+        start = self.block_start(block_b)
+        first, width = self._window(block_b)
         positions, valid = self._columns(first, width)
         if self.cache_mode in ("prefix", "dual"):  # what lies before the block is in the cache
-            valid = valid & (first + jnp.arange(width) >= start)[None, :]
-        window = jax.lax.dynamic_slice_in_dim(canvas, first, width, axis=1)
+            valid = valid & (first[:, None] + jnp.arange(width)[None, :] >= start[:, None])
+        window = take_rows(canvas, first, width)
         offset = start - first
-        copies = jax.vmap(
-            lambda cand: jax.lax.dynamic_update_slice_in_dim(window, cand, offset, axis=1), in_axes=1, out_axes=1
-        )(candidates_bnk)  # [B, N, width]
+        copies = jax.vmap(lambda cand: put_rows(window, offset, cand), in_axes=1, out_axes=1)(candidates_bnk)
         out = self.model(
             copies.reshape(b, n * width), jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, width),
             valid_bl=jnp.tile(valid, (1, n)), cache=self._visible_cache(cache, start),
         )
+
         def block_part(x_bld):
-            return jax.lax.dynamic_slice_in_dim(x_bld.reshape(b, n, width, -1), offset, k, axis=2)
+            x = x_bld.reshape(b, n, width, -1).swapaxes(1, 2)  # [B, width, N, D]
+            return take_rows(x, offset, k).swapaxes(1, 2)
 
         return block_part(out.logits), block_part(out.hidden)
 
-    def step(self, canvas, cache, block):
-        """(logits [B, K, V], hidden [B, K, D]) of the current block for the canvas as it is now."""
-        tokens = jax.lax.dynamic_slice_in_dim(canvas, self.block_start(block), self.geometry.block, axis=1)
-        logits, hidden = self.verify(canvas, tokens[:, None, :], cache, block)
+    def step(self, canvas, cache, block_b):
+        """(logits [B, K, V], hidden [B, K, D]) of each row's block for the canvas as it is now."""
+        logits, hidden = self.verify(canvas, self.block_tokens(canvas, block_b)[:, None], cache, block_b)
         return logits[:, 0], hidden[:, 0]
 
-    def head_step(self, step: int, tokens_bk, hidden_bkd, logits_bkv, head_cache, block):
-        """One MRP head iteration over the current block (chain step `step`, 0-based): returns
+    def head_step(self, step: int, tokens_bk, hidden_bkd, logits_bkv, head_cache, block_b):
+        """One MRP head iteration over each row's block (chain step `step`, 0-based): returns
         (corrected logits, next head input h, residual logits). The head attends to its own
         cache of finished blocks and to the block itself."""
-        h_p = self.head_copies(step, tokens_bk[:, None, :], hidden_bkd, head_cache, block)[:, 0]
+        h_p = self.head_copies(step, tokens_bk[:, None, :], hidden_bkd, head_cache, block_b)[:, 0]
         return apply_residual(self.head, self.model, h_p, logits_bkv, hidden_bkd)
 
-    def head_copies(self, step: int, copies_bnk, hidden_bkd, head_cache, block):
-        """h_p [B, N, K, D] of N versions of the current block in ONE head forward (chain step
+    def head_copies(self, step: int, copies_bnk, hidden_bkd, head_cache, block_b):
+        """h_p [B, N, K, D] of N versions of each row's block in ONE head forward (chain step
         `step`): packed side by side like `verify`, each copy seeing the head's cache and itself,
         all reading the same hidden state."""
         b, n, k = copies_bnk.shape
-        positions, valid = self._columns(self.block_start(block), k)
+        positions, valid = self._columns(self.block_start(block_b), k)
         h_p = head_output(self.head, self.model, step, copies_bnk.reshape(b, n * k), jnp.tile(hidden_bkd, (1, n, 1)),
                           jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, k),
                           valid_bl=jnp.tile(valid, (1, n)), cache=head_cache[self.head.module_index(step)])
         return h_p.reshape(b, n, k, -1)
-
-    def store(self, canvas, cache, head_cache, block):
-        """Write a finished block's KV (exact cache only; the head's too); returns
-        (cache, head cache, store forwards)."""
-        if self.cache_mode != "exact":
-            return cache, head_cache, 0
-        k, start = self.geometry.block, self.block_start(block)
-        tokens = jax.lax.dynamic_slice_in_dim(canvas, start, k, axis=1)
-        return *self._write(tokens, start, k, cache, head_cache), 1
 
 
 def copy_segments(batch: int, copies: int, width: int):
@@ -287,61 +363,75 @@ def copy_segments(batch: int, copies: int, width: int):
     return jnp.broadcast_to(jnp.repeat(jnp.arange(1, copies + 1, dtype=jnp.int32), width), (batch, copies * width))
 
 
-def block_tokens(state: DecodeState, fwd: BlockForwards):
-    return jax.lax.dynamic_slice_in_dim(state.canvas, fwd.block_start(state.block), fwd.geometry.block, axis=1)
-
-
 def round_keys(state: DecodeState, rows: Rows, seed_key):
     """One sampling key per row, from (seed, row id, the row's own round count): batch-invariant."""
     return jax.vmap(lambda rid, n: jax.random.fold_in(jax.random.fold_in(seed_key, rid), n))(rows.row_ids, state.rounds)
 
 
-def policy_round(
-    decoder, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key, commit_set=None
-) -> DecodeState:
-    """Commit by the decoder's policy (or `commit_set(scores, masked)`) from the seeded logits,
-    then forward if masks remain."""
-    tokens = block_tokens(state, fwd)
-    masked = (tokens == mask_id) & ~state.done[:, None]
-    keys = round_keys(state, fwd.rows, seed_key) if decoder.temperature > 0 else None
-    scores = score(state.logits, mask_id=mask_id, temperature=decoder.temperature, top_p=decoder.top_p, keys_b=keys)
-    commit = (commit_set or decoder.commit_set)(scores, masked)
-    return advance(fwd, state, tokens, jnp.where(commit, scores.tokens, tokens), mask_id)
-
-
-def advance(fwd: BlockForwards, state: DecodeState, before_bk, after_bk, mask_id: int) -> DecodeState:
-    """Write the block's new tokens and count them; run the next step forward if masks remain
-    (its logits and hidden state seed the next round)."""
-    canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, after_bk, fwd.block_start(state.block), axis=1)
-    remaining = jnp.any(after_bk == mask_id, axis=-1) & ~state.done
-    logits, hidden = jax.lax.cond(
-        jnp.any(remaining), lambda: fwd.step(canvas, state.cache, state.block), lambda: (state.logits, state.hidden)
-    )
-    return state.replace(
-        canvas=canvas,
-        logits=logits,
-        hidden=hidden,
-        rounds=state.rounds + jnp.any((before_bk == mask_id) & ~state.done[:, None], axis=-1),
-        committed=state.committed + jnp.sum(after_bk != before_bk, axis=-1),
-        nfe=state.nfe + remaining,
-        batch_nfe=state.batch_nfe + jnp.any(remaining),
-    )
-
-
-def verify_if_needed(fwd: BlockForwards, state: DecodeState, candidates_bnk, needed_b):
-    """`fwd.verify` of the candidate copies when any row needs it; otherwise zeros and no forward."""
-    def skipped():
-        return (jnp.zeros(candidates_bnk.shape + state.logits.shape[-1:], state.logits.dtype),
-                jnp.zeros(candidates_bnk.shape + state.hidden.shape[-1:], state.hidden.dtype))
-
-    return jax.lax.cond(jnp.any(needed_b), lambda: fwd.verify(state.canvas, candidates_bnk, state.cache, state.block),
-                        skipped)
-
-
-def _eos_seen(canvas, rows: Rows, end_col, eos):
+def _eos_seen(canvas, rows: Rows, end_col_b, eos):
     cols = jnp.arange(canvas.shape[1])[None, :]
-    region = (cols >= rows.out_start[:, None]) & (cols < end_col)
+    region = (cols >= rows.out_start[:, None]) & (cols < end_col_b[:, None])
     return jnp.any(jnp.isin(canvas, eos) & region, axis=-1)
+
+
+def start(fwd: BlockForwards, canvas) -> DecodeState:
+    """The state after the first forward: every row at block 0 with its logits."""
+    logits, hidden, cache, head_cache = fwd.prefill(canvas)
+    zeros = jnp.zeros((canvas.shape[0],), jnp.int32)
+    return DecodeState(canvas=canvas, block=zeros, logits=logits, hidden=hidden, cache=cache, head_cache=head_cache,
+                       done=jnp.zeros(zeros.shape, bool), rounds=zeros, nfe=zeros + 1, committed=zeros,
+                       forwards=jnp.ones((), jnp.int32))
+
+
+def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos) -> DecodeState:
+    """One round for every row: plan, finish or move on, one forward, resolve (module docstring)."""
+    mask_id, k = fwd.mask_id, fwd.geometry.block
+    tokens = fwd.block_tokens(st.canvas, st.block)
+    masked = (tokens == mask_id) & ~st.done[:, None]
+    keys = round_keys(st, fwd.rows, seed_key) if decoder.temperature > 0 else None
+    plan = decoder.plan(fwd, st, tokens, masked, keys)
+    canvas = fwd.put_block(st.canvas, st.block, plan.tokens)
+
+    left = jnp.any(plan.tokens == mask_id, axis=-1) & ~st.done  # rows still denoising this block
+    complete = ~st.done & ~left
+    last = st.block + 1 >= fwd.rows.blocks_needed
+    finished = complete & (last | _eos_seen(canvas, fwd.rows, fwd.block_start(st.block) + k, eos))
+    done = st.done | finished
+    ready = complete & ~finished
+    moves = ready & jnp.all(ready | done) if fwd.sync_blocks else ready
+    block = st.block + moves
+    current = fwd.block_tokens(canvas, block)
+    copies = jnp.where(moves[:, None, None], current[:, None, :], plan.copies)
+
+    need = left | moves
+
+    def skipped():
+        return (jnp.zeros((*copies.shape, st.logits.shape[-1]), st.logits.dtype),
+                jnp.zeros((*copies.shape, st.hidden.shape[-1]), st.hidden.dtype), st.cache, st.head_cache)
+
+    logits, hidden, cache, head_cache = jax.lax.cond(
+        jnp.any(need), lambda: fwd.evaluate(canvas, copies, st.cache, st.head_cache, block, moves), skipped)
+    resolved, seed_logits, seed_hidden = decoder.resolve(fwd, st, plan, logits, hidden)
+    canvas = fwd.put_block(canvas, block, jnp.where(left[:, None], resolved, current))
+
+    def seed(new_moved, new_resolved, old):
+        expand = (-1,) + (1,) * (old.ndim - 1)
+        return jnp.where(moves.reshape(expand), new_moved, jnp.where(left.reshape(expand), new_resolved, old))
+
+    return st.replace(
+        canvas=canvas,
+        block=block,
+        logits=seed(logits[:, 0], seed_logits, st.logits),
+        hidden=seed(hidden[:, 0], seed_hidden, st.hidden),
+        cache=cache,
+        head_cache=head_cache,
+        done=done,
+        rounds=st.rounds + jnp.any(masked, axis=-1),
+        nfe=st.nfe + need,
+        committed=st.committed + jnp.sum(plan.tokens != tokens, axis=-1)
+        + jnp.where(left, jnp.sum(resolved != plan.tokens, axis=-1), 0),
+        forwards=st.forwards + jnp.any(need),
+    )
 
 
 def finalize(canvas, rows: Rows, geometry: Geometry, *, mask_id: int, pad_id: int, eos):
@@ -355,54 +445,56 @@ def finalize(canvas, rows: Rows, geometry: Geometry, *, mask_id: int, pad_id: in
     return tokens, jnp.sum(keep, axis=1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id",
-                                   "pad_id", "eos_ids"))
+_STATIC = ("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id", "pad_id", "eos_ids")
+
+
+def _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id) -> BlockForwards:
+    head = None if head_graphdef is None else nnx.merge(head_graphdef, head_params)
+    return BlockForwards(nnx.merge(graphdef, params), rows, geometry, cache_mode, mask_id, head)
+
+
+def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_ids, pad_id, stop_at):
+    """Rounds until every row is done or `stop_at` rows are; (state, DecodeOutput of every row)."""
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (jnp.sum(s.done) < stop_at),
+                               partial(decode_round, decoder, fwd, seed_key=seed_key, eos=eos), state)
+    tokens, num_generated = finalize(state.canvas, fwd.rows, fwd.geometry, mask_id=fwd.mask_id, pad_id=pad_id, eos=eos)
+    return state, DecodeOutput(tokens=tokens, num_generated=num_generated, nfe=state.nfe, committed=state.committed,
+                               forwards=state.forwards)
+
+
+@partial(jax.jit, static_argnames=_STATIC)
 def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, decoder, geometry, cache_mode,
            mask_id, pad_id, eos_ids, head_graphdef=None):
     """Decode a laid-out batch. An MRP head (decoders mrp-*) comes as (head_graphdef, head_params)."""
-    model = nnx.merge(graphdef, params)
-    head = None if head_graphdef is None else nnx.merge(head_graphdef, head_params)
-    fwd = BlockForwards(model, rows, geometry, cache_mode, head)
-    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
-    run_round = getattr(decoder, "run_round", None) or partial(policy_round, decoder)
-    cache, head_cache, prefill_forwards = fwd.prefill(canvas)
-    batch = canvas.shape[0]
-    zeros_b = jnp.zeros((batch,), jnp.int32)
-    cfg = model.config
-    state = DecodeState(
-        canvas=canvas,
-        block=jnp.zeros((), jnp.int32),
-        logits=jnp.zeros((batch, geometry.block, cfg.vocab_size), jnp.float32),
-        hidden=jnp.zeros((batch, geometry.block, cfg.hidden_size), cfg.dtype),
-        cache=cache,
-        head_cache=head_cache,
-        done=jnp.zeros((batch,), bool),
-        rounds=zeros_b, nfe=zeros_b, committed=zeros_b,
-        batch_nfe=jnp.zeros((), jnp.int32),
-        store_forwards=jnp.zeros((), jnp.int32),
-    )
+    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id)
+    return _run_rounds(decoder, fwd, start(fwd, canvas), seed_key, eos_ids, pad_id, canvas.shape[0])[1]
 
-    def has_masks(st):
-        return jnp.any(block_tokens(st, fwd) == mask_id, axis=-1) & ~st.done
 
-    def run_block(st: DecodeState) -> DecodeState:
-        active = has_masks(st)
-        logits, hidden, cache = fwd.begin_block(st.canvas, st.cache, st.block)
-        st = st.replace(logits=logits, hidden=hidden, cache=cache, nfe=st.nfe + active, batch_nfe=st.batch_nfe + 1)
-        st = jax.lax.while_loop(
-            lambda s: jnp.any(has_masks(s)),
-            lambda s: run_round(fwd, s, mask_id=mask_id, seed_key=seed_key),
-            st,
-        )
-        cache, head_cache, stores = fwd.store(st.canvas, st.cache, st.head_cache, st.block)
-        end_col = fwd.block_start(st.block) + geometry.block
-        done = st.done | (st.block + 1 >= rows.blocks_needed) | _eos_seen(st.canvas, rows, end_col, eos)
-        return st.replace(cache=cache, head_cache=head_cache, done=done, block=st.block + 1, store_forwards=st.store_forwards + stores)
+# -- continuous batching: slots that take the next prompt when their row is done (api.Stream) --
 
-    state = jax.lax.while_loop(lambda s: (s.block < geometry.num_blocks) & ~jnp.all(s.done), run_block, state)
-    tokens, num_generated = finalize(state.canvas, rows, geometry, mask_id=mask_id, pad_id=pad_id, eos=eos)
-    return DecodeOutput(
-        tokens=tokens, num_generated=num_generated, nfe=state.nfe, batch_nfe=state.batch_nfe,
-        prefill_forwards=jnp.asarray(prefill_forwards, jnp.int32), store_forwards=state.store_forwards,
-        committed=state.committed,
-    )
+
+@partial(jax.jit, static_argnames=_STATIC)
+def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, stop_at, head_params=None, *, decoder,
+                 geometry, cache_mode, mask_id, pad_id, eos_ids, head_graphdef=None):
+    """Run rounds over the slots until `stop_at` of them are done (or all): (state, DecodeOutput)."""
+    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id)
+    return _run_rounds(decoder, fwd, state, seed_key, eos_ids, pad_id, stop_at)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "geometry", "cache_mode", "mask_id"))
+def admit(graphdef, params, state: DecodeState | None, rows: Rows | None, canvas_r, rows_r: Rows, slots_r,
+          head_params=None, *, geometry, cache_mode, mask_id, head_graphdef=None):
+    """Start R new rows (their first forward, one forward for the R) and put them in `slots_r`
+    [R] of the slot state; an index >= the slot count drops that entry. With no state yet, the R
+    rows are the slots. Returns (state, rows)."""
+    fwd = _forwards(graphdef, params, rows_r, head_graphdef, head_params, geometry, cache_mode, mask_id)
+    new = start(fwd, canvas_r)
+    if state is None:
+        return new, rows_r
+
+    def put(old, fresh):
+        return old.at[slots_r].set(fresh, mode="drop") if old.ndim else old  # KVCache.length: unused by the engine
+
+    merged = jax.tree.map(put, state, new)
+    return merged.replace(forwards=state.forwards + 1), jax.tree.map(put, rows, rows_r)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from dlmjax.decoding import policies
-from dlmjax.decoding.engine import BlockForwards, DecodeState, advance, block_tokens, policy_round, verify_if_needed
+from dlmjax.decoding.engine import BlockForwards, DecodeState, Plan
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
 from dlmjax.heads.mrp import residual_logits
 
@@ -82,16 +82,15 @@ class MRPDirect(MRPDecoder):
         if self.mrp_steps < 0:
             raise DecoderSpecError(f"mrp-direct: mrp_steps={self.mrp_steps} must be >= 0")
 
-    def run_round(self, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
-        del seed_key
-        before = block_tokens(state, fwd)
-        tokens, logits, hidden = before, state.logits, state.hidden
+    def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
+        del keys_b
+        logits, hidden = state.logits, state.hidden
         for step in range(self.mrp_steps + 1):
-            commit, proposed = static_pick(logits, (tokens == mask_id) & ~state.done[:, None], mask_id)
-            tokens = jnp.where(commit, proposed, tokens)
+            commit, proposed = static_pick(logits, masked_bk & (tokens_bk == fwd.mask_id), fwd.mask_id)
+            tokens_bk = jnp.where(commit, proposed, tokens_bk)
             if step < self.mrp_steps:
-                logits, hidden, _ = fwd.head_step(step, tokens, hidden, logits, state.head_cache, state.block)
-        return advance(fwd, state, before, tokens, mask_id)
+                logits, hidden, _ = fwd.head_step(step, tokens_bk, hidden, logits, state.head_cache, state.block)
+        return Plan(tokens=tokens_bk, copies=tokens_bk[:, None])
 
 
 @register_decoder
@@ -109,26 +108,31 @@ class MRPSpec(MRPDecoder):
         if self.drafts < 1:
             raise DecoderSpecError(f"mrp-spec: drafts={self.drafts} must be >= 1")
 
-    def draft(self, fwd: BlockForwards, state: DecodeState, tokens_bk, mask_id: int):
+    @property
+    def num_copies(self) -> int:
+        return self.drafts + 1
+
+    def draft(self, fwd: BlockForwards, state: DecodeState, tokens_bk):
         """[B, drafts+1, K] copies C(0..drafts): C(0) the block as it is, C(k) after k drafted commits."""
         copies, logits, hidden = [tokens_bk], state.logits, state.hidden
         for step in range(self.drafts):
-            commit, proposed = static_pick(logits, (copies[-1] == mask_id) & ~state.done[:, None], mask_id)
+            commit, proposed = static_pick(logits, (copies[-1] == fwd.mask_id) & ~state.done[:, None], fwd.mask_id)
             copies.append(jnp.where(commit, proposed, copies[-1]))
             if step < self.drafts - 1:
                 logits, hidden, _ = fwd.head_step(step, copies[-1], hidden, logits, state.head_cache, state.block)
         return jnp.stack(copies, axis=1)
 
-    def run_round(self, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
-        del seed_key
-        tokens = block_tokens(state, fwd)
-        masked = (tokens == mask_id) & ~state.done[:, None]
-        copies = self.draft(fwd, state, tokens, mask_id)  # [B, N, K], N = drafts + 1
-        needs_forward = jnp.any(masked, axis=-1)
-        logits, hidden = verify_if_needed(fwd, state, copies, needs_forward)
-        # The backbone's static pick on every copy, then the per-row walk over the drafts.
+    def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
+        """Nothing is certain before the verification: the seed predates the last bonus commit."""
+        del masked_bk, keys_b
+        return Plan(tokens=tokens_bk, copies=self.draft(fwd, state, tokens_bk))
+
+    def resolve(self, fwd: BlockForwards, state: DecodeState, plan: Plan, logits_bnkv, hidden_bnkd):
+        """The backbone's static pick on every copy, the per-row walk over the drafts, and the bonus."""
+        copies, mask_id = plan.copies, fwd.mask_id
         n = copies.shape[1]
-        picks = [static_pick(logits[:, k], (copies[:, k] == mask_id) & ~state.done[:, None], mask_id) for k in range(n)]
+        picks = [static_pick(logits_bnkv[:, k], (copies[:, k] == mask_id) & ~state.done[:, None], mask_id)
+                 for k in range(n)]
         agrees = []
         for k in range(n - 1):
             commit, proposed = picks[k]
@@ -142,18 +146,8 @@ class MRPSpec(MRPDecoder):
 
         bonus_commit = at_accepted(jnp.stack([c for c, _ in picks], axis=1))
         bonus_tokens = at_accepted(jnp.stack([t for _, t in picks], axis=1))
-        new_tokens = jnp.where(bonus_commit, bonus_tokens, at_accepted(copies))
-        canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, new_tokens, fwd.block_start(state.block), axis=1)
-        keep = needs_forward[:, None, None]
-        return state.replace(
-            canvas=canvas,
-            logits=jnp.where(keep, at_accepted(logits), state.logits),
-            hidden=jnp.where(keep, at_accepted(hidden), state.hidden),
-            rounds=state.rounds + needs_forward,
-            committed=state.committed + jnp.sum(new_tokens != tokens, axis=-1),
-            nfe=state.nfe + needs_forward,
-            batch_nfe=state.batch_nfe + jnp.any(needs_forward),
-        )
+        tokens = jnp.where(bonus_commit, bonus_tokens, at_accepted(copies))
+        return tokens, at_accepted(logits_bnkv), at_accepted(hidden_bnkd)
 
 
 @register_decoder
@@ -207,13 +201,10 @@ class MRPRemask(MRPDecoder):
         own = h_p[:, jnp.arange(k), jnp.arange(k)]  # copy j's output at position j
         return residual_logits(fwd.head, fwd.model, own)
 
-    def run_round(self, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
-        tokens = block_tokens(state, fwd)
-
-        def commit_set(scores, masked_bk):
-            proposed = self.select(scores, masked_bk)
-            residual = self.residual(fwd, state, tokens, jnp.where(proposed, scores.tokens, tokens))
-            kept = self.vetoed(scores, proposed, state.logits, residual, mask_id)
-            return policies.with_progress_guard(kept, scores, masked_bk)
-
-        return policy_round(self, fwd, state, mask_id=mask_id, seed_key=seed_key, commit_set=commit_set)
+    def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
+        scores = self.scores(fwd, state, keys_b)
+        proposed = self.select(scores, masked_bk)
+        residual = self.residual(fwd, state, tokens_bk, jnp.where(proposed, scores.tokens, tokens_bk))
+        kept = self.vetoed(scores, proposed, state.logits, residual, fwd.mask_id)
+        after = jnp.where(policies.with_progress_guard(kept, scores, masked_bk), scores.tokens, tokens_bk)
+        return Plan(tokens=after, copies=after[:, None])

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dlmjax.decoding import policies
-from dlmjax.decoding.engine import BlockForwards, DecodeState, block_tokens, policy_round, verify_if_needed
+from dlmjax.decoding.engine import Plan
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
 
 PSD_POLICIES = ("threshold", "topk", "decay", "margin")
@@ -72,6 +72,10 @@ class PSD(DiffusionDecoder):
             sets.append(chosen)
         return jnp.stack(states, axis=1), jnp.stack(sets, axis=1)
 
+    @property
+    def num_copies(self) -> int:
+        return self.depth
+
     def accepted_depth(self, drafts_bdk, sets_bdk, scores, logits_bdkv, done_b, mask_id: int):
         """Per row, how many draft depths (>= 1) the verification forward confirms."""
         confirmed = []
@@ -87,27 +91,18 @@ class PSD(DiffusionDecoder):
         chain = jnp.cumprod(jnp.stack(confirmed, axis=1).astype(jnp.int32), axis=1)
         return 1 + jnp.sum(chain, axis=1)
 
-    def run_round(self, fwd: BlockForwards, state: DecodeState, *, mask_id: int, seed_key) -> DecodeState:
-        if self.depth == 1:
-            return policy_round(self, fwd, state, mask_id=mask_id, seed_key=seed_key)
-        tokens = block_tokens(state, fwd)
-        masked = (tokens == mask_id) & ~state.done[:, None]
-        scores = policies.score(state.logits, mask_id=mask_id)
-        drafts, sets = self.drafts(tokens, masked, scores)
-        needs_forward = jnp.any(drafts[:, 0] == mask_id, axis=-1) & ~state.done  # masks left after S1
-        logits, hidden = verify_if_needed(fwd, state, drafts, needs_forward)
-        depth = self.accepted_depth(drafts, sets, scores, logits, state.done, mask_id)
-        pick = (depth - 1)[:, None, None]
-        new_tokens = jnp.take_along_axis(drafts, pick, axis=1)[:, 0]
-        seed = jnp.take_along_axis(logits, pick[..., None], axis=1)[:, 0]
-        seed_hidden = jnp.take_along_axis(hidden, pick[..., None], axis=1)[:, 0]
-        canvas = jax.lax.dynamic_update_slice_in_dim(state.canvas, new_tokens, fwd.block_start(state.block), axis=1)
-        return state.replace(
-            canvas=canvas,
-            logits=jnp.where(needs_forward[:, None, None], seed, state.logits),
-            hidden=jnp.where(needs_forward[:, None, None], seed_hidden, state.hidden),
-            rounds=state.rounds + jnp.any(masked, axis=-1),
-            committed=state.committed + jnp.sum(new_tokens != tokens, axis=-1),
-            nfe=state.nfe + needs_forward,
-            batch_nfe=state.batch_nfe + jnp.any(needs_forward),
-        )
+    def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
+        """S1 is this step's commit; X1..X_depth are verified by the round's forward."""
+        scores = self.scores(fwd, state, keys_b)
+        drafts, sets = self.drafts(tokens_bk, masked_bk, scores)
+        return Plan(tokens=drafts[:, 0], copies=drafts, aux=(sets, scores))
+
+    def resolve(self, fwd, state, plan: Plan, logits_bdkv, hidden_bdkd):
+        """Keep the deepest draft P would have produced step by step; its forward seeds the next round."""
+        sets, scores = plan.aux
+        depth = self.accepted_depth(plan.copies, sets, scores, logits_bdkv, state.done, fwd.mask_id)
+
+        def at_depth(x_bd):
+            return jnp.take_along_axis(x_bd, (depth - 1).reshape((-1,) + (1,) * (x_bd.ndim - 1)), axis=1)[:, 0]
+
+        return at_depth(plan.copies), at_depth(logits_bdkv), at_depth(hidden_bdkd)

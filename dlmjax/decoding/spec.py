@@ -11,7 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
+import jax.numpy as jnp
+
 from dlmjax.decoding import policies
+from dlmjax.decoding.engine import Plan
 
 CACHE_MODES = ("none", "prefix", "dual")
 
@@ -63,6 +66,28 @@ class DiffusionDecoder:
         commits at least one."""
         chosen = self.remask(scores, self.select(scores, masked_bk), masked_bk)
         return policies.with_progress_guard(chosen, scores, masked_bk)
+
+    @property
+    def num_copies(self) -> int:
+        """Versions of the block each round's forward evaluates (drafts for PSD and MRP spec)."""
+        return 1
+
+    def scores(self, fwd, state, keys_b) -> policies.Scores:
+        """Proposed tokens and their confidences from each row's latest logits."""
+        return policies.score(state.logits, mask_id=fwd.mask_id, temperature=self.temperature, top_p=self.top_p,
+                              keys_b=keys_b)
+
+    def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
+        """The round before its forward (engine.decode_round): commit `commit_set` from the latest
+        logits; the forward then evaluates the block as it is after the commits."""
+        scores = self.scores(fwd, state, keys_b)
+        after = jnp.where(self.commit_set(scores, masked_bk), scores.tokens, tokens_bk)
+        return Plan(tokens=after, copies=after[:, None])
+
+    def resolve(self, fwd, state, plan: Plan, logits_bnkv, hidden_bnkd):
+        """The round after its forward: (block tokens, seed logits, seed hidden) of each row that
+        forwarded copies. Policy decoders keep their commits and seed from the one copy."""
+        return plan.tokens, logits_bnkv[:, 0], hidden_bnkd[:, 0]
 
 
 @dataclass(frozen=True)
@@ -127,7 +152,8 @@ def decoder_spec(decoder) -> str:
 
 
 def register_decoder(cls: type) -> type:
-    """Class decorator for decoders defined elsewhere (MRP, PSD, TSPD)."""
+    """Class decorator for decoders defined in their own modules (MRP, PSD, TSPD); the package's
+    __init__ imports each module, so they are registered whenever dlmjax.decoding is."""
     DECODERS[cls.name] = cls
     return cls
 
@@ -150,16 +176,12 @@ def _parse_bool(value: str) -> bool:
 
 
 def decoder_names() -> list[str]:
-    """All registered decoders, the built-in accelerated ones included."""
-    import dlmjax.decoding.mrp  # noqa: F401  (these register themselves; imported here to avoid a cycle)
-    import dlmjax.decoding.psd  # noqa: F401
-
+    """All registered decoders (dlmjax.decoding's __init__ imports every decoder module)."""
     return sorted(DECODERS)
 
 
 def parse_decoder(spec: str):
     """`NAME` or `NAME:key=value,key=value` -> a decoder config."""
-    decoder_names()
     name, _, options = spec.strip().partition(":")
     if name not in DECODERS:
         raise DecoderSpecError(f"unknown decoder {name!r}; valid decoders: {', '.join(decoder_names())}")

@@ -9,17 +9,20 @@ from dlmjax.evaluation.runner import RunRecord
 
 
 def markdown_table(records: list[RunRecord]) -> str:
-    """One row per (task, decoder); speedup is the task's first decoder's wall time over this one's."""
+    """One row per (task, decoder); speedup is the task's first decoder's wall time over this one's.
+    NFE is per prompt, forwards for the whole task; batch TPF = committed tokens per row slot of
+    those forwards (TPF less the slots idle rows held)."""
     lines = [
-        "| task | decoder | n | accuracy | NFE | TPF | useful TPF | tokens/s | speedup |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| task | decoder | n | accuracy | NFE | TPF | useful TPF | forwards | batch TPF | tokens/s | speedup |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     baseline: dict[str, float] = {}
     for r in records:
         base = baseline.setdefault(r.task, r.wall_s)
         lines.append(
             f"| {r.task} | `{r.decoder}` | {r.n} | {100 * r.accuracy:.1f}% | {r.nfe:.1f} | {r.tpf:.2f} | "
-            f"{r.useful_tpf:.2f} | {r.tokens_per_s:.0f} | {base / max(r.wall_s, 1e-9):.2f}x |"
+            f"{r.useful_tpf:.2f} | {r.forwards} | {r.batch_tpf:.2f} | {r.tokens_per_s:.0f} | "
+            f"{base / max(r.wall_s, 1e-9):.2f}x |"
         )
     return "\n".join(lines) + "\n"
 

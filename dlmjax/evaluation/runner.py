@@ -1,9 +1,10 @@
 """Run several decoders over the same prompts and measure accuracy and speed.
 
-Batches are padded to a fixed size (a multiple of the mesh's 'data' axis, repeating the last
-prompt; the copies are dropped) so every batch of a task shares one compiled program, and the
-batch is split over 'data' (data-parallel decoding). Each (task, decoder) first decodes its first
-batch once untimed, so `wall_s` and tokens/s measure decoding, not compilation.
+Each (task, decoder) runs as one continuous-batching stream (`dlmjax.decoding.api.Stream`):
+`batch_size` slots (a multiple of the mesh's 'data' axis, split over it: data-parallel
+decoding), and a finished row's slot takes the next prompt. Each (task, decoder) first decodes
+a warm-up slice with the layout of the whole task, untimed, so `wall_s` and tokens/s measure
+decoding, not compilation.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from dlmjax.decoding.api import generate
+from dlmjax.decoding.api import Stream
 from dlmjax.evaluation.tasks import EvalSet
 
 
@@ -31,6 +32,8 @@ class RunRecord:
     useful_tpf: float  # generated tokens up to the first EOS per forward
     tokens_per_s: float  # generated tokens up to EOS / wall_s
     wall_s: float
+    forwards: int = 0  # model forwards run for the whole task (prefills of new prompts included)
+    batch_tpf: float = 0.0  # committed tokens / row slots of those forwards (tpf, less idle slots)
     skipped_rows: int = 0
 
     def to_json(self) -> dict:
@@ -59,50 +62,39 @@ def replicate_on(model, mesh):
     return nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, P())))
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-def _batches(items, batch_size: int):
-    for start in range(0, len(items), batch_size):
-        chunk = items[start : start + batch_size]
-        yield chunk, chunk + [chunk[-1]] * (batch_size - len(chunk))
-
-
 def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model_name: str, batch_size: int,
                      mesh=None, seed: int = 0, chat: bool = False, warmup: bool = True, bar=None, head=None):
     """(RunRecord, per-prompt outputs) for one decoder (a SPEC string, used as its label) on one task."""
-    prompts = {item.index: item.prompt for item in eval_set.items}
+    items = eval_set.items
+    prompts = [item.prompt for item in items]
     if chat:
-        prompts = {i: tokenizer.apply_chat_template([{"role": "user", "content": p}]) for i, p in prompts.items()}
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
 
-    def run(padded):
-        return generate(model, [prompts[it.index] for it in padded], tokenizer=tokenizer, decoder=decoder,
-                        max_new_tokens=eval_set.max_new_tokens, seed=seed, row_ids=[it.index for it in padded],
-                        mesh=mesh, head=head)
+    def stream(limit=None):
+        return Stream(model, prompts, batch_size=batch_size, tokenizer=tokenizer, decoder=decoder,
+                      max_new_tokens=eval_set.max_new_tokens, seed=seed, row_ids=[it.index for it in items], mesh=mesh,
+                      head=head, limit=limit)
 
-    if warmup:  # compile outside the timed runs
-        run(next(_batches(eval_set.items, batch_size))[1])
-    outputs, wall, nfe, committed, generated, correct = [], 0.0, 0, 0.0, 0, 0
-    for chunk, padded in _batches(eval_set.items, batch_size):
-        result = run(padded)
-        rows = result.rows[: len(chunk)]
-        wall += result.wall_s * len(chunk) / len(padded)  # padding rows do not count
-        scores = eval_set.score(chunk, [row.text for row in rows])
-        for item, row, ok in zip(chunk, rows, scores):
-            nfe += row.nfe
-            committed += row.tpf * row.nfe
-            generated += row.num_tokens
-            correct += bool(ok)
-            outputs.append({"task": eval_set.task, "decoder": decoder, "index": item.index,
-                            "tokens": row.tokens, "text": row.text, "correct": bool(ok)})
+    if warmup:  # compile outside the timed run: the first slots and one refill
+        probe = stream()
+        for _ in stream(limit=min(len(items), probe.batch + probe.refill)):
+            pass
+    run = stream()
+    rows = {}
+    for position, row in run:
+        rows[position] = row
         if bar is not None:
-            bar.update(len(chunk))
-    n = len(eval_set.items)
+            bar.update(1)
+    ordered = [rows[i] for i in range(len(items))]
+    scores = eval_set.score(items, [row.text for row in ordered])
+    outputs = [{"task": eval_set.task, "decoder": decoder, "index": item.index, "tokens": row.tokens, "text": row.text,
+                "correct": bool(ok)} for item, row, ok in zip(items, ordered, scores)]
+    n, nfe = len(items), sum(row.nfe for row in ordered)
     record = RunRecord(
-        task=eval_set.task, decoder=decoder, model=model_name, n=n, accuracy=correct / n,
-        nfe=nfe / n, tpf=committed / max(nfe, 1), useful_tpf=generated / max(nfe, 1),
-        tokens_per_s=generated / max(wall, 1e-9), wall_s=wall, skipped_rows=len(eval_set.skipped),
+        task=eval_set.task, decoder=decoder, model=model_name, n=n, accuracy=sum(map(bool, scores)) / n,
+        nfe=nfe / n, tpf=run.committed / max(nfe, 1), useful_tpf=run.generated / max(nfe, 1),
+        tokens_per_s=run.generated / max(run.wall_s, 1e-9), wall_s=run.wall_s, forwards=run.forwards,
+        batch_tpf=run.batch_tpf, skipped_rows=len(eval_set.skipped),
     )
     return record, outputs
 
@@ -116,18 +108,16 @@ def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *,
         if not eval_set.items:
             raise ValueError(f"{eval_set.task}: no usable prompts ({len(eval_set.skipped)} rows skipped); "
                              "check the dataset file or --limit")
-    data = mesh.shape["data"] if mesh is not None else 1
     if mesh is not None:
         model, head = replicate_on(model, mesh), replicate_on(head, mesh)
     records, outputs = [], []
     total = sum(len(s.items) for s in eval_sets) * len(decoders)
     with tqdm(total=total, desc="eval", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
         for eval_set in eval_sets:
-            size = _round_up(min(batch_size, len(eval_set.items)), data)
             for decoder in decoders:
                 bar.set_postfix(task=eval_set.task, decoder=decoder)
                 record, outs = evaluate_decoder(model, tokenizer, eval_set, decoder, model_name=model_name,
-                                                batch_size=size, mesh=mesh, seed=seed, chat=chat, warmup=warmup,
+                                                batch_size=batch_size, mesh=mesh, seed=seed, chat=chat, warmup=warmup,
                                                 bar=bar, head=head)
                 records.append(record)
                 outputs.extend(outs)

@@ -71,15 +71,12 @@ class MRPModule(nnx.Module):
         self.norm = RMSNorm(d, backbone.rms_norm_eps, dt)
 
     def __call__(self, embeds_bld, hidden_bld, positions_bl, *, segments_bl=None, valid_bl=None,
-                 cache: KVCache | None = None, write_cache: bool = False, visible_bll=None):
-        """(h_p [B, L, D], cache): the module's output over one chunk."""
+                 cache: KVCache | None = None, visible_bll=None):
+        """(h_p [B, L, D], this chunk's per-layer (k, v)): the module's output over one chunk."""
         x = self.eh_proj(jnp.concatenate([self.enorm(embeds_bld), self.hnorm(hidden_bld)], axis=-1))
         x, new_kv, _ = run_layers(self.layers, self.config, x, positions_bl, segments_bl=segments_bl,
                                   valid_bl=valid_bl, cache=cache, visible_bll=visible_bll)
-        if cache is not None and write_cache:
-            valid = jnp.ones(positions_bl.shape, bool) if valid_bl is None else valid_bl
-            cache = cache.append(new_kv, positions_bl, valid)
-        return self.norm(x), cache
+        return self.norm(x), new_kv
 
 
 class MRPHead(nnx.Module):
@@ -102,12 +99,15 @@ class MRPHead(nnx.Module):
         cfg = self.backbone_config.replace(num_layers=self.config.num_layers)
         return tuple(KVCache.init(cfg, batch, capacity) for _ in self.mrp_modules)
 
-    def write_context(self, backbone: Transformer, caches, tokens_bl, hidden_bld, positions_bl, valid_bl):
-        """Append a finished chunk (clean tokens and the backbone's hidden state on them) to every
-        module's KV cache: the context later blocks' head forwards attend to."""
+    def write_context(self, backbone: Transformer, caches, tokens_bl, hidden_bld, positions_bl, valid_bl, start_b,
+                      write_b=None):
+        """Write a finished chunk (clean tokens and the backbone's hidden state on them) into every
+        module's KV cache at each row's slot offset `start_b` (rows with `write_b` False are left
+        as they are): the context later blocks' head forwards attend to."""
         embeds = backbone.embed_tokens(tokens_bl)
         return tuple(
-            module(embeds, hidden_bld, positions_bl, valid_bl=valid_bl, cache=cache, write_cache=True)[1]
+            cache.write_rows(module(embeds, hidden_bld, positions_bl, valid_bl=valid_bl, cache=cache)[1], start_b,
+                             positions_bl, valid_bl, write_b)
             for module, cache in zip(self.mrp_modules, caches)
         )
 

@@ -70,6 +70,10 @@ def attention(q_blhd, kv_parts):
     kv_parts: [(k [B,S,Hkv,hd], v [B,S,Hkv,hd], visible [B,L,S]), ...]. Splitting the keys
     (cached prefix, this chunk) avoids concatenating the cache into a new buffer every step.
     q has H heads, k/v have Hkv heads; H % Hkv == 0.
+
+    Each part's exponentials are summed on their own and the parts' sums added in order, so a
+    part whose keys are all hidden adds exact zeros: a query's output is bitwise the same whether
+    such a part is there or not (the row-asynchronous engine adds a store part to some forwards).
     """
     b, l, h, d = q_blhd.shape
     hkv = kv_parts[0][0].shape[2]
@@ -78,13 +82,16 @@ def attention(q_blhd, kv_parts):
     for k, _, visible in kv_parts:
         s = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32) * d**-0.5
         scores.append(jnp.where(visible[:, None, None, :, :], s, MASK_VALUE))
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-    out, start = 0.0, 0
-    for k, v, _ in kv_parts:
-        p = probs[..., start : start + k.shape[1]].astype(v.dtype)
-        out = out + jnp.einsum("bkgls,bskd->blkgd", p, v, preferred_element_type=jnp.float32)
-        start += k.shape[1]
-    return out.astype(q_blhd.dtype).reshape(b, l, h, d)
+    top = scores[0].max(axis=-1, keepdims=True)
+    for s in scores[1:]:
+        top = jnp.maximum(top, s.max(axis=-1, keepdims=True))
+    out, total = 0.0, 0.0
+    for s, (_, v, _) in zip(scores, kv_parts):
+        e = jnp.exp(s - top)
+        total = total + e.sum(axis=-1, keepdims=True)
+        out = out + jnp.einsum("bkgls,bskd->bkgld", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / total  # [B, Hkv, G, L, hd]
+    return out.transpose(0, 3, 1, 2, 4).astype(q_blhd.dtype).reshape(b, l, h, d)
 
 
 def shift_logits_right(logits_blv, previous_bv=None):

@@ -100,6 +100,35 @@ class KVCache:
             length=start + positions_bl.shape[1],
         )
 
+    def write_rows(self, layer_kv, start_b, positions_bl, valid_bl, write_b=None) -> "KVCache":
+        """Write one chunk of L slots per row at that row's own offset `start_b` [B] (the
+        row-asynchronous engine: slot = canvas column). Rows with `write_b` False keep their slots."""
+
+        def put(buf, new):
+            new = new.astype(buf.dtype)
+            if write_b is not None:
+                old = take_rows(buf, start_b, new.shape[1])
+                new = jnp.where(write_b.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+            return put_rows(buf, start_b, new)
+
+        return self.replace(
+            k=tuple(put(buf, k) for buf, (k, _) in zip(self.k, layer_kv)),
+            v=tuple(put(buf, v) for buf, (_, v) in zip(self.v, layer_kv)),
+            positions=put(self.positions, positions_bl.astype(jnp.int32)),
+            valid=put(self.valid, valid_bl),
+        )
+
+
+def take_rows(x_bt, start_b, width: int):
+    """x[b, start_b[b] : start_b[b] + width] for every row b (axis 1; trailing axes kept)."""
+    return jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, width, axis=0))(x_bt, start_b)
+
+
+def put_rows(x_bt, start_b, new_bw):
+    """x with x[b, start_b[b] : start_b[b] + width] = new[b] for every row b (axis 1)."""
+    return jax.vmap(lambda row, start, new: jax.lax.dynamic_update_slice_in_dim(row, new, start, axis=0))(
+        x_bt, start_b, new_bw)
+
 
 @struct.dataclass
 class ModelOutput:
@@ -107,6 +136,7 @@ class ModelOutput:
     hidden: jax.Array  # [B, L, D] final hidden state after the final norm
     cache: KVCache | None
     layer_hidden: tuple[jax.Array, ...] = ()  # residual stream at the requested `hidden_layers`
+    chunk_kv: tuple = ()  # per layer (k [B, L, Hkv, hd], v) of this chunk, for callers that write it themselves
 
 
 class Attention(nnx.Module):
@@ -128,16 +158,22 @@ class Attention(nnx.Module):
             k = self.k_norm(k)
         return layers.apply_rope(k, cos, sin), v
 
-    def __call__(self, x_bld, cos, sin, self_visible, cached=None):
+    def __call__(self, x_bld, cos, sin, self_visible, cached=None, chunk_parts=()):
         """Attend to this chunk (`self_visible` [B, L, L]) and, if given, to
-        `cached` = (k [B,S,Hkv,hd], v, visible [B, L, S]). Returns (out, this chunk's (k, v))."""
+        `cached` = (k [B,S,Hkv,hd], v, visible [B, L, S]). `chunk_parts` (static sizes summing to L)
+        splits the chunk's keys into parts reduced on their own (see `layers.attention`).
+        Returns (out, this chunk's (k, v))."""
         b, l, _ = x_bld.shape
         q = self.q(x_bld).reshape(b, l, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = layers.apply_rope(q, cos, sin)
         k, v = self.project_kv(x_bld, cos, sin)
-        parts = [(k, v, self_visible)] if cached is None else [cached, (k, v, self_visible)]
+        parts, start = [] if cached is None else [cached], 0
+        for size in chunk_parts or (l,):
+            end = start + size
+            parts.append((k[:, start:end], v[:, start:end], self_visible[..., start:end]))
+            start = end
         out = layers.attention(q, parts)
         return self.o(out.reshape(b, l, -1)), (k, v)
 
@@ -160,8 +196,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, cos, sin, self_visible, cached=None):
-        attn_out, kv = self.attn(self.attn_norm(x), cos, sin, self_visible, cached)
+    def __call__(self, x, cos, sin, self_visible, cached=None, chunk_parts=()):
+        attn_out, kv = self.attn(self.attn_norm(x), cos, sin, self_visible, cached, chunk_parts)
         x = x + attn_out
         x = x + self.mlp(self.mlp_norm(x))
         return constrain(x, ("batch", None, None)), kv
@@ -201,13 +237,15 @@ class Transformer(nnx.Module):
         visible_bll=None,
         compute_logits: bool = True,
         hidden_layers: tuple[int, ...] = (),
+        chunk_parts: tuple[int, ...] = (),
     ) -> ModelOutput:
         """Forward one chunk. `attention` overrides the config's topology (parity tests);
         `visible_bll` [B, L, L] replaces the chunk's visibility outright (training layouts such as
         the block-diffusion noisy+clean concatenation; not combined with a cache).
 
         `hidden_layers` follows transformers' `hidden_states` indexing: 0 is the embedding
-        output, i the residual stream after layer i.
+        output, i the residual stream after layer i. `chunk_parts`: static sizes that split the
+        chunk's keys into separately reduced attention parts (numerics only; see `layers.attention`).
         """
         cfg = self.config
         b, l = tokens_bl.shape
@@ -218,7 +256,7 @@ class Transformer(nnx.Module):
         x = constrain(self.embed_tokens(tokens_bl), ("batch", None, None))
         x, new_kv, collected = run_layers(
             self.layers, cfg, x, positions_bl, segments_bl=segments_bl, valid_bl=valid_bl, cache=cache,
-            attention=attention, visible_bll=visible_bll, hidden_layers=hidden_layers,
+            attention=attention, visible_bll=visible_bll, hidden_layers=hidden_layers, chunk_parts=chunk_parts,
         )
         hidden = self.final_norm(x)
         logits = None
@@ -228,7 +266,8 @@ class Transformer(nnx.Module):
                 logits = layers.shift_logits_right(logits)
         if cache is not None and write_cache:
             cache = cache.append(new_kv, positions_bl, _valid(valid_bl, positions_bl))
-        return ModelOutput(logits=logits, hidden=hidden, cache=cache, layer_hidden=tuple(collected))
+        return ModelOutput(logits=logits, hidden=hidden, cache=cache, layer_hidden=tuple(collected),
+                           chunk_kv=tuple(new_kv))
 
 
 def _valid(valid_bl, positions_bl):
@@ -237,7 +276,7 @@ def _valid(valid_bl, positions_bl):
 
 def run_layers(
     blocks, cfg: ModelConfig, x, positions_bl, *, segments_bl=None, valid_bl=None, cache: KVCache | None = None,
-    attention: str | None = None, visible_bll=None, hidden_layers: tuple[int, ...] = (),
+    attention: str | None = None, visible_bll=None, hidden_layers: tuple[int, ...] = (), chunk_parts=(),
 ):
     """Run decoder `blocks` over the embedded chunk `x` [B, L, D] (the backbone, or an MRP head's
     layers with the same topology). Returns (x, per-layer (k, v) of this chunk, collected hidden
@@ -261,7 +300,7 @@ def run_layers(
     new_kv = []
     for i, block in enumerate(blocks):
         cached = None if cache is None else (cache.k[i], cache.v[i], cache_visible)
-        x, kv = block(x, cos, sin, self_visible, cached)
+        x, kv = block(x, cos, sin, self_visible, cached, chunk_parts)
         new_kv.append(kv)
         if i + 1 in hidden_layers:
             collected.append(x)
