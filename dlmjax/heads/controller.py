@@ -1,0 +1,190 @@
+"""The TSPD controller (ALGORITHMS.md section 4): a 2-layer MLP that reads a masked token's
+trajectory features and gives the probability that its current argmax is already final.
+
+    x      = (features - feature_mean) / feature_std          # standardised on the training traces
+    logit  = fc2(gelu(fc1(x)))                                 # fc1: F -> hidden, fc2: hidden -> 1
+    p      = sigmoid(logit)
+
+The feature set is configurable: any ordered subset of `FEATURES` (dlmjax.traces records all of
+them). The checkpoint is one safetensors file in PyTorch layout (`torch.nn.Linear` weights are
+[out, in]): `fc1.weight`, `fc1.bias`, `fc2.weight`, `fc2.bias`, `feature_mean`, `feature_std`;
+its metadata holds `format: pt`, the feature names, the calibrated threshold and the fingerprint
+of the model whose traces trained it. In PyTorch:
+
+    sd = safetensors.torch.load_file(path); x = (f - sd["feature_mean"]) / sd["feature_std"]
+    p = torch.sigmoid(F.linear(F.gelu(F.linear(x, sd["fc1.weight"], sd["fc1.bias"]), approximate="tanh"),
+                               sd["fc2.weight"], sd["fc2.bias"]))
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
+
+FEATURES = ("confidence", "entropy", "momentum", "stable", "block_pos", "abs_pos")
+CONTROLLER_FILE = "tspd_controller.safetensors"
+FORMAT_VERSION = "1"
+
+
+class ControllerMismatchError(ValueError):
+    """A controller used with features or a model it was not trained for."""
+
+
+def check_features(features) -> tuple[str, ...]:
+    features = tuple(features)
+    unknown = [f for f in features if f not in FEATURES]
+    if not features or unknown or len(set(features)) != len(features):
+        raise ValueError(f"controller features {list(features)}: give a non-empty list of distinct names from "
+                         f"{', '.join(FEATURES)}")
+    return features
+
+
+def model_fingerprint(config) -> dict:
+    """What a controller (and its traces) is tied to: the backbone's shape-defining config."""
+    return {"family": config.family, "vocab_size": int(config.vocab_size), "hidden_size": int(config.hidden_size),
+            "num_layers": int(config.num_layers), "block_size": config.block_size,
+            "mask_token_id": int(config.mask_token_id)}
+
+
+def mlp_logits(params: dict, x):
+    """The controller's pure numerics: params {fc1_w [H, F], fc1_b, fc2_w [1, H], fc2_b, mean, std}
+    (PyTorch layout), x [..., F] raw features -> logits [...] (float32)."""
+    x = (x.astype(jnp.float32) - params["mean"]) / params["std"]
+    h = jax.nn.gelu(x @ params["fc1_w"].T + params["fc1_b"], approximate=True)
+    return (h @ params["fc2_w"].T + params["fc2_b"])[..., 0]
+
+
+class Controller(nnx.Module):
+    """The trainable MLP; `feature_mean`/`feature_std` are fixed buffers set from the training traces."""
+
+    def __init__(self, num_features: int, hidden: int = 32, *, seed: int = 0, mean=None, std=None):
+        rngs = nnx.Rngs(seed)
+        k1, k2 = jax.random.split(rngs.params())
+        self.fc1_w = nnx.Param(jax.random.normal(k1, (hidden, num_features)) / np.sqrt(num_features))
+        self.fc1_b = nnx.Param(jnp.zeros((hidden,)))
+        self.fc2_w = nnx.Param(jax.random.normal(k2, (1, hidden)) / np.sqrt(hidden))
+        self.fc2_b = nnx.Param(jnp.zeros((1,)))
+        self.mean = nnx.Variable(jnp.zeros((num_features,)) if mean is None else jnp.asarray(mean, jnp.float32))
+        self.std = nnx.Variable(jnp.ones((num_features,)) if std is None else jnp.asarray(std, jnp.float32))
+
+    def params(self) -> dict:
+        return {name: getattr(self, name)[...] for name in ("fc1_w", "fc1_b", "fc2_w", "fc2_b", "mean", "std")}
+
+    def __call__(self, x):
+        return mlp_logits(self.params(), x)
+
+
+_TORCH_NAMES = {"fc1_w": "fc1.weight", "fc1_b": "fc1.bias", "fc2_w": "fc2.weight", "fc2_b": "fc2.bias",
+                "mean": "feature_mean", "std": "feature_std"}
+
+
+@dataclass(frozen=True)
+class ControllerWeights:
+    """A loaded controller: host arrays (PyTorch layout) and its metadata."""
+
+    params: dict
+    features: tuple[str, ...]
+    threshold: float
+    model: dict  # model_fingerprint of the traces' model
+    path: str = ""
+
+    @property
+    def hidden(self) -> int:
+        return int(self.params["fc1_w"].shape[0])
+
+    def jax_params(self) -> dict:
+        return {k: jnp.asarray(v, jnp.float32) for k, v in self.params.items()}
+
+    def check_model(self, config) -> None:
+        fp = model_fingerprint(config)
+        if fp != self.model:
+            diff = {k: (self.model.get(k), fp[k]) for k in fp if self.model.get(k) != fp[k]}
+            raise ControllerMismatchError(
+                f"controller {self.path or ''} was trained on traces of another model (trained on vs this one: "
+                f"{diff}); collect traces with this model (`dlmjax traces`) and train a controller on them")
+
+    def check_features(self, features) -> None:
+        if features and tuple(features) != self.features:
+            raise ControllerMismatchError(
+                f"controller {self.path or ''} reads features {'+'.join(self.features)}, the decoder asks for "
+                f"{'+'.join(features)}; drop the decoder's features= option or train a controller on that set")
+
+
+def save_controller(controller: Controller | dict, path: str | Path, *, features, threshold: float, model: dict) -> Path:
+    """Write the controller as one safetensors file in PyTorch layout (module docstring)."""
+    params = controller.params() if isinstance(controller, Controller) else controller
+    features = check_features(features)
+    if params["fc1_w"].shape[1] != len(features):
+        raise ValueError(f"controller has {params['fc1_w'].shape[1]} inputs but {len(features)} features were named")
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        path = path / CONTROLLER_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {_TORCH_NAMES[k]: np.asarray(v, np.float32) for k, v in params.items()}
+    save_file(tensors, path, metadata={"format": "pt", "dlmjax_controller": FORMAT_VERSION,
+                                       "features": json.dumps(list(features)), "threshold": repr(float(threshold)),
+                                       "model": json.dumps(model, sort_keys=True)})
+    return path
+
+
+def resolve_controller_path(name: str | Path) -> Path:
+    """A .safetensors file, a directory holding `tspd_controller.safetensors`, or a preset name
+    whose checkpoint ships one (toy-sdar)."""
+    path = Path(name)
+    if path.is_dir():
+        path = path / CONTROLLER_FILE
+    elif not path.exists() and path.suffix != ".safetensors":
+        from dlmjax.presets import preset_names, resolve_model
+
+        if str(name) in preset_names():
+            path = resolve_model(str(name)) / CONTROLLER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no TSPD controller at {name} ({path}); pass a tspd_controller.safetensors file or a directory with one "
+            "(train one: dlmjax traces ... then dlmjax train configs/tspd/toy-sdar.yaml)")
+    return path
+
+
+@functools.lru_cache(maxsize=16)
+def load_controller(name: str) -> ControllerWeights:
+    """The controller stored at `name` (see `resolve_controller_path`)."""
+    path = resolve_controller_path(name)
+    f = SafetensorsFile(path)
+    meta = f.metadata
+    if meta.get("dlmjax_controller") is None:
+        raise CheckpointError(f"{path} is not a TSPD controller (no dlmjax_controller metadata)")
+    params = {}
+    for ours, theirs in _TORCH_NAMES.items():
+        if theirs not in f.keys():
+            raise CheckpointError(f"{path}: TSPD controller is missing tensor {theirs!r}")
+        params[ours] = np.array(f.get(theirs), np.float32)
+    features = check_features(json.loads(meta["features"]))
+    if params["fc1_w"].shape[1] != len(features) or params["mean"].shape != (len(features),):
+        raise CheckpointError(f"{path}: fc1.weight {params['fc1_w'].shape} does not read the {len(features)} "
+                              f"features named in its metadata")
+    return ControllerWeights(params=params, features=features, threshold=float(meta["threshold"]),
+                             model=json.loads(meta["model"]), path=str(path))
+
+
+def controller_module(weights: ControllerWeights) -> Controller:
+    """A loaded controller as a trainable module (e.g. to fine-tune it)."""
+    module = Controller(len(weights.features), weights.hidden)
+    for name, value in weights.params.items():
+        getattr(module, name)[...] = jnp.asarray(value)
+    return module
+
+
+def export_controller(source: str | Path, out: str | Path) -> Path:
+    """`dlmjax export`: copy a controller (file, directory or preset) to `out` (a .safetensors
+    path or a directory), re-validated, in PyTorch layout."""
+    w = load_controller(str(source))
+    return save_controller(w.params, out, features=w.features, threshold=w.threshold, model=w.model)
