@@ -2,6 +2,7 @@
 forecasts of a constant-velocity series, and the `ce` decoder (progress, batch invariance,
 fewer forwards than static, per-block reset, option errors)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -128,12 +129,13 @@ def test_ce_carry_resets_per_block(sdar):
     fwd = engine.BlockForwards(sdar, rows, geometry, "exact", req.mask_id)
     decoder = parse_decoder("ce:tau=0.7")
     state = engine.start(fwd, jnp.asarray(canvas), decoder)
+    step = jax.jit(lambda st: engine.decode_round(decoder, fwd, st, seed_key=None, eos=jnp.asarray([-1])))
     prev, resets = None, 0
     for _ in range(3 * MAX_NEW):
         if bool(jnp.all(state.done)):
             break
         before = state.block
-        state = engine.decode_round(decoder, fwd, state, seed_key=None, eos=jnp.asarray([-1]))
+        state = step(state)
         traj = state.carry["traj"]
         assert traj.block.tolist() == before.tolist()  # the carry describes the block the round planned
         if prev is not None:

@@ -1,0 +1,271 @@
+"""TSPD training traces (ALGORITHMS.md section 4; labels as in Learn2PD).
+
+For a batch of prompts:
+1. reference: decode with the model's own 1-per-step static decoder (`static`, k=1); its final
+   canvas y* is the reference output (every generated block, including the EOS block's tail);
+2. Extremely Greedy Parallel (EGP) decoding: each round, commit every masked position of the
+   row's current block whose current argmax equals y*. When none does, the most confident masked
+   position is committed with its y* token (teacher forcing keeps the canvas on y*, so EGP ends
+   exactly where the reference did);
+3. record, per masked token per round, the trajectory features of dlmjax.decoding.tspd
+   (confidence, entropy, momentum, stable, block_pos, abs_pos: the ones the decoders compute)
+   and the label [argmax == y*].
+
+Both decodes are one jitted `lax.while_loop` each over the engine's rounds (same forwards, cache
+and layout as `dlmjax generate`); the batch can be split over the mesh's 'data' axis.
+
+On-disk format: a directory with
+  traces.npz   features [N, F] float32 (columns: meta["features"]), label [N] bool,
+               prompt [N] int32 (index into the prompt list), round [N] int32 (the row's round),
+               block [N] int32, token [N] int32 (current argmax), target [N] int32 (y*)
+  meta.json    {"format": "dlmjax-tspd-traces", "version": 1, "features", "model" (fingerprint),
+                "model_source", "count", "positives", "num_prompts", "tasks", "block",
+                "max_new_tokens" (per task), "seed"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlmjax.decoding import engine, policies
+from dlmjax.decoding.engine import BlockForwards, Plan
+from dlmjax.decoding.spec import DiffusionDecoder, Static
+from dlmjax.decoding.tspd import Trajectory, block_abs_pos, feature_matrix, observe
+from dlmjax.heads.controller import FEATURES, model_fingerprint
+from dlmjax.models.transformer import take_rows
+
+TRACE_FORMAT = "dlmjax-tspd-traces"
+TRACE_VERSION = 1
+FIELDS = ("features", "label", "prompt", "round", "block", "token", "target")
+
+
+class TraceError(ValueError):
+    """Traces that do not fit what reads them."""
+
+
+@dataclass(frozen=True)
+class EGPTracer(DiffusionDecoder):
+    """Extremely Greedy Parallel decoding toward y* (carry["ystar"] [B, T]) that records every
+    masked token's features into fixed buffers [B, S, K, ...] (S: the most rounds a row can take)."""
+
+    name: ClassVar[str] = "egp-trace"
+    max_rounds: int = 1
+
+    def init_carry(self, fwd, batch: int):
+        k, s, f = fwd.geometry.block, self.max_rounds, len(FEATURES)
+        return {"traj": Trajectory.init(batch, k), "ystar": jnp.zeros((batch, fwd.geometry.total), jnp.int32),
+                "count": jnp.zeros((batch,), jnp.int32), "features": jnp.zeros((batch, s, k, f), jnp.float32),
+                "label": jnp.zeros((batch, s, k), bool), "recorded": jnp.zeros((batch, s, k), bool),
+                "token": jnp.zeros((batch, s, k), jnp.int32), "block": jnp.zeros((batch, s), jnp.int32)}
+
+    def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
+        c = state.carry
+        scores = self.scores(fwd, state, keys_b)
+        feats, traj = observe(c["traj"], scores, state.block, block_abs_pos(fwd, state.block))
+        target = take_rows(c["ystar"], fwd.block_start(state.block), fwd.geometry.block)
+        label = masked_bk & (scores.tokens == target)
+        commit = policies.with_progress_guard(label, scores, masked_bk)
+        after = jnp.where(commit, target, tokens_bk)
+
+        active = jnp.any(masked_bk, axis=-1)
+        idx = jnp.minimum(c["count"], self.max_rounds - 1)
+        rows = jnp.arange(masked_bk.shape[0])
+
+        def put(buf, value):
+            return buf.at[rows, idx].set(jnp.where(active.reshape((-1,) + (1,) * (value.ndim - 1)), value,
+                                                   buf[rows, idx]))
+
+        carry = {**c, "traj": traj, "count": c["count"] + active,
+                 "features": put(c["features"], feature_matrix(feats, FEATURES)), "label": put(c["label"], label),
+                 "recorded": put(c["recorded"], masked_bk), "token": put(c["token"], scores.tokens),
+                 "block": put(c["block"], state.block)}
+        return Plan(tokens=after, copies=after[:, None], carry=carry)
+
+
+def _loop(decoder, fwd, state, eos):
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                              partial(engine.decode_round, decoder, fwd, seed_key=None, eos=eos), state)
+
+
+_STATIC = ("graphdef", "geometry", "cache_mode", "mask_id", "eos_ids", "max_rounds")
+
+
+@partial(jax.jit, static_argnames=_STATIC)
+def _reference_and_trace(graphdef, params, canvas, rows, *, geometry, cache_mode, mask_id, eos_ids, max_rounds):
+    """(y* canvas [B, T], the tracer's carry) for a laid-out batch."""
+    fwd = BlockForwards(nnx.merge(graphdef, params), rows, geometry, cache_mode, mask_id)
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    static = Static()
+    ystar = _loop(static, fwd, engine.start(fwd, canvas, static), eos).canvas
+    tracer = EGPTracer(max_rounds=max_rounds)
+    state = engine.start(fwd, canvas, tracer)
+    state = state.replace(carry={**state.carry, "ystar": ystar})
+    final = _loop(tracer, fwd, state, eos)
+    return ystar, final.carry, final.canvas
+
+
+def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh=None, block: int | None = None,
+                cache: str = "none") -> dict:
+    """Traces of one batch of token-id prompts (flat arrays, see module docstring; `prompt` is the
+    index in `prompt_ids`). With `mesh`, the batch is split over its 'data' axis."""
+    cfg = model.config
+    if cfg.attention == "causal":
+        raise TraceError(f"{cfg.family} is a causal model; TSPD traces need a diffusion model (sdar, llada, dream)")
+    block = block or cfg.block_size or 32
+    block_causal = cfg.attention == "block_causal"
+    geometry, canvas, rows = engine.plan_layout(prompt_ids, block=block, max_new_tokens=max_new_tokens,
+                                                block_causal=block_causal, pad_id=cfg.pad_token_id,
+                                                mask_id=cfg.mask_token_id)
+    if mesh is not None:
+        from dlmjax.sharding import shard_batch
+
+        canvas, rows = shard_batch((canvas, rows), mesh)
+    graphdef, params = nnx.split(model)
+    max_rounds = geometry.num_blocks * geometry.block
+    ystar, carry, canvas_out = jax.device_get(_reference_and_trace(
+        graphdef, params, jnp.asarray(canvas), rows, geometry=geometry,
+        cache_mode="exact" if block_causal else cache, mask_id=cfg.mask_token_id,
+        eos_ids=tuple(cfg.eos_token_ids), max_rounds=max_rounds))
+    if not np.array_equal(canvas_out, ystar):
+        raise TraceError("EGP decoding did not reproduce the reference output; this is a bug in dlmjax.traces")
+    recorded = np.asarray(carry["recorded"])
+    b, s, k = recorded.shape
+    ystar_blocks = np.stack([np.take_along_axis(
+        ystar, (geometry.prefix + carry["block"][:, j] * k)[:, None] + np.arange(k)[None, :], axis=1)
+        for j in range(s)], axis=1)
+    where = np.nonzero(recorded)
+    return {
+        "features": np.asarray(carry["features"])[where].astype(np.float32),
+        "label": np.asarray(carry["label"])[where].astype(bool),
+        "prompt": where[0].astype(np.int32),
+        "round": where[1].astype(np.int32),
+        "block": np.asarray(carry["block"])[where[0], where[1]].astype(np.int32),
+        "token": np.asarray(carry["token"])[where].astype(np.int32),
+        "target": ystar_blocks[where].astype(np.int32),
+    }
+
+
+def concat(parts: list[dict], offsets: list[int]) -> dict:
+    out = {}
+    for name in FIELDS:
+        arrays = [p[name] + (o if name == "prompt" else 0) for p, o in zip(parts, offsets)]
+        out[name] = np.concatenate(arrays) if arrays else np.zeros((0, len(FEATURES)) if name == "features" else 0)
+    return out
+
+
+def collect_traces(model, prompt_ids: list[list[int]], *, max_new_tokens: int, batch_size: int = 32, mesh=None,
+                   block: int | None = None, cache: str = "none") -> dict:
+    """Traces of every prompt, `batch_size` prompts per batch (a multiple of the mesh's data
+    axis with `mesh`; the last batch is padded with copies of its first prompt, dropped after)."""
+    data = 1 if mesh is None else mesh.shape["data"]
+    if batch_size % data:
+        raise TraceError(f"batch_size={batch_size} must be a multiple of the {data} data-parallel devices")
+    parts, offsets = [], []
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = list(prompt_ids[start : start + batch_size])
+        real = len(chunk)
+        chunk += [chunk[0]] * (-real % data)
+        part = trace_batch(model, chunk, max_new_tokens=max_new_tokens, mesh=mesh, block=block, cache=cache)
+        keep = part["prompt"] < real
+        parts.append({n: v[keep] for n, v in part.items()})
+        offsets.append(start)
+    return concat(parts, offsets)
+
+
+def save_traces(traces: dict, out_dir: str | Path, meta: dict) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / "traces.npz", **{n: traces[n] for n in FIELDS})
+    meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "features": list(FEATURES),
+            "count": int(len(traces["label"])), "positives": int(np.sum(traces["label"])), **meta}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    return out
+
+
+def load_traces(path: str | Path, *, expect_model: dict | None = None) -> tuple[dict, dict]:
+    """(arrays, meta) of a trace directory; `expect_model` (a model_fingerprint) must match."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not meta_path.is_file() or not (path / "traces.npz").is_file():
+        raise TraceError(f"{path} holds no traces (traces.npz + meta.json); collect them with `dlmjax traces`")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format") != TRACE_FORMAT or meta.get("version") != TRACE_VERSION:
+        raise TraceError(f"{path}: format {meta.get('format')} v{meta.get('version')}, expected {TRACE_FORMAT} "
+                         f"v{TRACE_VERSION}; collect them again with `dlmjax traces`")
+    if expect_model is not None and meta["model"] != expect_model:
+        diff = {k: (meta["model"].get(k), v) for k, v in expect_model.items() if meta["model"].get(k) != v}
+        raise TraceError(f"{path} holds traces of another model ({diff}: traces vs expected); collect traces "
+                         "with the model the controller is for")
+    with np.load(path / "traces.npz") as f:
+        arrays = {n: f[n] for n in FIELDS}
+    return arrays, meta
+
+
+def task_prompts(tasks: list[str], per_task: int, seed: int):
+    """[(task, prompts)] from the toy tasks' generators (seed 1234 is the eval sets': use another)."""
+    from dlmjax.toy.tasks import get_task
+
+    return [(t, [ex.prompt for ex in get_task(t).generate(per_task, seed)]) for t in tasks]
+
+
+def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed: int = 0, batch_size: int = 32,
+                     mesh=None, max_new_tokens: dict | None = None) -> tuple[dict, dict]:
+    """(traces, meta) over toy tasks; each task decodes with its evaluation length."""
+    from dlmjax.evaluation.tasks import TOY_MAX_NEW_TOKENS
+
+    lengths = {t: (max_new_tokens or {}).get(t, TOY_MAX_NEW_TOKENS.get(t, 32)) for t in tasks}
+    parts, offsets, total = [], [], 0
+    for task, prompts in task_prompts(tasks, per_task, seed):
+        ids = [tokenizer.encode(p) for p in prompts]
+        parts.append(collect_traces(model, ids, max_new_tokens=lengths[task], batch_size=batch_size, mesh=mesh))
+        offsets.append(total)
+        total += len(ids)
+    meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": tasks, "seed": seed,
+            "block": model.config.block_size, "max_new_tokens": lengths}
+    return concat(parts, offsets), meta
+
+
+# -- `dlmjax traces` ------------------------------------------------------------------------------
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("traces", help="collect TSPD training traces (static reference + EGP labels)")
+    p.add_argument("--model", default="toy-sdar", help="preset or checkpoint directory (default: toy-sdar)")
+    p.add_argument("--tasks", default="toy-arith,toy-constraint", help="comma-separated toy tasks")
+    p.add_argument("--per-task", type=int, default=256, help="prompts per task")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (the eval sets use 1234: keep it different)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--data-parallel", action="store_true", help="split each batch over all devices ('data' axis)")
+    p.add_argument("--out", required=True, help="output directory (traces.npz + meta.json)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    from dlmjax.presets import load_checkpoint
+
+    if args.seed == 1234:
+        raise SystemExit("--seed 1234 draws the evaluation prompts; pick another seed for training traces")
+    path, model, tokenizer, _ = load_checkpoint(args.model)
+    mesh = None
+    if args.data_parallel:
+        from dlmjax.sharding import make_mesh
+
+        mesh = make_mesh(model=1)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    traces, meta = traces_for_tasks(model, tokenizer, tasks, per_task=args.per_task, seed=args.seed,
+                                    batch_size=args.batch_size, mesh=mesh)
+    out = save_traces(traces, args.out, {**meta, "model_source": str(path)})
+    pos = float(np.mean(traces["label"])) if len(traces["label"]) else 0.0
+    print(f"{len(traces['label'])} token-rounds ({pos:.1%} positive) from {meta['num_prompts']} prompts -> {out}")
+    return 0

@@ -1,0 +1,110 @@
+"""TSPD traces: features, labels and targets against a plain full-forward loop written here;
+sharded over the data axis equals single-device; the on-disk format and its model check."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlmjax.heads.controller import FEATURES, model_fingerprint
+from dlmjax.sharding import make_mesh
+from dlmjax.traces import TraceError, collect_traces, load_traces, save_traces
+from test_decoding import MASK, peaky_model
+
+MAX_NEW = 8
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [3], [5, 9, 14, 2, 2, 7, 30], [20, 21], [4, 4, 4, 4], [11, 12], [33, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def sdar():
+    # less peaked than the decoding tests' model, so that tokens change and take several rounds
+    model = peaky_model("sdar", seed=3)
+    head = model.embed if model.lm_head is None else model.lm_head.kernel
+    head[...] = head[...] * 0.08
+    return model
+
+
+def scores_np(model, seq, start, k):
+    logits = np.asarray(model(jnp.asarray([seq], jnp.int32)).logits[0, start : start + k], np.float64)
+    logits[:, MASK] = -np.inf
+    logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    probs = np.exp(logp)
+    tokens = probs.argmax(-1)
+    with np.errstate(invalid="ignore"):  # 0 * -inf at the mask token
+        entropy = -np.sum(np.where(probs > 0, probs * logp, 0), -1)
+    return tokens, probs[np.arange(k), tokens], entropy
+
+
+def plain_traces(model, prompt, block):
+    """Static (1 per step) for y*, then EGP, one full forward per step, features by hand."""
+    start0 = (len(prompt) // block) * block
+    num_blocks = -(-(len(prompt) - start0 + MAX_NEW) // block)
+    base = list(prompt) + [MASK] * (num_blocks * block - (len(prompt) - start0))
+    ystar = list(base)
+    for b in range(num_blocks):
+        s = start0 + b * block
+        while MASK in ystar[s : s + block]:
+            tok, conf, _ = scores_np(model, ystar, s, block)
+            masked = np.array(ystar[s : s + block]) == MASK
+            i = int(np.argmax(np.where(masked, conf, -1)))
+            ystar[s + i] = int(tok[i])
+    seq, records, rnd = list(base), [], 0
+    for b in range(num_blocks):
+        s = start0 + b * block
+        prev_conf, prev_tok, stable, seen = np.zeros(block), np.full(block, -1), np.zeros(block), False
+        while MASK in seq[s : s + block]:
+            tok, conf, ent = scores_np(model, seq, s, block)
+            masked = np.array(seq[s : s + block]) == MASK
+            same = seen & (tok == prev_tok)
+            stable = np.where(same, stable + 1, 0)
+            momentum = conf - prev_conf if seen else np.zeros(block)
+            label = masked & (tok == np.array(ystar[s : s + block]))
+            for i in np.nonzero(masked)[0]:
+                records.append((rnd, b, i, conf[i], ent[i], momentum[i], stable[i], s + i, bool(label[i]), tok[i],
+                                ystar[s + i]))
+            commit = label if label.any() else (np.arange(block) == np.argmax(np.where(masked, conf, -1)))
+            for i in np.nonzero(commit)[0]:
+                seq[s + i] = ystar[s + i]
+            prev_conf, prev_tok, seen, rnd = conf, tok, True, rnd + 1
+    return records, ystar
+
+
+def test_features_labels_and_targets_match_a_plain_loop(sdar):
+    prompt = PROMPTS[0]
+    traces = collect_traces(sdar, [prompt], max_new_tokens=MAX_NEW, batch_size=1)
+    records, ystar = plain_traces(sdar, prompt, 4)
+    n = min(len(records), len(traces["label"]))
+    assert n >= 6 and len(set(r[0] for r in records[:n])) >= 3, "too short a trajectory to check momentum/stable"
+    f = traces["features"]
+    col = {name: i for i, name in enumerate(FEATURES)}
+    for j, (rnd, b, i, conf, ent, mom, stable, pos, label, tok, target) in enumerate(records[:n]):
+        assert (traces["round"][j], traces["block"][j], int(f[j, col["block_pos"]])) == (rnd, b, i)
+        np.testing.assert_allclose(f[j, col["confidence"]], conf, atol=2e-4)
+        np.testing.assert_allclose(f[j, col["entropy"]], ent, atol=2e-3)
+        np.testing.assert_allclose(f[j, col["momentum"]], mom, atol=3e-4)
+        assert f[j, col["stable"]] == stable and f[j, col["abs_pos"]] == pos
+        assert traces["label"][j] == label and traces["token"][j] == tok and traces["target"][j] == target
+    # labels are exactly "argmax equals the reference output"
+    np.testing.assert_array_equal(traces["label"], traces["token"] == traces["target"])
+    assert 0 < traces["label"].mean() < 1
+
+
+def test_sharded_traces_equal_single_device(sdar, tmp_path):
+    mesh = make_mesh(model=1)
+    assert mesh.shape["data"] == 8
+    single = collect_traces(sdar, PROMPTS[:6], max_new_tokens=MAX_NEW, batch_size=8)
+    sharded = collect_traces(sdar, PROMPTS[:6], max_new_tokens=MAX_NEW, batch_size=8, mesh=mesh)
+    assert set(single) == set(sharded)
+    for name in single:
+        np.testing.assert_allclose(single[name], sharded[name], atol=1e-5, err_msg=name)
+    assert set(single["prompt"].tolist()) == set(range(6))
+
+    out = save_traces(single, tmp_path / "tr", {"model": model_fingerprint(sdar.config), "num_prompts": 6})
+    arrays, meta = load_traces(out, expect_model=model_fingerprint(sdar.config))
+    np.testing.assert_array_equal(arrays["label"], single["label"])
+    assert meta["features"] == list(FEATURES) and meta["count"] == len(single["label"])
+    other = dict(model_fingerprint(sdar.config), hidden_size=64)
+    with pytest.raises(TraceError, match="another model"):
+        load_traces(out, expect_model=other)
+    with pytest.raises(TraceError, match="dlmjax traces"):
+        load_traces(tmp_path)
