@@ -146,3 +146,22 @@ def test_sampled_next_tokens_match_target_distribution(pair):
         from scipy.stats import chi2 as chi2_dist
 
         assert chi2_dist.sf(chi2, dof) > 0.001, (chi2, dof)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_other_target_families(family, tmp_path):
+    """The drafter's layers are Qwen3-style whatever the target's family (a Llama target too)."""
+    tm = torch_model(family, seed=6, num_hidden_layers=6, vocab_size=SMALL_VOCAB)
+    tm.save_pretrained(tmp_path / "t")
+    ours = dlmjax.load_model(tmp_path / "t")
+    raw = tiny_drafter_config(block_size=4)
+    raw["vocab_size"] = SMALL_VOCAB
+    raw["dflash_config"]["mask_token_id"] = SMALL_VOCAB - 1
+    ref = write_reference_drafter(tmp_path / "d", raw, seed=4)
+    drafter = load_drafter(tmp_path / "d", ours.config)
+    prompts = _prompts(2, SMALL_VOCAB, seed=21)
+    spec = generate_with_drafter(ours, drafter, prompts, max_new_tokens=16, eos_ids=(), pad_id=0)
+    ar = generate_ar(ours, prompts, max_new_tokens=16, eos_ids=(), pad_id=0)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+    tokens, steps = speculative_greedy(ref, tm, prompts[0], 16, 4)
+    assert spec.accepted_lengths()[0] == steps and np.asarray(spec.tokens)[0].tolist() == tokens
