@@ -107,9 +107,8 @@ def test_ce_decodes_with_progress_batch_invariance_and_fewer_forwards(sdar):
         assert 1 <= row.nfe <= MAX_NEW + 2  # at least one commit per forward: never more forwards than static
     assert batch.forwards < static.forwards
     assert sum(r.nfe for r in batch.rows) < sum(r.nfe for r in static.rows)
-    for i in (1, 5):
-        alone = generate(sdar, [PROMPTS[i]], decoder=spec, max_new_tokens=MAX_NEW)
-        assert alone.rows[0].tokens == batch.rows[i].tokens and alone.rows[0].nfe == batch.rows[i].nfe
+    alone = generate(sdar, [PROMPTS[5]], decoder=spec, max_new_tokens=MAX_NEW)
+    assert alone.rows[0].tokens == batch.rows[5].tokens and alone.rows[0].nfe == batch.rows[5].nfe
 
 
 def test_ce_rules_are_options_and_reduce_to_threshold(sdar):

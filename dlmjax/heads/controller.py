@@ -80,7 +80,9 @@ class Controller(nnx.Module):
         return {name: getattr(self, name)[...] for name in ("fc1_w", "fc1_b", "fc2_w", "fc2_b", "mean", "std")}
 
     def __call__(self, x):
-        return mlp_logits(self.params(), x)
+        params = self.params()  # the standardisation is fixed: no gradient, so AdamW leaves it as it is
+        params["mean"], params["std"] = jax.lax.stop_gradient(params["mean"]), jax.lax.stop_gradient(params["std"])
+        return mlp_logits(params, x)
 
 
 _TORCH_NAMES = {"fc1_w": "fc1.weight", "fc1_b": "fc1.bias", "fc2_w": "fc2.weight", "fc2_b": "fc2.bias",

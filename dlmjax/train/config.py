@@ -27,7 +27,7 @@ from dlmjax.config import ModelConfig
 from dlmjax.train.mrp import LOSSES
 from dlmjax.train.objectives import WEIGHTINGS
 
-OBJECTIVES = ("block_diffusion", "next_token", "mrp", "drafter")
+OBJECTIVES = ("block_diffusion", "next_token", "mrp", "drafter", "tspd")
 
 
 class RunConfigError(ValueError):
@@ -115,6 +115,32 @@ class DrafterSection:
 
 
 @dataclass(frozen=True)
+class TSPDSection:
+    """The TSPD controller (dlmjax.heads.controller) trained on traces (dlmjax.train.tspd)."""
+
+    traces: str = ""  # a `dlmjax traces` output directory
+    features: list = field(default_factory=lambda: ["confidence", "entropy", "momentum", "stable", "block_pos",
+                                                    "abs_pos"])
+    hidden: int = 32  # width of the MLP's hidden layer
+    holdout: float = 0.2  # fraction of the traces' prompts held out (eval and threshold calibration)
+    target_precision: float = 0.97  # calibrated threshold: the smallest with this held-out precision
+
+    def __post_init__(self):
+        if self.hidden < 1 or not 0 < self.holdout < 1 or not 0 < self.target_precision <= 1:
+            raise RunConfigError(f"tspd.hidden must be >= 1, tspd.holdout in (0, 1), tspd.target_precision in (0, 1] "
+                                 f"(got {self.hidden}, {self.holdout}, {self.target_precision})")
+        from dlmjax.heads.controller import check_features
+
+        try:
+            check_features(self.features)
+        except ValueError as exc:
+            raise RunConfigError(f"tspd.features: {exc}") from None
+
+    def __hash__(self):
+        return hash((self.traces, tuple(self.features), self.hidden, self.holdout, self.target_precision))
+
+
+@dataclass(frozen=True)
 class RunConfig:
     objective: str = "block_diffusion"
     model: dict = field(default_factory=dict)
@@ -123,6 +149,7 @@ class RunConfig:
     backbone: str | None = None  # objective mrp: the frozen backbone (preset name or checkpoint directory)
     mrp: MRPSection = MRPSection()
     drafter: DrafterSection = DrafterSection()
+    tspd: TSPDSection = TSPDSection()
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -137,6 +164,11 @@ class RunConfig:
         if self.objective == "drafter":
             self._check_drafter()
             return
+        if self.objective == "tspd":
+            self._check_tspd()
+            return
+        if self.tspd != TSPDSection():
+            raise RunConfigError(f"the `tspd` section belongs to objective tspd, not {self.objective}")
         if self.drafter != DrafterSection():
             raise RunConfigError(f"the `drafter` section belongs to objective drafter, not {self.objective}")
         if self.backbone is not None or self.mrp != MRPSection():
@@ -174,17 +206,28 @@ class RunConfig:
         if self.train.init_from is not None:
             raise RunConfigError("train.init_from is for backbones; objective drafter starts from a random drafter")
 
+    def _check_tspd(self):
+        if self.model or self.mrp != MRPSection() or self.drafter != DrafterSection():
+            raise RunConfigError("objective tspd trains a controller on traces: remove the model, mrp and drafter "
+                                 "sections (backbone: names the traces' model, to check them)")
+        if not self.tspd.traces:
+            raise RunConfigError("objective tspd needs tspd.traces: a directory from `dlmjax traces --out DIR`")
+        if self.train.init_from is not None:
+            raise RunConfigError("train.init_from is for backbones; objective tspd starts from a random controller")
+
     def to_dict(self) -> dict:
         """Plain data; an mrp run leaves out `model`, other runs leave out `backbone` and `mrp`."""
         order = {"mrp": ("objective", "backbone", "mrp", "data", "train"),
-                 "drafter": ("objective", "backbone", "drafter", "data", "train")}.get(
+                 "drafter": ("objective", "backbone", "drafter", "data", "train"),
+                 "tspd": ("objective", "backbone", "tspd", "data", "train")}.get(
             self.objective, ("objective", "model", "data", "train"))
         out = dataclasses.asdict(self)
         return {key: out[key] for key in order}
 
 
-_SECTIONS = {"data": DataConfig, "train": OptimConfig, "mrp": MRPSection, "drafter": DrafterSection}
-_TOP_LEVEL = ("objective", "backbone", "model", "data", "train", "mrp", "drafter")
+_SECTIONS = {"data": DataConfig, "train": OptimConfig, "mrp": MRPSection, "drafter": DrafterSection,
+             "tspd": TSPDSection}
+_TOP_LEVEL = ("objective", "backbone", "model", "data", "train", "mrp", "drafter", "tspd")
 
 
 def _section(name: str, values: dict):
@@ -238,6 +281,7 @@ def from_dict(raw: dict) -> RunConfig:
         backbone=None if backbone is None else str(backbone),
         mrp=_section("mrp", raw.get("mrp") or {}),
         drafter=_section("drafter", raw.get("drafter") or {}),
+        tspd=_section("tspd", raw.get("tspd") or {}),
     )
 
 

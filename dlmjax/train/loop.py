@@ -131,6 +131,7 @@ class Trainee:
     pad_id: int
     evaluate: Callable[[nnx.Module, nnx.Module | None], dict]  # (trainable, frozen) -> eval scores
     export: Callable[[nnx.Module, Path], Path]  # (trainable, run_dir) -> run_dir/model
+    batch_at: Callable[[int], dict] | None = None  # step -> arrays, for trainees not trained on token rows (tspd)
 
 
 def backbone_trainee(run: RunConfig, run_dir: Path) -> Trainee:
@@ -252,6 +253,10 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         from dlmjax.train.drafter import drafter_trainee  # imports this module's Trainee
 
         trainee = drafter_trainee(run, run_dir)
+    elif run.objective == "tspd":
+        from dlmjax.train.tspd import tspd_trainee  # imports this module's Trainee
+
+        trainee = tspd_trainee(run, run_dir)
     else:
         trainee = mrp_trainee(run, run_dir) if run.objective == "mrp" else backbone_trainee(run, run_dir)
 
@@ -288,14 +293,17 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     tokens_seen, window_start, done = 0, time.perf_counter(), start
     try:
         for step in range(start + 1, last + 1):
-            examples = sample_examples(run.data.tasks, cfg.batch_size, run.data.seed, step)
-            batch = make_batch(examples, trainee.tokenizer, seq_len=run.data.seq_len, block=trainee.block,
-                               pad_id=trainee.pad_id)
-            arrays = shard_batch(dict(vars(batch)), mesh)
+            if trainee.batch_at is not None:
+                arrays = shard_batch(trainee.batch_at(step), mesh)
+            else:
+                examples = sample_examples(run.data.tasks, cfg.batch_size, run.data.seed, step)
+                batch = make_batch(examples, trainee.tokenizer, seq_len=run.data.seq_len, block=trainee.block,
+                                   pad_id=trainee.pad_id)
+                arrays = shard_batch(dict(vars(batch)), mesh)
             key = jax.random.fold_in(base_key, step)
             params, opt_state, metrics = train_step(params, opt_state, frozen, arrays, key, jnp.int32(step))
             done = step
-            tokens_seen += int(batch.valid.sum())
+            tokens_seen += cfg.batch_size if trainee.batch_at is not None else int(batch.valid.sum())
             bar.update(1)
             if step % cfg.log_every == 0 or step == last:
                 metrics = jax.device_get(metrics)

@@ -1,0 +1,143 @@
+"""Training the TSPD controller (objective tspd; ALGORITHMS.md section 4).
+
+Data: traces from `dlmjax traces` (dlmjax.traces). The prompts are split once (seed
+`data.seed`) into training prompts and `tspd.holdout` held-out ones; every step draws
+`train.batch_size` token-rounds from the training prompts, a pure function of (seed, step), so a
+resumed run takes exactly the batches of an uninterrupted one.
+
+Loss: weighted binary cross-entropy
+    L = mean_i[ -w1 y_i log p_i - w0 (1 - y_i) log(1 - p_i) ],
+with w1 = N / (2 N1), w0 = N / (2 N0) from the training split's class counts (inverse class
+frequency, mean weight 1). Optimiser: the loop's AdamW (configs/tspd: lr 1e-3, weight decay
+1e-2 on the matrices).
+
+Calibration (at export): the threshold is the smallest one on a grid whose held-out precision
+P(label = 1 | p > threshold) reaches `tspd.target_precision` (commits that are right that often),
+i.e. the most commits at that precision. The export is `model/tspd_controller.safetensors` in the
+run directory (dlmjax.heads.controller, PyTorch layout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dlmjax.heads.controller import Controller, check_features, model_fingerprint, save_controller
+from dlmjax.traces import TraceError, load_traces
+
+THRESHOLD_GRID = np.round(np.arange(0.05, 0.996, 0.005), 4)
+
+
+def class_weights(labels) -> tuple[float, float]:
+    """(w1, w0) = (N / 2 N1, N / 2 N0): inverse class frequency; an absent class gets weight 0."""
+    labels = np.asarray(labels, bool)
+    n, n1 = labels.size, int(labels.sum())
+    n0 = n - n1
+    return (n / (2 * n1) if n1 else 0.0), (n / (2 * n0) if n0 else 0.0)
+
+
+def weighted_bce(logits, labels, w1: float, w0: float):
+    """Mean weighted BCE over a batch, from logits (numerically stable log-sigmoids)."""
+    y = labels.astype(jnp.float32)
+    return jnp.mean(-w1 * y * jax.nn.log_sigmoid(logits) - w0 * (1 - y) * jax.nn.log_sigmoid(-logits))
+
+
+def calibrate_threshold(probs, labels, target_precision: float) -> float:
+    """Smallest grid threshold whose precision on (probs, labels) reaches target_precision."""
+    probs, labels = np.asarray(probs), np.asarray(labels, bool)
+    for t in THRESHOLD_GRID:
+        chosen = probs > t
+        if chosen.any() and labels[chosen].mean() >= target_precision:
+            return float(t)
+    return float(THRESHOLD_GRID[-1])
+
+
+def split_prompts(prompt_ids, holdout: float, seed: int):
+    """(train mask, held-out mask) over token-rounds, split by prompt."""
+    prompts = np.unique(prompt_ids)
+    rng = np.random.default_rng(seed)
+    held = set(rng.permutation(prompts)[: max(1, int(round(holdout * len(prompts))))].tolist())
+    is_held = np.isin(prompt_ids, list(held))
+    return ~is_held, is_held
+
+
+def _step_indices(n: int, batch: int, seed: int, step: int):
+    digest = hashlib.sha256(f"tspd:{seed}:{step}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little")).integers(0, n, size=batch)
+
+
+def tspd_trainee(run, run_dir: Path):
+    """The Trainee of objective tspd (dlmjax.train.loop)."""
+    from dlmjax.io.hf import load_config
+    from dlmjax.presets import resolve_model
+    from dlmjax.train.loop import Trainee
+
+    t = run.tspd
+    features = check_features(t.features)
+    expect = None
+    if run.backbone:
+        expect = model_fingerprint(load_config(resolve_model(run.backbone)))
+    arrays, meta = load_traces(t.traces, expect_model=expect)
+    missing = [f for f in features if f not in meta["features"]]
+    if missing:
+        raise TraceError(f"traces {t.traces} lack features {missing}; collect them again with `dlmjax traces`")
+    cols = [meta["features"].index(f) for f in features]
+    x_all, y_all = arrays["features"][:, cols].astype(np.float32), arrays["label"].astype(bool)
+    train_mask, held_mask = split_prompts(arrays["prompt"], t.holdout, run.data.seed)
+    x_train, y_train, x_held, y_held = x_all[train_mask], y_all[train_mask], x_all[held_mask], y_all[held_mask]
+    if len(x_train) == 0 or len(x_held) == 0:
+        raise TraceError(f"traces {t.traces}: {len(x_train)} training and {len(x_held)} held-out token-rounds; "
+                         "collect traces from more prompts or change tspd.holdout")
+    w1, w0 = class_weights(y_train)
+    mean, std = x_train.mean(0), np.maximum(x_train.std(0), 1e-3)
+
+    def loss(controller, _frozen, batch, _key):
+        logits = controller(batch["features"])
+        value = weighted_bce(logits, batch["label"], w1, w0)
+        y = batch["label"]
+        accuracy = jnp.mean((logits > 0) == y)
+        return value, {"loss": value, "accuracy": accuracy, "positive_rate": jnp.mean(y.astype(jnp.float32))}
+
+    def batch_at(step: int) -> dict:
+        idx = _step_indices(len(x_train), run.train.batch_size, run.data.seed, step)
+        return {"features": x_train[idx], "label": y_train[idx]}
+
+    @jax.jit
+    def held_probs(params):
+        from dlmjax.heads.controller import mlp_logits
+
+        return jax.nn.sigmoid(mlp_logits(params, jnp.asarray(x_held)))
+
+    def evaluate(controller, _frozen):
+        p = np.asarray(held_probs(controller.params()))
+        logits = np.log(np.clip(p, 1e-7, 1)) - np.log(np.clip(1 - p, 1e-7, 1))
+        bce = float(weighted_bce(jnp.asarray(logits), jnp.asarray(y_held), w1, w0))
+        chosen = p > 0.5
+        threshold = calibrate_threshold(p, y_held, t.target_precision)
+        at = p > threshold
+        return {"eval/bce": bce, "eval/accuracy": float(np.mean(chosen == y_held)),
+                "eval/precision@0.5": float(y_held[chosen].mean()) if chosen.any() else 0.0,
+                "eval/recall@0.5": float(chosen[y_held].mean()) if y_held.any() else 0.0,
+                "eval/threshold": threshold, "eval/recall@threshold": float(at[y_held].mean()) if y_held.any() else 0.0}
+
+    def export(controller, run_dir: Path) -> Path:
+        scores = evaluate(controller, None)
+        out = run_dir / "model"
+        out.mkdir(parents=True, exist_ok=True)
+        save_controller(controller, out, features=features, threshold=scores["eval/threshold"], model=meta["model"])
+        summary = {**scores, "w1": w1, "w0": w0, "train_token_rounds": int(len(x_train)),
+                   "heldout_token_rounds": int(len(x_held)), "traces": str(t.traces), "features": list(features),
+                   "target_precision": t.target_precision}
+        (out / "tspd_calibration.json").write_text(json.dumps(summary, indent=2))
+        return out
+
+    return Trainee(
+        build=lambda: Controller(len(features), t.hidden, seed=run.train.seed, mean=mean, std=std),
+        abstract=Controller(len(features), t.hidden), frozen=None, loss=loss, tokenizer=None, block=None,
+        pad_id=0, evaluate=evaluate, export=export, batch_at=batch_at,
+    )

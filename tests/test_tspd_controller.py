@@ -1,0 +1,140 @@
+"""The TSPD controller: weighted BCE, calibration, training through the loop (loss falls, exact
+resume), the PyTorch-format export, and the tspd / tspd+ce decoders (progress, batch invariance,
+mismatch errors)."""
+
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlmjax.decoding.api import generate
+from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
+from dlmjax.heads.controller import (
+    ControllerMismatchError, controller_module, export_controller, load_controller, mlp_logits, model_fingerprint,
+)
+from dlmjax.io.safetensors import SafetensorsFile
+from dlmjax.traces import TraceError, collect_traces, save_traces
+from dlmjax.train.config import RunConfigError, load_run_config
+from dlmjax.train.loop import train
+from dlmjax.train.tspd import calibrate_threshold, class_weights, weighted_bce
+from test_decoding import MAX_NEW, PROMPTS, peaky_model
+
+
+def test_weighted_bce_on_a_hand_example():
+    labels = np.array([1, 1, 1, 0], bool)
+    w1, w0 = class_weights(labels)
+    assert (w1, w0) == (4 / 6, 4 / 2)  # N / (2 N1), N / (2 N0)
+    logits = jnp.asarray([0.0, 2.0, -1.0, 1.0])
+    p = 1 / (1 + np.exp(-np.array([0.0, 2.0, -1.0, 1.0])))
+    expected = np.mean([-w1 * math.log(p[0]), -w1 * math.log(p[1]), -w1 * math.log(p[2]), -w0 * math.log(1 - p[3])])
+    np.testing.assert_allclose(float(weighted_bce(logits, jnp.asarray(labels), w1, w0)), expected, rtol=1e-6)
+
+
+def test_calibration_picks_the_smallest_threshold_with_the_precision():
+    probs = np.array([0.99, 0.95, 0.9, 0.8, 0.6, 0.3])
+    labels = np.array([1, 1, 1, 0, 1, 0], bool)
+    assert calibrate_threshold(probs, labels, 1.0) == pytest.approx(0.8)  # p > 0.8: all right
+    assert calibrate_threshold(probs, labels, 0.8) == pytest.approx(0.3)  # p > 0.3: 4 of 5
+
+
+@pytest.fixture(scope="module")
+def sdar():
+    model = peaky_model("sdar", seed=3)
+    head = model.embed if model.lm_head is None else model.lm_head.kernel
+    head[...] = head[...] * 0.08  # less peaked: tokens change over rounds, labels of both classes
+    return model
+
+
+@pytest.fixture(scope="module")
+def trained(sdar, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tspd")
+    prompts = [[(7 * i + j) % 30 + 3 for j in range(1 + i % 6)] for i in range(24)]
+    traces = collect_traces(sdar, prompts, max_new_tokens=MAX_NEW, batch_size=24)
+    assert 0 < traces["label"].mean() < 1
+    save_traces(traces, root / "traces", {"model": model_fingerprint(sdar.config), "num_prompts": len(prompts)})
+    overrides = [f"tspd.traces={root / 'traces'}", "train.steps=60", "train.batch_size=64", "train.log_every=10",
+                 "train.checkpoint_every=30", "train.eval_every=0", "tspd.target_precision=0.9"]
+    run = load_run_config("configs/tspd/toy-sdar.yaml", overrides + ["backbone=null"])
+    result = train(run, root / "run", progress=False)
+    return root, run, result
+
+
+def test_training_lowers_the_loss_and_resumes_exactly(trained, tmp_path):
+    root, run, full = trained
+    losses = full.losses
+    assert np.mean([losses[s] for s in (50, 60)]) < losses[10]
+    partial = train(run, tmp_path / "r", stop_at=30, progress=False)
+    assert partial.step == 30 and partial.model_dir is None
+    resumed = train(run, tmp_path / "r", progress=False)
+    assert resumed.step == 60
+    for step in (40, 50, 60):
+        assert resumed.losses[step] == pytest.approx(losses[step], rel=1e-6)
+    a = load_controller(str(full.model_dir)).params
+    b = load_controller(str(resumed.model_dir)).params
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7)
+
+
+def test_export_round_trip_in_pytorch_layout(trained, sdar, tmp_path):
+    _, _, result = trained
+    w = load_controller(str(result.model_dir))
+    assert w.model == model_fingerprint(sdar.config) and w.features == tuple(json.loads(
+        SafetensorsFile(w.path).metadata["features"]))
+    out = export_controller(str(result.model_dir), tmp_path / "c.safetensors")
+    f = SafetensorsFile(out)
+    assert f.metadata["format"] == "pt"
+    assert tuple(f.get("fc1.weight").shape) == (w.hidden, len(w.features))  # torch.nn.Linear: [out, in]
+    assert tuple(f.get("fc2.weight").shape) == (1, w.hidden)
+    again = load_controller(str(out))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, len(w.features))), jnp.float32)
+    np.testing.assert_allclose(np.asarray(mlp_logits(again.jax_params(), x)), np.asarray(controller_module(w)(x)),
+                               rtol=1e-6)
+    # a plain numpy version of the PyTorch forward gives the same logits
+    p = again.params
+    xs = (np.asarray(x) - p["mean"]) / p["std"]
+    h = xs @ p["fc1_w"].T + p["fc1_b"]
+    h = 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    np.testing.assert_allclose((h @ p["fc2_w"].T + p["fc2_b"])[:, 0], np.asarray(mlp_logits(again.jax_params(), x)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_tspd_decoders_progress_and_batch_invariance(trained, sdar):
+    _, _, result = trained
+    for spec in (f"tspd:controller={result.model_dir}", f"tspd+ce:controller={result.model_dir},tau=0.8"):
+        batch = generate(sdar, PROMPTS, decoder=spec, max_new_tokens=MAX_NEW)
+        for row in batch.rows:
+            assert row.nfe <= MAX_NEW + 2 and row.num_tokens >= 1  # >= 1 commit per forward
+        alone = generate(sdar, [PROMPTS[5]], decoder=spec, max_new_tokens=MAX_NEW)
+        assert alone.rows[0].tokens == batch.rows[5].tokens and alone.rows[0].nfe == batch.rows[5].nfe
+
+
+def test_a_threshold_near_one_leaves_only_the_progress_guard(trained, sdar):
+    """threshold ~1: only the progress guard commits, so tspd is static (1 per step)."""
+    _, _, result = trained
+    static = generate(sdar, PROMPTS[:4], decoder="static", max_new_tokens=MAX_NEW)
+    guarded = generate(sdar, PROMPTS[:4], decoder=f"tspd:controller={result.model_dir},threshold=0.999999",
+                       max_new_tokens=MAX_NEW)
+    assert [r.tokens for r in guarded.rows] == [r.tokens for r in static.rows]
+
+
+def test_mismatches_are_clear_errors(trained, sdar, tmp_path):
+    root, run, result = trained
+    with pytest.raises(DecoderSpecError, match="reads features"):
+        parse_decoder(f"tspd:controller={result.model_dir},features=confidence+entropy")
+    with pytest.raises(DecoderSpecError, match="unknown"):
+        parse_decoder(f"tspd:controller={result.model_dir},features=confidence+speed")
+    with pytest.raises(DecoderSpecError, match="no TSPD controller"):
+        parse_decoder(f"tspd:controller={tmp_path}")
+    other = peaky_model("llada", seed=3)
+    with pytest.raises(ControllerMismatchError, match="another model"):
+        generate(other, PROMPTS[:2], decoder=f"tspd:controller={result.model_dir},block=4", max_new_tokens=MAX_NEW)
+    # training on traces of another model than `backbone`
+    bad = load_run_config("configs/tspd/toy-sdar.yaml", [f"tspd.traces={root / 'traces'}", "train.steps=1"])
+    with pytest.raises(TraceError, match="another model"):
+        train(bad, tmp_path / "bad", progress=False)
+    with pytest.raises(RunConfigError, match="tspd.traces"):
+        load_run_config("configs/tspd/toy-sdar.yaml", ["tspd.traces=''"])
+    with pytest.raises(RunConfigError, match="features"):
+        load_run_config("configs/tspd/toy-sdar.yaml", ["tspd.features=[speed]"])
