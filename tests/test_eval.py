@@ -191,8 +191,10 @@ def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys):
     assert {(r["task"], r["decoder"]) for r in results["runs"]} == {
         (t, d) for t in ("toy-arith", "toy-constraint", "humaneval") for d in ("static", "threshold:tau=0.5")}
     run = results["runs"][0]
-    assert set(run) >= {"task", "decoder", "model", "n", "accuracy", "nfe", "tpf", "tokens_per_s", "wall_s"}
+    assert set(run) >= {"task", "decoder", "model", "n", "accuracy", "nfe", "tpf", "tokens_per_s", "wall_s",
+                        "forwards", "batch_tpf"}
     assert run["n"] == 2 and 0 <= run["accuracy"] <= 1 and run["nfe"] > 0
+    assert run["forwards"] >= run["nfe"] and 0 < run["batch_tpf"] <= run["tpf"]
     lines = (out / "outputs.jsonl").read_text().splitlines()
     assert len(lines) == 3 * 2 * 2
     assert set(json.loads(lines[0])) >= {"decoder", "index", "tokens", "text"}

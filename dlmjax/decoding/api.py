@@ -326,7 +326,7 @@ class Stream:
         _, canvas_all, rows_all = req.layout
         graphdef, params = nnx.split(req.model)
         args = req.engine_args()
-        start_args = {k: args[k] for k in ("geometry", "cache_mode", "mask_id", "head_graphdef")}
+        start_args = {k: args[k] for k in ("decoder", "geometry", "cache_mode", "mask_id", "head_graphdef")}
         key = jax.random.key(self.seed)
 
         def admit(state, rows, prompts, slots, size):

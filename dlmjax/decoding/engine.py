@@ -93,6 +93,7 @@ class DecodeState:
     nfe: jax.Array  # [B] int32 forwards that yielded denoising logits for the row
     committed: jax.Array  # [B] int32 tokens committed into masked positions
     forwards: jax.Array  # int32: model forwards run for the batch
+    carry: Any = None  # the decoder's own per-row state (`init_carry`; every leaf [B, ...]), e.g. trajectories
 
 
 @struct.dataclass
@@ -112,6 +113,7 @@ class Plan:
     tokens: jax.Array  # [B, K]
     copies: jax.Array  # [B, N, K]
     aux: Any = None  # the decoder's own (e.g. PSD's draft commit sets)
+    carry: Any = None  # the decoder's per-row state after this round (None: keep DecodeState.carry)
 
 
 class LayoutError(ValueError):
@@ -374,13 +376,15 @@ def _eos_seen(canvas, rows: Rows, end_col_b, eos):
     return jnp.any(jnp.isin(canvas, eos) & region, axis=-1)
 
 
-def start(fwd: BlockForwards, canvas) -> DecodeState:
-    """The state after the first forward: every row at block 0 with its logits."""
+def start(fwd: BlockForwards, canvas, decoder=None) -> DecodeState:
+    """The state after the first forward: every row at block 0 with its logits (and the
+    decoder's initial per-row carry, if it keeps one)."""
     logits, hidden, cache, head_cache = fwd.prefill(canvas)
     zeros = jnp.zeros((canvas.shape[0],), jnp.int32)
+    carry = None if decoder is None else decoder.init_carry(fwd, canvas.shape[0])
     return DecodeState(canvas=canvas, block=zeros, logits=logits, hidden=hidden, cache=cache, head_cache=head_cache,
                        done=jnp.zeros(zeros.shape, bool), rounds=zeros, nfe=zeros + 1, committed=zeros,
-                       forwards=jnp.ones((), jnp.int32))
+                       forwards=jnp.ones((), jnp.int32), carry=carry)
 
 
 def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos) -> DecodeState:
@@ -431,6 +435,7 @@ def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos)
         committed=st.committed + jnp.sum(plan.tokens != tokens, axis=-1)
         + jnp.where(left, jnp.sum(resolved != plan.tokens, axis=-1), 0),
         forwards=st.forwards + jnp.any(need),
+        carry=st.carry if plan.carry is None else plan.carry,
     )
 
 
@@ -468,7 +473,7 @@ def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, 
            mask_id, pad_id, eos_ids, head_graphdef=None):
     """Decode a laid-out batch. An MRP head (decoders mrp-*) comes as (head_graphdef, head_params)."""
     fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id)
-    return _run_rounds(decoder, fwd, start(fwd, canvas), seed_key, eos_ids, pad_id, canvas.shape[0])[1]
+    return _run_rounds(decoder, fwd, start(fwd, canvas, decoder), seed_key, eos_ids, pad_id, canvas.shape[0])[1]
 
 
 # -- continuous batching: slots that take the next prompt when their row is done (api.Stream) --
@@ -482,14 +487,14 @@ def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, sto
     return _run_rounds(decoder, fwd, state, seed_key, eos_ids, pad_id, stop_at)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "geometry", "cache_mode", "mask_id"))
+@partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id"))
 def admit(graphdef, params, state: DecodeState | None, rows: Rows | None, canvas_r, rows_r: Rows, slots_r,
-          head_params=None, *, geometry, cache_mode, mask_id, head_graphdef=None):
+          head_params=None, *, decoder, geometry, cache_mode, mask_id, head_graphdef=None):
     """Start R new rows (their first forward, one forward for the R) and put them in `slots_r`
     [R] of the slot state; an index >= the slot count drops that entry. With no state yet, the R
     rows are the slots. Returns (state, rows)."""
     fwd = _forwards(graphdef, params, rows_r, head_graphdef, head_params, geometry, cache_mode, mask_id)
-    new = start(fwd, canvas_r)
+    new = start(fwd, canvas_r, decoder)
     if state is None:
         return new, rows_r
 

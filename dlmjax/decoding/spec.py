@@ -77,6 +77,11 @@ class DiffusionDecoder:
         return policies.score(state.logits, mask_id=fwd.mask_id, temperature=self.temperature, top_p=self.top_p,
                               keys_b=keys_b)
 
+    def init_carry(self, fwd, batch: int):
+        """The decoder's own per-row state carried from round to round (`DecodeState.carry`, every
+        leaf [B, ...]; a `plan` returns the next one in `Plan.carry`). None: the decoder keeps none."""
+        return None
+
     def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
         """The round before its forward (engine.decode_round): commit `commit_set` from the latest
         logits; the forward then evaluates the block as it is after the commits."""
