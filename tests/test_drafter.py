@@ -108,6 +108,14 @@ def test_published_qwen3_8b_config_round_trips_unchanged():
     assert json.dumps(to_dflash_config(cfg), sort_keys=True) == json.dumps(QWEN3_8B_B16, sort_keys=True)
 
 
+def test_block_size_inside_dflash_config_round_trips():
+    """Newer z-lab drafters (Qwen3.5) keep block_size inside dflash_config only."""
+    raw = copy.deepcopy(QWEN3_8B_B16)
+    raw["dflash_config"]["block_size"] = raw.pop("block_size")
+    cfg = from_dflash_config(raw)
+    assert cfg.block_size == 16 and to_dflash_config(cfg) == raw
+
+
 def test_default_target_layer_ids_and_always_written():
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert default_target_layer_ids(32, 4) == (1, 10, 20, 29)

@@ -91,7 +91,8 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
             f"unknown drafter config keys {unknown}: dlmjax refuses keys it does not implement; "
             f"known keys: {sorted(_NUMERIC | _PASSTHROUGH)}"
         )
-    missing = [k for k in _REQUIRED if k not in raw]
+    dcfg_raw = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    missing = [k for k in _REQUIRED if k not in raw and not (k == "block_size" and "block_size" in dcfg_raw)]
     if missing:
         raise ConfigError(f"drafter config.json is missing required keys {missing} (DFlash format)")
     if raw["architectures"] != [ARCHITECTURE]:
@@ -112,7 +113,8 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
         raise ConfigError(f"unknown dflash_config keys {unknown}; known: {sorted(_DFLASH_KEYS)}")
     if "mask_token_id" not in dcfg:
         raise ConfigError("drafter config.json is missing `dflash_config.mask_token_id`")
-    if "block_size" in dcfg and dcfg["block_size"] != raw["block_size"]:
+    block_size = raw.get("block_size", dcfg.get("block_size"))
+    if "block_size" in dcfg and dcfg["block_size"] != block_size:
         raise ConfigError(f"block_size {raw['block_size']} and dflash_config.block_size {dcfg['block_size']} disagree")
     dtype = raw.get("dtype", raw.get("torch_dtype")) or "bfloat16"
     if dtype not in DTYPES:
@@ -123,7 +125,7 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
         hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_layers=n,
         num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
         vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"], target_layer_ids=tuple(ids),
-        mask_token_id=int(dcfg["mask_token_id"]), block_size=int(raw["block_size"]),
+        mask_token_id=int(dcfg["mask_token_id"]), block_size=int(block_size),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(raw),
         max_position_embeddings=raw.get("max_position_embeddings", 4096), layer_types=_layer_types(raw, n),
         sliding_window=raw.get("sliding_window") if SLIDING in _layer_types(raw, n) else None, dtype=dtype,
@@ -136,6 +138,7 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
     }
     verbatim = {k: v for k, v in raw.items() if k not in owned}
     verbatim["_dflash_block_size_inside"] = "block_size" in dcfg
+    verbatim["_block_size_top_level"] = "block_size" in raw
     verbatim["_dtype_key"] = "torch_dtype" if "torch_dtype" in raw and "dtype" not in raw else "dtype"
     return cfg.replace(hf_extra=tuple((k, json.dumps(v)) for k, v in sorted(verbatim.items())))
 
@@ -144,6 +147,7 @@ def to_dflash_config(cfg: DrafterConfig) -> dict:
     """DrafterConfig -> config.json dict (the inverse of `from_dflash_config`)."""
     verbatim = {k: json.loads(v) for k, v in cfg.hf_extra}
     inside = verbatim.pop("_dflash_block_size_inside", False)
+    top_level = verbatim.pop("_block_size_top_level", True)
     dtype_key = verbatim.pop("_dtype_key", "dtype")
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURE], "model_type": "qwen3",
@@ -157,6 +161,8 @@ def to_dflash_config(cfg: DrafterConfig) -> dict:
     }
     if inside:
         out["dflash_config"]["block_size"] = cfg.block_size
+    if not top_level:
+        del out["block_size"]
     if "rope_parameters" in verbatim:
         verbatim["rope_parameters"] = {**verbatim["rope_parameters"], "rope_theta": _same_number(verbatim["rope_parameters"].get("rope_theta"), cfg.rope_theta)}
     else:
