@@ -138,3 +138,13 @@ def test_mismatches_are_clear_errors(trained, sdar, tmp_path):
         load_run_config("configs/tspd/toy-sdar.yaml", ["tspd.traces=''"])
     with pytest.raises(RunConfigError, match="features"):
         load_run_config("configs/tspd/toy-sdar.yaml", ["tspd.features=[speed]"])
+
+
+def test_shipped_toy_sdar_controller_loads():
+    from dlmjax.io.hf import load_config
+    from dlmjax.presets import resolve_model
+
+    w = load_controller("toy-sdar")
+    w.check_model(load_config(resolve_model("toy-sdar")))
+    assert 0 < w.threshold < 1 and w.features == ("confidence", "entropy", "momentum", "stable", "block_pos", "abs_pos")
+    assert parse_decoder("tspd+ce:controller=toy-sdar").weights() is w

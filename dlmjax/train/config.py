@@ -123,7 +123,7 @@ class TSPDSection:
                                                     "abs_pos"])
     hidden: int = 32  # width of the MLP's hidden layer
     holdout: float = 0.2  # fraction of the traces' prompts held out (eval and threshold calibration)
-    target_precision: float = 0.97  # calibrated threshold: the smallest with this held-out precision
+    target_precision: float = 0.999  # calibrated threshold: the smallest with this held-out precision
 
     def __post_init__(self):
         if self.hidden < 1 or not 0 < self.holdout < 1 or not 0 < self.target_precision <= 1:
