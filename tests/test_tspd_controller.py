@@ -53,7 +53,7 @@ def trained(sdar, tmp_path_factory):
     prompts = [[(7 * i + j) % 30 + 3 for j in range(1 + i % 6)] for i in range(24)]
     traces = collect_traces(sdar, prompts, max_new_tokens=MAX_NEW, batch_size=24)
     assert 0 < traces["label"].mean() < 1
-    save_traces(traces, root / "traces", {"model": model_fingerprint(sdar.config), "num_prompts": len(prompts)})
+    save_traces(traces, root / "traces", {"model": model_fingerprint(sdar.config), "num_prompts": len(prompts), "block": 4})
     overrides = [f"tspd.traces={root / 'traces'}", "train.steps=60", "train.batch_size=64", "train.log_every=10",
                  "train.checkpoint_every=30", "train.eval_every=0", "tspd.target_precision=0.9"]
     run = load_run_config("configs/tspd/toy-sdar.yaml", overrides + ["backbone=null"])
@@ -148,3 +148,22 @@ def test_shipped_toy_sdar_controller_loads():
     w.check_model(load_config(resolve_model("toy-sdar")))
     assert 0 < w.threshold < 1 and w.features == ("confidence", "entropy", "momentum", "stable", "block_pos", "abs_pos")
     assert parse_decoder("tspd+ce:controller=toy-sdar").weights() is w
+
+
+def test_learn2pd_block_filter_trains_decodes_and_kinds_do_not_mix(trained, sdar, tmp_path):
+    root, _, token_run = trained
+    overrides = [f"tspd.traces={root / 'traces'}", "train.steps=20", "train.batch_size=16", "train.log_every=10",
+                 "train.eval_every=0", "tspd.features=[block_confidence]", "backbone=null"]
+    result = train(load_run_config("configs/tspd/toy-sdar.yaml", overrides), tmp_path / "l2pd", progress=False)
+    w = load_controller(str(result.model_dir))
+    assert w.kind == "block" and w.params["fc1_w"].shape[1] == 4 and w.params["fc2_w"].shape[0] == 4
+    assert result.losses[20] < result.losses[10] * 1.5  # it trains (finite, not diverging)
+    spec = f"learn2pd:controller={result.model_dir},threshold=0.5"
+    batch = generate(sdar, PROMPTS[:4], decoder=spec, max_new_tokens=MAX_NEW)
+    assert all(1 <= r.nfe <= MAX_NEW + 2 for r in batch.rows)
+    alone = generate(sdar, [PROMPTS[2]], decoder=spec, max_new_tokens=MAX_NEW)
+    assert alone.rows[0].tokens == batch.rows[2].tokens
+    with pytest.raises(DecoderSpecError, match="block controller"):
+        parse_decoder(f"tspd:controller={result.model_dir}")
+    with pytest.raises(DecoderSpecError, match="token controller"):
+        parse_decoder(f"learn2pd:controller={token_run.model_dir}")

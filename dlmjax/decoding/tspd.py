@@ -43,7 +43,7 @@ from flax import struct
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
-from dlmjax.heads.controller import FEATURES, ControllerMismatchError, load_controller, mlp_logits
+from dlmjax.heads.controller import FEATURES, ControllerMismatchError, load_controller, mlp_logits, mlp_outputs
 from dlmjax.models.transformer import take_rows
 
 # -- trajectory features ------------------------------------------------------------------------
@@ -287,6 +287,13 @@ class _ControllerOptions(DiffusionDecoder):
     def weights(self):
         return load_controller(self.controller)
 
+    def check_kind(self, kind: str):
+        w = self.weights()
+        if w.kind != kind:
+            fix = ("decoder learn2pd" if w.kind == "block" else "decoders tspd / tspd+ce")
+            raise DecoderSpecError(f"{self.name}: controller {w.path} is a {w.kind} controller (features "
+                                   f"{'+'.join(w.features)}); use it with {fix}")
+
     def controller_commit(self, feats, masked_bk):
         w = self.weights()
         prob = jax.nn.sigmoid(mlp_logits(w.jax_params(), feature_matrix(feats, w.features)))
@@ -314,6 +321,10 @@ class TSPD(_TraceAware, _ControllerOptions):
     name: ClassVar[str] = "tspd"
     uses_controller: ClassVar[bool] = True
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_kind("token")
+
     def base_commit(self, feats, scores, masked_bk):
         return self.controller_commit(feats, masked_bk)
 
@@ -328,5 +339,39 @@ class TSPDCE(_TraceAware, _ControllerOptions, _CEOptions):
     uses_controller: ClassVar[bool] = True
     uses_ce: ClassVar[bool] = True
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_kind("token")
+
     def base_commit(self, feats, scores, masked_bk):
         return self.controller_commit(feats, masked_bk)
+
+
+@register_decoder
+@dataclass(frozen=True)
+class Learn2PD(_ControllerOptions):
+    """A Learn2PD-style filter (the benchmark's baseline): one MLP over the block's K confidences
+    (1.0 at positions not masked) scores every position; commit the masked ones above threshold,
+    ORed with the static top-1 (as Learn2PD ORs its filter with the static pick). Stateless, so it
+    is also a policy PSD can draft with. Train one with `tspd.features=[block_confidence]`."""
+
+    name: ClassVar[str] = "learn2pd"
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.check_kind("block")
+
+    def select(self, scores, masked_bk):
+        w = self.weights()
+        x = jnp.where(masked_bk, scores.confidence, 1.0)
+        prob = jax.nn.sigmoid(mlp_outputs(w.jax_params(), x))
+        threshold = w.threshold if self.threshold is None else self.threshold
+        return masked_bk & ((prob > threshold) | policies.top_k_mask(scores.confidence, masked_bk, 1))
+
+    def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
+        w = self.weights()
+        w.check_model(fwd.model.config)
+        if w.params["fc1_w"].shape[1] != fwd.geometry.block:
+            raise ControllerMismatchError(f"controller {w.path} reads blocks of {w.params['fc1_w'].shape[1]}, this "
+                                          f"decode uses block {fwd.geometry.block}; set block= to match")
+        return super().plan(fwd, state, tokens_bk, masked_bk, keys_b)

@@ -31,6 +31,10 @@ from flax import nnx
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
 
 FEATURES = ("confidence", "entropy", "momentum", "stable", "block_pos", "abs_pos")
+# A Learn2PD-style filter (kind "block"): one MLP over the K confidences of the block (committed and
+# prompt positions read 1.0) that scores all K positions at once; its feature set is this one name.
+BLOCK_FEATURES = ("block_confidence",)
+KINDS = ("token", "block")
 CONTROLLER_FILE = "tspd_controller.safetensors"
 FORMAT_VERSION = "1"
 
@@ -41,6 +45,8 @@ class ControllerMismatchError(ValueError):
 
 def check_features(features) -> tuple[str, ...]:
     features = tuple(features)
+    if features == BLOCK_FEATURES:
+        return features
     unknown = [f for f in features if f not in FEATURES]
     if not features or unknown or len(set(features)) != len(features):
         raise ValueError(f"controller features {list(features)}: give a non-empty list of distinct names from "
@@ -55,24 +61,29 @@ def model_fingerprint(config) -> dict:
             "mask_token_id": int(config.mask_token_id)}
 
 
-def mlp_logits(params: dict, x):
-    """The controller's pure numerics: params {fc1_w [H, F], fc1_b, fc2_w [1, H], fc2_b, mean, std}
-    (PyTorch layout), x [..., F] raw features -> logits [...] (float32)."""
+def mlp_outputs(params: dict, x):
+    """The controller's pure numerics: params {fc1_w [H, F], fc1_b, fc2_w [O, H], fc2_b, mean, std}
+    (PyTorch layout), x [..., F] raw features -> logits [..., O] (float32)."""
     x = (x.astype(jnp.float32) - params["mean"]) / params["std"]
     h = jax.nn.gelu(x @ params["fc1_w"].T + params["fc1_b"], approximate=True)
-    return (h @ params["fc2_w"].T + params["fc2_b"])[..., 0]
+    return h @ params["fc2_w"].T + params["fc2_b"]
+
+
+def mlp_logits(params: dict, x):
+    """A per-token controller's logits [...] (one output)."""
+    return mlp_outputs(params, x)[..., 0]
 
 
 class Controller(nnx.Module):
     """The trainable MLP; `feature_mean`/`feature_std` are fixed buffers set from the training traces."""
 
-    def __init__(self, num_features: int, hidden: int = 32, *, seed: int = 0, mean=None, std=None):
+    def __init__(self, num_features: int, hidden: int = 32, *, outputs: int = 1, seed: int = 0, mean=None, std=None):
         rngs = nnx.Rngs(seed)
         k1, k2 = jax.random.split(rngs.params())
         self.fc1_w = nnx.Param(jax.random.normal(k1, (hidden, num_features)) / np.sqrt(num_features))
         self.fc1_b = nnx.Param(jnp.zeros((hidden,)))
-        self.fc2_w = nnx.Param(jax.random.normal(k2, (1, hidden)) / np.sqrt(hidden))
-        self.fc2_b = nnx.Param(jnp.zeros((1,)))
+        self.fc2_w = nnx.Param(jax.random.normal(k2, (outputs, hidden)) / np.sqrt(hidden))
+        self.fc2_b = nnx.Param(jnp.zeros((outputs,)))
         self.mean = nnx.Variable(jnp.zeros((num_features,)) if mean is None else jnp.asarray(mean, jnp.float32))
         self.std = nnx.Variable(jnp.ones((num_features,)) if std is None else jnp.asarray(std, jnp.float32))
 
@@ -82,7 +93,8 @@ class Controller(nnx.Module):
     def __call__(self, x):
         params = self.params()  # the standardisation is fixed: no gradient, so AdamW leaves it as it is
         params["mean"], params["std"] = jax.lax.stop_gradient(params["mean"]), jax.lax.stop_gradient(params["std"])
-        return mlp_logits(params, x)
+        out = mlp_outputs(params, x)
+        return out[..., 0] if out.shape[-1] == 1 else out
 
 
 _TORCH_NAMES = {"fc1_w": "fc1.weight", "fc1_b": "fc1.bias", "fc2_w": "fc2.weight", "fc2_b": "fc2.bias",
@@ -98,6 +110,10 @@ class ControllerWeights:
     threshold: float
     model: dict  # model_fingerprint of the traces' model
     path: str = ""
+
+    @property
+    def kind(self) -> str:
+        return "block" if self.features == BLOCK_FEATURES else "token"
 
     @property
     def hidden(self) -> int:
@@ -125,7 +141,7 @@ def save_controller(controller: Controller | dict, path: str | Path, *, features
     """Write the controller as one safetensors file in PyTorch layout (module docstring)."""
     params = controller.params() if isinstance(controller, Controller) else controller
     features = check_features(features)
-    if params["fc1_w"].shape[1] != len(features):
+    if features != BLOCK_FEATURES and params["fc1_w"].shape[1] != len(features):
         raise ValueError(f"controller has {params['fc1_w'].shape[1]} inputs but {len(features)} features were named")
     path = Path(path)
     if path.suffix != ".safetensors":
@@ -170,7 +186,8 @@ def load_controller(name: str) -> ControllerWeights:
             raise CheckpointError(f"{path}: TSPD controller is missing tensor {theirs!r}")
         params[ours] = np.array(f.get(theirs), np.float32)
     features = check_features(json.loads(meta["features"]))
-    if params["fc1_w"].shape[1] != len(features) or params["mean"].shape != (len(features),):
+    width = params["fc1_w"].shape[1] if features == BLOCK_FEATURES else len(features)
+    if params["fc1_w"].shape[1] != width or params["mean"].shape != (width,):
         raise CheckpointError(f"{path}: fc1.weight {params['fc1_w'].shape} does not read the {len(features)} "
                               f"features named in its metadata")
     return ControllerWeights(params=params, features=features, threshold=float(meta["threshold"]),
@@ -179,7 +196,7 @@ def load_controller(name: str) -> ControllerWeights:
 
 def controller_module(weights: ControllerWeights) -> Controller:
     """A loaded controller as a trainable module (e.g. to fine-tune it)."""
-    module = Controller(len(weights.features), weights.hidden)
+    module = Controller(weights.params["fc1_w"].shape[1], weights.hidden, outputs=weights.params["fc2_w"].shape[0])
     for name, value in weights.params.items():
         getattr(module, name)[...] = jnp.asarray(value)
     return module

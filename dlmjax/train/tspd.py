@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlmjax.heads.controller import Controller, check_features, model_fingerprint, save_controller
+from dlmjax.heads.controller import BLOCK_FEATURES, Controller, check_features, model_fingerprint, save_controller
 from dlmjax.traces import TraceError, load_traces
 
 THRESHOLD_GRID = np.round(np.arange(0.05, 0.996, 0.005), 4)
@@ -41,10 +41,30 @@ def class_weights(labels) -> tuple[float, float]:
     return (n / (2 * n1) if n1 else 0.0), (n / (2 * n0) if n0 else 0.0)
 
 
-def weighted_bce(logits, labels, w1: float, w0: float):
-    """Mean weighted BCE over a batch, from logits (numerically stable log-sigmoids)."""
+def weighted_bce(logits, labels, w1: float, w0: float, mask=None):
+    """Mean weighted BCE over a batch (over `mask`'s entries if given), from logits (stable log-sigmoids)."""
     y = labels.astype(jnp.float32)
-    return jnp.mean(-w1 * y * jax.nn.log_sigmoid(logits) - w0 * (1 - y) * jax.nn.log_sigmoid(-logits))
+    loss = -w1 * y * jax.nn.log_sigmoid(logits) - w0 * (1 - y) * jax.nn.log_sigmoid(-logits)
+    if mask is None:
+        return jnp.mean(loss)
+    m = mask.astype(jnp.float32)
+    return jnp.sum(loss * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def block_examples(arrays, meta):
+    """Learn2PD-style rows from token traces: per (prompt, round) the block's K confidences
+    (1.0 where the position is not masked), labels and the masked positions, and each row's prompt."""
+    k = meta.get("block")
+    if not k:
+        raise TraceError("traces without a block size (meta.json `block`) cannot train a block-confidence filter")
+    conf = arrays["features"][:, meta["features"].index("confidence")]
+    pos = arrays["features"][:, meta["features"].index("block_pos")].astype(int)
+    keys, group = np.unique(arrays["prompt"].astype(np.int64) * 1_000_000 + arrays["round"], return_inverse=True)
+    x = np.ones((len(keys), k), np.float32)
+    y = np.zeros((len(keys), k), bool)
+    m = np.zeros((len(keys), k), bool)
+    x[group, pos], y[group, pos], m[group, pos] = conf, arrays["label"], True
+    return x, y, m, (keys // 1_000_000).astype(np.int32)
 
 
 def calibrate_threshold(probs, labels, target_precision: float) -> float:
@@ -83,38 +103,48 @@ def tspd_trainee(run, run_dir: Path):
     if run.backbone:
         expect = model_fingerprint(load_config(resolve_model(run.backbone)))
     arrays, meta = load_traces(t.traces, expect_model=expect)
-    missing = [f for f in features if f not in meta["features"]]
-    if missing:
-        raise TraceError(f"traces {t.traces} lack features {missing}; collect them again with `dlmjax traces`")
-    cols = [meta["features"].index(f) for f in features]
-    x_all, y_all = arrays["features"][:, cols].astype(np.float32), arrays["label"].astype(bool)
-    train_mask, held_mask = split_prompts(arrays["prompt"], t.holdout, run.data.seed)
-    x_train, y_train, x_held, y_held = x_all[train_mask], y_all[train_mask], x_all[held_mask], y_all[held_mask]
+    block = features == BLOCK_FEATURES
+    if block:
+        x_all, y_all, m_all, prompt = block_examples(arrays, meta)
+    else:
+        missing = [f for f in features if f not in meta["features"]]
+        if missing:
+            raise TraceError(f"traces {t.traces} lack features {missing}; collect them again with `dlmjax traces`")
+        cols = [meta["features"].index(f) for f in features]
+        x_all, y_all = arrays["features"][:, cols].astype(np.float32), arrays["label"].astype(bool)
+        m_all, prompt = np.ones(y_all.shape, bool), arrays["prompt"]
+    train_mask, held_mask = split_prompts(prompt, t.holdout, run.data.seed)
+    x_train, y_train, m_train = x_all[train_mask], y_all[train_mask], m_all[train_mask]
+    x_held, m_held = x_all[held_mask], m_all[held_mask]
+    y_held = y_all[held_mask][m_held]  # flat, the entries that count
     if len(x_train) == 0 or len(x_held) == 0:
-        raise TraceError(f"traces {t.traces}: {len(x_train)} training and {len(x_held)} held-out token-rounds; "
+        raise TraceError(f"traces {t.traces}: {len(x_train)} training and {len(x_held)} held-out examples; "
                          "collect traces from more prompts or change tspd.holdout")
-    w1, w0 = class_weights(y_train)
+    w1, w0 = class_weights(y_train[m_train])
     mean, std = x_train.mean(0), np.maximum(x_train.std(0), 1e-3)
 
     def loss(controller, _frozen, batch, _key):
         logits = controller(batch["features"])
-        value = weighted_bce(logits, batch["label"], w1, w0)
-        y = batch["label"]
-        accuracy = jnp.mean((logits > 0) == y)
-        return value, {"loss": value, "accuracy": accuracy, "positive_rate": jnp.mean(y.astype(jnp.float32))}
+        y, m = batch["label"], batch["mask"]
+        value = weighted_bce(logits, y, w1, w0, m)
+        mf = m.astype(jnp.float32)
+        accuracy = jnp.sum(((logits > 0) == y) * mf) / jnp.maximum(jnp.sum(mf), 1.0)
+        return value, {"loss": value, "accuracy": accuracy,
+                       "positive_rate": jnp.sum(y * mf) / jnp.maximum(jnp.sum(mf), 1.0)}
 
     def batch_at(step: int) -> dict:
         idx = _step_indices(len(x_train), run.train.batch_size, run.data.seed, step)
-        return {"features": x_train[idx], "label": y_train[idx]}
+        return {"features": x_train[idx], "label": y_train[idx], "mask": m_train[idx]}
 
     @jax.jit
     def held_probs(params):
-        from dlmjax.heads.controller import mlp_logits
+        from dlmjax.heads.controller import mlp_outputs
 
-        return jax.nn.sigmoid(mlp_logits(params, jnp.asarray(x_held)))
+        out = mlp_outputs(params, jnp.asarray(x_held))
+        return jax.nn.sigmoid(out if block else out[..., 0])
 
     def evaluate(controller, _frozen):
-        p = np.asarray(held_probs(controller.params()))
+        p = np.asarray(held_probs(controller.params()))[m_held]
         logits = np.log(np.clip(p, 1e-7, 1)) - np.log(np.clip(1 - p, 1e-7, 1))
         bce = float(weighted_bce(jnp.asarray(logits), jnp.asarray(y_held), w1, w0))
         chosen = p > 0.5
@@ -130,14 +160,15 @@ def tspd_trainee(run, run_dir: Path):
         out = run_dir / "model"
         out.mkdir(parents=True, exist_ok=True)
         save_controller(controller, out, features=features, threshold=scores["eval/threshold"], model=meta["model"])
-        summary = {**scores, "w1": w1, "w0": w0, "train_token_rounds": int(len(x_train)),
-                   "heldout_token_rounds": int(len(x_held)), "traces": str(t.traces), "features": list(features),
+        summary = {**scores, "w1": w1, "w0": w0, "train_examples": int(m_train.sum()),
+                   "heldout_examples": int(m_held.sum()), "traces": str(t.traces), "features": list(features),
                    "target_precision": t.target_precision}
         (out / "tspd_calibration.json").write_text(json.dumps(summary, indent=2))
         return out
 
     return Trainee(
-        build=lambda: Controller(len(features), t.hidden, seed=run.train.seed, mean=mean, std=std),
-        abstract=Controller(len(features), t.hidden), frozen=None, loss=loss, tokenizer=None, block=None,
+        build=lambda: Controller(x_train.shape[1], t.hidden, outputs=y_train.shape[1] if block else 1,
+                                 seed=run.train.seed, mean=mean, std=std),
+        abstract=Controller(x_train.shape[1], t.hidden, outputs=y_train.shape[1] if block else 1), frozen=None, loss=loss, tokenizer=None, block=None,
         pad_id=0, evaluate=evaluate, export=export, batch_at=batch_at,
     )
