@@ -17,16 +17,34 @@ import sys
 from dlmjax.decoding.spec import decoder_names
 
 
+def _drafter_for(path, model, decoders, drafter_dir, dtype):
+    """The DFlash drafter a causal model decodes with: --drafter DIR, else the one in the model's
+    directory; loaded when a `drafter` decoder asks for it (or, with no decoder named, when there
+    is one). None otherwise."""
+    from dlmjax.io.dflash import find_drafter_dir, resolve_drafter
+
+    if model.config.attention != "causal":
+        if drafter_dir is not None:
+            raise ValueError(f"--drafter serves causal (autoregressive) targets; {path} is a "
+                             f"{model.config.attention} {model.config.family} model")
+        return None
+    wanted = any(d.split(":")[0].strip() == "drafter" for d in decoders) if decoders else (
+        drafter_dir is not None or find_drafter_dir(path) is not None)
+    return resolve_drafter(path, model.config, drafter_dir, dtype=dtype) if wanted else None
+
+
 def cmd_generate(args) -> int:
     from dlmjax.decoding.api import generate
     from dlmjax.presets import load_checkpoint
 
-    _, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head)
+    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head)
+    decoder = args.decoder or ("ar" if model.config.attention == "causal" else "static")
+    drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     prompts = args.prompt
     if args.chat:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    result = generate(model, prompts, tokenizer=tokenizer, decoder=args.decoder,
-                      max_new_tokens=args.max_new_tokens, seed=args.seed, head=head)
+    result = generate(model, prompts, tokenizer=tokenizer, decoder=decoder,
+                      max_new_tokens=args.max_new_tokens, seed=args.seed, head=head, drafter=drafter)
     for row in result.rows:
         if args.json:
             print(json.dumps({**row.to_json(), "batch_forwards": result.forwards, "batch_tpf": result.batch_tpf}))
@@ -44,15 +62,23 @@ def cmd_generate(args) -> int:
 
 def cmd_export(args) -> int:
     from dlmjax.heads.mrp import has_head, load_head, save_head
+    from dlmjax.io.dflash import DRAFTER_SUBDIR, find_drafter_dir, load_drafter, save_drafter
     from dlmjax.io.hf import export_model, load_model
     from dlmjax.presets import resolve_model
 
     src = resolve_model(args.src)
     model = load_model(src)
     out = export_model(model, args.out, tokenizer_from=src)
+    extras = []
     if has_head(src):
         save_head(load_head(src, model.config), out)
-    print(f"wrote {args.format} checkpoint to {out}" + (" (with its MRP head)" if has_head(src) else ""))
+        extras.append("its MRP head")
+    drafter_dir = find_drafter_dir(src)
+    if drafter_dir is not None:  # DFlash format, as it was stored (vLLM and SGLang load it)
+        drafter = load_drafter(drafter_dir, model.config)
+        save_drafter(drafter, out / DRAFTER_SUBDIR, dtype=drafter.config.dtype)
+        extras.append(f"its DFlash drafter in {DRAFTER_SUBDIR}/")
+    print(f"wrote {args.format} checkpoint to {out}" + (f" (with {' and '.join(extras)})" if extras else ""))
     return 0
 
 
@@ -64,6 +90,7 @@ def cmd_eval(args) -> int:
     from dlmjax.sharding import make_mesh
 
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head)
+    drafter = _drafter_for(path, model, args.decoder, args.drafter, args.dtype)
     tasks = args.task or ["toy-arith", "toy-constraint"]
     if args.data is not None and len(tasks) != 1:
         raise ValueError("--data applies to one task; pass a single --task with it")
@@ -71,10 +98,11 @@ def cmd_eval(args) -> int:
     for eval_set in eval_sets:
         for problem in eval_set.skipped:
             print(f"{eval_set.task}: skipped {problem}", file=sys.stderr)
-    decoders = args.decoder or default_decoders(model, head)
+    decoders = args.decoder or default_decoders(model, head, drafter)
     records, outputs = run_eval(
         model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
         mesh=make_mesh(model=1), seed=args.seed, chat=args.chat, progress=not args.no_progress, head=head,
+        drafter=drafter,
     )
     title = f"{args.model} ({path})"
     table = write_report(records, outputs if args.save_outputs else None, args.out, title=title,
@@ -95,6 +123,8 @@ def cmd_train(args) -> int:
     return 0
 
 
+DRAFTER_HELP = ("DFlash drafter directory for the `drafter` decoder of a causal model; default: the model's own "
+                "drafter/ subdirectory when it has one")
 MRP_HEAD_HELP = ("checkpoint directory holding the MRP head (mrp_modules.* tensors) for the mrp-* decoders; "
                  "default: the model's own directory when it has one")
 
@@ -106,13 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="decode prompts with a decoder")
     gen.add_argument("--model", required=True, help="checkpoint directory or preset (toy-sdar, toy-ar, random-sdar, random-qwen3)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
-    gen.add_argument("--decoder", default="static",
-                     help=f"NAME or NAME:key=value,... ; decoders: {', '.join(decoder_names())}")
+    gen.add_argument("--decoder", default=None,
+                     help=f"NAME or NAME:key=value,... (default: static; ar for causal models); decoders: "
+                          f"{', '.join(decoder_names())}")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
+    gen.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, tokens, nfe, tpf, ...")
     gen.set_defaults(func=cmd_generate)
 
@@ -130,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     ev.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     ev.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
+    ev.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=cmd_eval)
 

@@ -100,3 +100,37 @@ def test_mrp_decoders_and_export_carry_the_head(tmp_path, capsys):
     assert "with its MRP head" in capsys.readouterr().out
     head, again = load_head(ckpt), load_head(tmp_path / "again", model.config)
     assert (head.mrp_modules[0].eh_proj.kernel[...] == again.mrp_modules[0].eh_proj.kernel[...]).all()
+
+
+def test_causal_model_defaults_to_ar_and_decodes_with_its_drafter(capsys, tmp_path):
+    """toy-ar ships a DFlash drafter in drafter/: `--decoder drafter` uses it and gives ar's tokens;
+    no --decoder means ar; export carries the drafter; results carry the accepted length."""
+    prompts = ["--prompt", "12+7-3\n", "--prompt", "4 distinct digits, sum 17\n"]
+    assert main(["generate", "--model", "toy-ar", *prompts, "--max-new-tokens", "24", "--json"]) == 0
+    ar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(row["mean_accepted_length"] is None for row in ar)
+    assert main(["generate", "--model", "toy-ar", *prompts, "--decoder", "drafter", "--max-new-tokens", "24",
+                 "--json"]) == 0
+    spec = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["tokens"] for r in spec] == [r["tokens"] for r in ar]
+    assert all(r["mean_accepted_length"] > 1.0 and r["nfe"] < a["nfe"] for r, a in zip(spec, ar))
+
+    assert main(["export", "toy-ar", str(tmp_path / "out")]) == 0
+    assert "DFlash drafter" in capsys.readouterr().out
+    assert main(["generate", "--model", str(tmp_path / "out"), *prompts, "--decoder", "drafter",
+                 "--max-new-tokens", "24", "--json"]) == 0
+    assert [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()] == [r["tokens"] for r in ar]
+
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", "toy-ar", "--task", "toy-arith", "--limit", "4", "--no-progress",
+                 "--out", str(out)]) == 0
+    runs = {r["decoder"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert set(runs) == {"ar", "drafter"} and runs["drafter"]["accuracy"] == runs["ar"]["accuracy"]
+    assert runs["drafter"]["mean_accepted_length"] > 1.0 and runs["ar"]["mean_accepted_length"] is None
+
+
+def test_drafter_errors_name_the_fix(capsys, tmp_path):
+    assert main(["generate", "--model", "random-qwen3", "--prompt", "Hi", "--decoder", "drafter"]) == 2
+    assert "--drafter DIR" in capsys.readouterr().err
+    assert main(["generate", "--model", "toy-sdar", "--prompt", "Hi", "--drafter", str(tmp_path)]) == 2
+    assert "--drafter serves causal" in capsys.readouterr().err

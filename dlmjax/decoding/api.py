@@ -12,7 +12,8 @@ from flax import nnx
 
 from dlmjax.decoding import engine
 from dlmjax.decoding.ar import generate_ar
-from dlmjax.decoding.spec import AR, DecoderSpecError, DiffusionDecoder, decoder_spec, parse_decoder
+from dlmjax.decoding.spec import AR, CAUSAL_DECODERS, DecoderSpecError, DiffusionDecoder, decoder_spec, parse_decoder
+from dlmjax.decoding.speculative import generate_with_drafter
 from dlmjax.heads.mrp import MRPHead, check_compatible
 from dlmjax.io.tokenizer import Tokenizer
 from dlmjax.models.transformer import Transformer
@@ -28,6 +29,7 @@ class RowResult:
     nfe: int  # denoising forwards this row used (AR: decode steps)
     tpf: float  # committed tokens / NFE
     num_tokens: int  # len(tokens)
+    mean_accepted_length: float | None = None  # speculative decoders: tokens per verifying target forward
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -47,6 +49,9 @@ class GenerationResult:
         """The batch's counters (the rows are reported one by one)."""
         return {"decoder": self.decoder, "forwards": self.forwards, "tpf": self.tpf, "batch_tpf": self.batch_tpf,
                 "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s}
+
+
+SPECULATIVE = ("psd", "mrp-spec", "drafter")  # decoders that verify drafts: they report mean_accepted_length
 
 
 def _resolve_decoder(decoder) -> DiffusionDecoder | AR:
@@ -156,11 +161,16 @@ class _Request:
         return dict(decoder=self.decoder, geometry=geometry, cache_mode=_cache_mode(self.decoder, self.model),
                     mask_id=int(self.mask_id), pad_id=self.pad, eos_ids=self.eos, head_graphdef=self.head_split[0])
 
-    def row(self, tokens, count: int, nfe: int, committed: int) -> RowResult:
+    def row(self, tokens, count: int, nfe: int, committed: int, accepted_length: float | None = None) -> RowResult:
+        """A row's result; a speculative decoder's accepted length defaults to its TPF (every one
+        of its forwards verifies)."""
         row_tokens = np.asarray(tokens)[:count].tolist()
         text = self.tokenizer.decode(row_tokens) if self.tokenizer is not None else None
-        return RowResult(text=text, tokens=row_tokens, nfe=int(nfe), tpf=float(committed) / max(int(nfe), 1),
-                         num_tokens=len(row_tokens))
+        tpf = float(committed) / max(int(nfe), 1)
+        if accepted_length is None and self.decoder.name in SPECULATIVE:
+            accepted_length = tpf
+        return RowResult(text=text, tokens=row_tokens, nfe=int(nfe), tpf=tpf, num_tokens=len(row_tokens),
+                         mean_accepted_length=accepted_length)
 
 
 def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, head) -> _Request:
@@ -168,9 +178,9 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
     ids = _encode(prompts, tokenizer)
     _check_length(model, max(len(p) for p in ids), max_new_tokens)
     causal = model.config.attention == "causal"
-    if isinstance(decoder, AR) != causal:
+    if isinstance(decoder, CAUSAL_DECODERS) != causal:
         kind = "causal" if causal else model.config.attention
-        fix = "use --decoder ar" if causal else "use a diffusion decoder (static, threshold, entropy)"
+        fix = "use --decoder ar (or drafter)" if causal else "use a diffusion decoder (static, threshold, entropy)"
         raise DecoderSpecError(f"decoder {decoder.name!r} does not fit a {kind} {model.config.family} model; {fix}")
     mask_id, eos, pad = _special_ids(model, tokenizer, need_mask=not causal)
     if row_ids is not None and len(row_ids) != len(ids):
@@ -198,6 +208,7 @@ def generate(
     row_ids=None,
     mesh=None,
     head: MRPHead | None = None,
+    drafter=None,
 ) -> GenerationResult:
     """Decode a batch of prompts (text with a tokenizer, or token-id lists).
 
@@ -207,14 +218,30 @@ def generate(
     mesh: split the batch over the mesh's 'data' axis (data-parallel decoding; the batch size
       must divide by it). Place the model's params on the same mesh.
     head: the MRP head the mrp-* decoders run (`dlmjax.heads.mrp.load_head(checkpoint_dir)`).
+    drafter: the DFlash drafter the `drafter` decoder runs (`dlmjax.io.dflash.resolve_drafter`).
 
     Every prompt is one row of one batch; `Stream` runs more prompts than a batch holds.
     """
     req = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
                    row_ids=row_ids, head=head)
     decoder = req.decoder
+    accepted = None
     start = time.perf_counter()
-    if req.causal:
+    if decoder.name == "drafter":
+        if drafter is None:
+            raise DecoderSpecError("decoder `drafter` needs a drafter: pass drafter=resolve_drafter(...) (CLI: a model "
+                                   "directory with drafter/ inside, or --drafter DIR); train one with "
+                                   "`dlmjax train configs/drafter/toy-ar.yaml`")
+        out = generate_with_drafter(model, drafter, req.ids, max_new_tokens=max_new_tokens, block=decoder.block,
+                                    temperature=decoder.temperature, top_p=decoder.top_p, seed=seed, eos_ids=req.eos,
+                                    pad_id=req.pad, mesh=mesh)
+        out = jax.device_get(out)
+        counts = np.asarray(out.num_generated)
+        lengths = out.accepted_lengths()
+        # Every token comes from a target forward; the prefill gives the first. NFE = target forwards.
+        nfe_rows, committed, forwards = np.asarray([len(a) + 1 for a in lengths]), counts, int(out.nfe)
+        accepted = [sum(a) / len(a) if a else 0.0 for a in lengths]
+    elif req.causal:
         out = generate_ar(model, req.ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
                           top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, mesh=mesh)
         out = jax.device_get(out)
@@ -234,7 +261,8 @@ def generate(
     wall = time.perf_counter() - start
 
     tokens = np.asarray(out.tokens)
-    rows_out = [req.row(tokens[i], counts[i], nfe_rows[i], committed[i]) for i in range(len(req.ids))]
+    rows_out = [req.row(tokens[i], counts[i], nfe_rows[i], committed[i], None if accepted is None else accepted[i])
+                for i in range(len(req.ids))]
     return GenerationResult(
         rows=rows_out,
         decoder=decoder_spec(decoder),
@@ -263,13 +291,13 @@ class Stream:
     Each row's result is the one `generate` gives for that prompt alone (rows never see each
     other; `row_ids`, default the prompt's index, keys its sampling stream). New prompts are
     started `refill` at a time (default batch/8), by one forward of their own that yields their
-    first block's logits. Causal models (`ar`) run batch after batch. `limit` decodes only the
+    first block's logits. Causal models (`ar`, `drafter`) run batch after batch. `limit` decodes only the
     first prompts with the layout of all (compiles what the full run needs: a warm-up).
     """
 
     def __init__(self, model: Transformer, prompts, *, batch_size: int = 64, refill: int | None = None,
                  tokenizer: Tokenizer | None = None, decoder="static", max_new_tokens: int = 64, seed: int = 0,
-                 row_ids=None, mesh=None, head: MRPHead | None = None, limit: int | None = None):
+                 row_ids=None, mesh=None, head: MRPHead | None = None, drafter=None, limit: int | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.request = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
@@ -279,7 +307,7 @@ class Stream:
         data = mesh.shape["data"] if mesh is not None else 1
         self.batch = _round_up(min(batch_size, self.count), data)
         self.refill = min(self.batch, _round_up(refill or max(1, self.batch // 8), data))
-        self.seed, self.mesh, self.row_ids = seed, mesh, row_ids
+        self.seed, self.mesh, self.row_ids, self.drafter = seed, mesh, row_ids, drafter
         self.forwards = 0  # model forwards run
         self.slot_forwards = 0  # rows carried by those forwards, summed (batch x forwards for full batches)
         self.committed = 0  # tokens committed for the prompts
@@ -307,13 +335,13 @@ class Stream:
         self.wall_s += time.perf_counter() - clock
 
     def _batches(self):
-        """AR decoding, one batch after another (a row's cost is its own length there anyway)."""
+        """Causal models (`ar`, `drafter`), one batch after another."""
         req = self.request
         for start in range(0, self.count, self.batch):
             chunk = list(range(start, min(start + self.batch, self.count)))
             padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
             result = generate(req.model, [req.ids[i] for i in padded], tokenizer=req.tokenizer, decoder=req.decoder,
-                              max_new_tokens=req.max_new_tokens, seed=self.seed, mesh=self.mesh)
+                              max_new_tokens=req.max_new_tokens, seed=self.seed, mesh=self.mesh, drafter=self.drafter)
             yield None, None, result.forwards, result.forwards * self.batch
             for i, row in zip(chunk, result.rows):
                 yield i, row, 0, 0

@@ -143,7 +143,31 @@ class AR:
     top_p: float = 1.0
 
 
-DECODERS: dict[str, type] = {cls.name: cls for cls in (Static, Threshold, Entropy, AR)}
+@dataclass(frozen=True)
+class DrafterDecoding:
+    """Speculative decoding of a causal target with a left-to-right diffusion drafter (DFlash
+    format, `dlmjax.decoding.speculative`): greedy output equals `ar`'s token for token; sampled
+    output keeps the target's distribution (rejection sampling).
+
+    block: the drafter's block K (default its own block_size; K - 1 proposals per target forward).
+    """
+
+    name: ClassVar[str] = "drafter"
+    block: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.block is not None and self.block < 2:
+            raise DecoderSpecError(f"drafter: block={self.block} must be >= 2 (the last token and one proposal)")
+        if self.temperature < 0:
+            raise DecoderSpecError(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise DecoderSpecError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+CAUSAL_DECODERS = (AR, DrafterDecoding)  # the decoders of causal (autoregressive) models
+DECODERS: dict[str, type] = {cls.name: cls for cls in (Static, Threshold, Entropy, AR, DrafterDecoding)}
 
 
 def decoder_spec(decoder) -> str:

@@ -32,6 +32,7 @@ class RunRecord:
     useful_tpf: float  # generated tokens up to the first EOS per forward
     tokens_per_s: float  # generated tokens up to EOS / wall_s
     wall_s: float
+    mean_accepted_length: float | None = None  # speculative decoders: tokens per verifying forward
     forwards: int = 0  # model forwards run for the whole task (prefills of new prompts included)
     batch_tpf: float = 0.0  # committed tokens / row slots of those forwards (tpf, less idle slots)
     skipped_rows: int = 0
@@ -40,12 +41,13 @@ class RunRecord:
         return asdict(self)
 
 
-def default_decoders(model, head=None) -> list[str]:
-    """AR for causal models; for diffusion models one token per step, the whole block at once,
-    two confidence thresholds and PSD; with an MRP head also mrp-spec, mrp-direct, and mrp-remask
-    beside threshold decoding at the same low tau (where threshold loses accuracy)."""
+def default_decoders(model, head=None, drafter=None) -> list[str]:
+    """AR for causal models, and `drafter` beside it when a drafter is given; for diffusion models
+    one token per step, the whole block at once, two confidence thresholds and PSD; with an MRP
+    head also mrp-spec, mrp-direct, and mrp-remask beside threshold decoding at the same low tau
+    (where threshold loses accuracy)."""
     if model.config.attention == "causal":
-        return ["ar"]
+        return ["ar"] + (["drafter"] if drafter is not None else [])
     block = model.config.block_size or 32
     decoders = ["static", f"static:k={block}", "threshold:tau=0.9", "threshold:tau=0.7",
                 "psd:policy=threshold,tau=0.9,depth=4"]
@@ -63,7 +65,8 @@ def replicate_on(model, mesh):
 
 
 def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model_name: str, batch_size: int,
-                     mesh=None, seed: int = 0, chat: bool = False, warmup: bool = True, bar=None, head=None):
+                     mesh=None, seed: int = 0, chat: bool = False, warmup: bool = True, bar=None, head=None,
+                     drafter=None):
     """(RunRecord, per-prompt outputs) for one decoder (a SPEC string, used as its label) on one task."""
     items = eval_set.items
     prompts = [item.prompt for item in items]
@@ -73,7 +76,7 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
     def stream(limit=None):
         return Stream(model, prompts, batch_size=batch_size, tokenizer=tokenizer, decoder=decoder,
                       max_new_tokens=eval_set.max_new_tokens, seed=seed, row_ids=[it.index for it in items], mesh=mesh,
-                      head=head, limit=limit)
+                      head=head, drafter=drafter, limit=limit)
 
     if warmup:  # compile outside the timed run: the first slots and one refill
         probe = stream()
@@ -90,10 +93,12 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
     outputs = [{"task": eval_set.task, "decoder": decoder, "index": item.index, "tokens": row.tokens, "text": row.text,
                 "correct": bool(ok)} for item, row, ok in zip(items, ordered, scores)]
     n, nfe = len(items), sum(row.nfe for row in ordered)
+    accepted = [row.mean_accepted_length for row in ordered if row.mean_accepted_length is not None]
     record = RunRecord(
         task=eval_set.task, decoder=decoder, model=model_name, n=n, accuracy=sum(map(bool, scores)) / n,
         nfe=nfe / n, tpf=run.committed / max(nfe, 1), useful_tpf=run.generated / max(nfe, 1),
-        tokens_per_s=run.generated / max(run.wall_s, 1e-9), wall_s=run.wall_s, forwards=run.forwards,
+        tokens_per_s=run.generated / max(run.wall_s, 1e-9), wall_s=run.wall_s,
+        mean_accepted_length=sum(accepted) / len(accepted) if accepted else None, forwards=run.forwards,
         batch_tpf=run.batch_tpf, skipped_rows=len(eval_set.skipped),
     )
     return record, outputs
@@ -101,15 +106,15 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
 
 def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *, model_name: str,
              batch_size: int = 64, mesh=None, seed: int = 0, chat: bool = False, progress: bool = True,
-             warmup: bool = True, head=None):
+             warmup: bool = True, head=None, drafter=None):
     """Every decoder on every task: (records, outputs). Without `warmup`, times include compilation.
-    `head`: the MRP head for mrp-* decoders."""
+    `head`: the MRP head for mrp-* decoders; `drafter`: the DFlash drafter for `drafter`."""
     for eval_set in eval_sets:
         if not eval_set.items:
             raise ValueError(f"{eval_set.task}: no usable prompts ({len(eval_set.skipped)} rows skipped); "
                              "check the dataset file or --limit")
     if mesh is not None:
-        model, head = replicate_on(model, mesh), replicate_on(head, mesh)
+        model, head, drafter = (replicate_on(m, mesh) for m in (model, head, drafter))
     records, outputs = [], []
     total = sum(len(s.items) for s in eval_sets) * len(decoders)
     with tqdm(total=total, desc="eval", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
@@ -118,7 +123,7 @@ def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *,
                 bar.set_postfix(task=eval_set.task, decoder=decoder)
                 record, outs = evaluate_decoder(model, tokenizer, eval_set, decoder, model_name=model_name,
                                                 batch_size=batch_size, mesh=mesh, seed=seed, chat=chat, warmup=warmup,
-                                                bar=bar, head=head)
+                                                bar=bar, head=head, drafter=drafter)
                 records.append(record)
                 outputs.extend(outs)
     return records, outputs
