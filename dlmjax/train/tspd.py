@@ -11,6 +11,10 @@ with w1 = N / (2 N1), w0 = N / (2 N0) from the training split's class counts (in
 frequency, mean weight 1). Optimiser: the loop's AdamW (configs/tspd: lr 1e-3, weight decay
 1e-2 on the matrices).
 
+A Learn2PD-style block filter trains the same way with `tspd.features: [block_confidence]`: one
+example per (prompt, round) holds the block's K confidences (1.0 where not masked), K labels and
+the masked positions the loss counts (`block_examples`).
+
 Calibration (at export): the threshold is the smallest one on a grid whose held-out precision
 P(label = 1 | p > threshold) reaches `tspd.target_precision` (commits that are right that often),
 i.e. the most commits at that precision. The export is `model/tspd_controller.safetensors` in the
