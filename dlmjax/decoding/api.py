@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -383,11 +382,11 @@ class Stream:
                                                      out.committed[slot]), 0, 0
                     slot_prompt[slot] = None
             free = [s for s in range(b) if slot_prompt[s] is None]
-            if queue and free:
-                take = min(len(queue), len(free))
+            while queue and free:  # `refill` rows per forward: one compiled shape
+                take = min(r, len(queue), len(free))
                 prompts, queue = queue[:take], queue[take:]
-                size = min(b, r * 2 ** math.ceil(math.log2(math.ceil(take / r))))  # few compiled sizes
-                state, rows = admit(state, rows, prompts, free[:take], size)
-                for s, i in zip(free, prompts):
+                slots, free = free[:take], free[take:]
+                state, rows = admit(state, rows, prompts, slots, r)
+                for s, i in zip(slots, prompts):
                     slot_prompt[s] = i
-                yield None, None, 1, size
+                yield None, None, 1, r
