@@ -219,19 +219,22 @@ def task_prompts(tasks: list[str], per_task: int, seed: int):
 
 
 def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed: int = 0, batch_size: int = 32,
-                     mesh=None, max_new_tokens: dict | None = None) -> tuple[dict, dict]:
-    """(traces, meta) over toy tasks; each task decodes with its evaluation length."""
+                     mesh=None, max_new_tokens: dict | None = None, block: int | None = None,
+                     cache: str = "none") -> tuple[dict, dict]:
+    """(traces, meta) over toy tasks; each task decodes with its evaluation length. `block` and
+    `cache` matter for bidirectional models only (block-causal ones use their block and exact cache)."""
     from dlmjax.evaluation.tasks import TOY_MAX_NEW_TOKENS
 
     lengths = {t: (max_new_tokens or {}).get(t, TOY_MAX_NEW_TOKENS.get(t, 32)) for t in tasks}
     parts, offsets, total = [], [], 0
     for task, prompts in task_prompts(tasks, per_task, seed):
         ids = [tokenizer.encode(p) for p in prompts]
-        parts.append(collect_traces(model, ids, max_new_tokens=lengths[task], batch_size=batch_size, mesh=mesh))
+        parts.append(collect_traces(model, ids, max_new_tokens=lengths[task], batch_size=batch_size, mesh=mesh,
+                                    block=block, cache=cache))
         offsets.append(total)
         total += len(ids)
     meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": tasks, "seed": seed,
-            "block": model.config.block_size, "max_new_tokens": lengths}
+            "block": model.config.block_size or block or 32, "max_new_tokens": lengths}
     return concat(parts, offsets), meta
 
 
@@ -246,6 +249,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt seed (the eval sets use 1234: keep it different)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--data-parallel", action="store_true", help="split each batch over all devices ('data' axis)")
+    p.add_argument("--block", type=int, default=None, help="bidirectional models: decoding block (default 32)")
+    p.add_argument("--cache", default="none", choices=("none", "prefix", "dual"),
+                   help="bidirectional models: cache mode of both decodes (default none: exact)")
     p.add_argument("--out", required=True, help="output directory (traces.npz + meta.json)")
     p.set_defaults(func=run)
     return p
@@ -264,7 +270,7 @@ def run(args) -> int:
         mesh = make_mesh(model=1)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     traces, meta = traces_for_tasks(model, tokenizer, tasks, per_task=args.per_task, seed=args.seed,
-                                    batch_size=args.batch_size, mesh=mesh)
+                                    batch_size=args.batch_size, mesh=mesh, block=args.block, cache=args.cache)
     out = save_traces(traces, args.out, {**meta, "model_source": str(path)})
     pos = float(np.mean(traces["label"])) if len(traces["label"]) else 0.0
     print(f"{len(traces['label'])} token-rounds ({pos:.1%} positive) from {meta['num_prompts']} prompts -> {out}")
