@@ -308,6 +308,7 @@ class Stream:
         self.refill = min(self.batch, _round_up(refill or max(1, self.batch // 8), data))
         self.seed, self.mesh, self.row_ids, self.drafter = seed, mesh, row_ids, drafter
         self.forwards = 0  # model forwards run
+        self.start_forwards = 0  # of which forwards that started new rows (prefills yielding block 0)
         self.slot_forwards = 0  # rows carried by those forwards, summed (batch x forwards for full batches)
         self.committed = 0  # tokens committed for the prompts
         self.generated = 0  # tokens generated up to EOS
@@ -319,11 +320,12 @@ class Stream:
         return self.committed / max(self.slot_forwards, 1)
 
     def __iter__(self):
-        self.forwards = self.slot_forwards = self.committed = self.generated = 0
+        self.forwards = self.start_forwards = self.slot_forwards = self.committed = self.generated = 0
         self.wall_s = 0.0
         clock = time.perf_counter()
-        for index, row, forwards, slots in (self._batches() if self.request.causal else self._continuous()):
+        for index, row, forwards, slots, starts in (self._batches() if self.request.causal else self._continuous()):
             self.forwards += forwards
+            self.start_forwards += starts
             self.slot_forwards += slots
             if row is not None:
                 self.committed += round(row.tpf * row.nfe)
@@ -341,9 +343,9 @@ class Stream:
             padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
             result = generate(req.model, [req.ids[i] for i in padded], tokenizer=req.tokenizer, decoder=req.decoder,
                               max_new_tokens=req.max_new_tokens, seed=self.seed, mesh=self.mesh, drafter=self.drafter)
-            yield None, None, result.forwards, result.forwards * self.batch
+            yield None, None, result.forwards, result.forwards * self.batch, 1
             for i, row in zip(chunk, result.rows):
-                yield i, row, 0, 0
+                yield i, row, 0, 0, 0
 
     def _place(self, tree):
         return tree if self.mesh is None else shard_batch(tree, self.mesh)
@@ -369,17 +371,17 @@ class Stream:
         slot_prompt = first + [None] * (b - len(first))
         if len(first) < b:  # more slots than prompts: the extra rows are done from the start
             state = state.replace(done=state.done | (np.arange(b) >= len(first)))
-        yield None, None, 1, b
+        yield None, None, 1, b, 1
         while any(p is not None for p in slot_prompt):
             before = int(state.forwards)
             stop_at = min(r, len(queue)) if queue else b
             state, out = engine.decode_until(graphdef, params, state, rows, key, stop_at, req.head_split[1], **args)
             out, done = jax.device_get((out, state.done))
-            yield None, None, int(out.forwards) - before, (int(out.forwards) - before) * b
+            yield None, None, int(out.forwards) - before, (int(out.forwards) - before) * b, 0
             for slot in np.flatnonzero(done):
                 if slot_prompt[slot] is not None:
                     yield slot_prompt[slot], req.row(out.tokens[slot], out.num_generated[slot], out.nfe[slot],
-                                                     out.committed[slot]), 0, 0
+                                                     out.committed[slot]), 0, 0, 0
                     slot_prompt[slot] = None
             free = [s for s in range(b) if slot_prompt[s] is None]
             while queue and free:  # `refill` rows per forward: one compiled shape
@@ -389,4 +391,4 @@ class Stream:
                 state, rows = admit(state, rows, prompts, slots, r)
                 for s, i in zip(slots, prompts):
                     slot_prompt[s] = i
-                yield None, None, 1, r
+                yield None, None, 1, r, 1
