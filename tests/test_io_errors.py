@@ -159,3 +159,11 @@ def test_config_roundtrip_for_every_family():
         if family in ("qwen2", "dream"):
             assert cfg.qkv_bias and not cfg.o_bias
         assert from_hf_config(to_hf_config(cfg)) == cfg, family
+
+
+def test_a_controller_beside_an_unindexed_checkpoint_is_not_a_shard(checkpoint):
+    """A TSPD controller stored beside a model whose weights have no index is not read as weights."""
+    name = "model.norm.weight"  # a name the model has: read as a shard it would be a duplicate
+    dlmjax.io.safetensors.save_file({name: np.ones(32, np.float32)}, checkpoint / "tspd_controller.safetensors")
+    assert not (checkpoint / "model.safetensors.index.json").exists()
+    assert dlmjax.load_model(checkpoint).config.hidden_size == 32

@@ -35,7 +35,7 @@ FEATURES = ("confidence", "entropy", "momentum", "stable", "block_pos", "abs_pos
 # prompt positions read 1.0) that scores all K positions at once; its feature set is this one name.
 BLOCK_FEATURES = ("block_confidence",)
 KINDS = ("token", "block")
-CONTROLLER_FILE = "tspd_controller.safetensors"
+CONTROLLER_FILE = "tspd_controller.safetensors"  # listed in io.hf.SIDE_FILES: not a weight shard of its model
 FORMAT_VERSION = "1"
 
 

@@ -149,6 +149,9 @@ def read_config(ckpt_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+SIDE_FILES = ("tspd_controller.safetensors",)  # stored beside a checkpoint, not weight shards (heads.controller)
+
+
 def open_shards(ckpt_dir: str | Path) -> dict[str, SafetensorsFile]:
     """tensor name -> the shard holding it (via the index when there is one)."""
     ckpt_dir = Path(ckpt_dir)
@@ -156,8 +159,8 @@ def open_shards(ckpt_dir: str | Path) -> dict[str, SafetensorsFile]:
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(p.name for p in ckpt_dir.glob("*.safetensors"))
+    else:  # every safetensors file but the side files dlmjax keeps beside a model
+        files = sorted(p.name for p in ckpt_dir.glob("*.safetensors") if p.name not in SIDE_FILES)
     if not files:
         raise CheckpointError(
             f"no *.safetensors in {ckpt_dir}; dlmjax reads safetensors only "
