@@ -1,10 +1,11 @@
-"""The `dlmjax` command: generate, eval, train, export.
+"""The `dlmjax` command: generate, eval, train, traces, export.
 
     dlmjax generate --model DIR_OR_PRESET --prompt TEXT [--prompt TEXT ...] [--decoder SPEC]
                     [--max-new-tokens N] [--json]
     dlmjax eval [--model DIR_OR_PRESET] [--task NAME ...] [--decoder SPEC ...] [--limit N] [--out DIR]
                 [--save-outputs]
     dlmjax train CONFIG [section.key=value ...] --out RUN_DIR
+    dlmjax traces [--model DIR_OR_PRESET] --out DIR        (TSPD training traces)
     dlmjax export SRC OUT --format torch
 """
 
@@ -15,6 +16,7 @@ import json
 import sys
 
 from dlmjax.decoding.spec import decoder_names
+from dlmjax.traces import add_parser as add_traces_parser
 
 
 def _drafter_for(path, model, decoders, drafter_dir, dtype):
@@ -33,12 +35,31 @@ def _drafter_for(path, model, decoders, drafter_dir, dtype):
     return resolve_drafter(path, model.config, drafter_dir, dtype=dtype) if wanted else None
 
 
+CONTROLLER_DECODERS = ("tspd", "tspd+ce")  # decoders that read a per-token TSPD controller
+
+
+def _with_controller(specs, model_dir, controller):
+    """Decoder specs with `controller=` filled in for the TSPD decoders that lack it: --tspd-controller,
+    else the controller stored in the model's directory (when there is one)."""
+    from dlmjax.heads.controller import CONTROLLER_FILE
+
+    default = controller or (model_dir / CONTROLLER_FILE if (model_dir / CONTROLLER_FILE).is_file() else None)
+    filled = []
+    for spec in specs:
+        name, _, options = spec.partition(":")
+        if name.strip() in CONTROLLER_DECODERS and default is not None and "controller=" not in options:
+            spec = f"{name}:{options + ',' if options else ''}controller={default}"
+        filled.append(spec)
+    return filled
+
+
 def cmd_generate(args) -> int:
     from dlmjax.decoding.api import generate
     from dlmjax.presets import load_checkpoint
 
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head)
     decoder = args.decoder or ("ar" if model.config.attention == "causal" else "static")
+    decoder = _with_controller([decoder], path, args.tspd_controller)[0]
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     prompts = args.prompt
     if args.chat:
@@ -61,6 +82,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from dlmjax.heads.controller import CONTROLLER_FILE, export_controller
     from dlmjax.heads.mrp import has_head, load_head, save_head
     from dlmjax.io.dflash import DRAFTER_SUBDIR, find_drafter_dir, load_drafter, save_drafter
     from dlmjax.io.hf import export_model, load_model
@@ -73,6 +95,9 @@ def cmd_export(args) -> int:
     if has_head(src):
         save_head(load_head(src, model.config), out)
         extras.append("its MRP head")
+    if (src / CONTROLLER_FILE).is_file():
+        export_controller(src, out)
+        extras.append("its TSPD controller")
     drafter_dir = find_drafter_dir(src)
     if drafter_dir is not None:  # DFlash format, as it was stored (vLLM and SGLang load it)
         drafter = load_drafter(drafter_dir, model.config)
@@ -98,7 +123,7 @@ def cmd_eval(args) -> int:
     for eval_set in eval_sets:
         for problem in eval_set.skipped:
             print(f"{eval_set.task}: skipped {problem}", file=sys.stderr)
-    decoders = args.decoder or default_decoders(model, head, drafter)
+    decoders = _with_controller(args.decoder or default_decoders(model, head, drafter), path, args.tspd_controller)
     records, outputs = run_eval(
         model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
         mesh=make_mesh(model=1), seed=args.seed, chat=args.chat, progress=not args.no_progress, head=head,
@@ -125,6 +150,8 @@ def cmd_train(args) -> int:
 
 DRAFTER_HELP = ("DFlash drafter directory for the `drafter` decoder of a causal model; default: the model's own "
                 "drafter/ subdirectory when it has one")
+CONTROLLER_HELP = ("TSPD controller (tspd_controller.safetensors, or a directory or preset holding one) for the tspd "
+                   "and tspd+ce decoders that name none; default: the model's own, when it has one")
 MRP_HEAD_HELP = ("checkpoint directory holding the MRP head (mrp_modules.* tensors) for the mrp-* decoders; "
                  "default: the model's own directory when it has one")
 
@@ -145,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
     gen.add_argument("--drafter", default=None, help=DRAFTER_HELP)
+    gen.add_argument("--tspd-controller", default=None, help=CONTROLLER_HELP)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, tokens, nfe, tpf, ...")
     gen.set_defaults(func=cmd_generate)
 
@@ -163,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     ev.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
     ev.add_argument("--drafter", default=None, help=DRAFTER_HELP)
+    ev.add_argument("--tspd-controller", default=None, help=CONTROLLER_HELP)
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=cmd_eval)
 
@@ -173,7 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=cmd_train)
 
-    exp = sub.add_parser("export", help="write a checkpoint in Hugging Face PyTorch format")
+    add_traces_parser(sub)
+
+    exp = sub.add_parser("export", help="write a checkpoint (with its MRP head, drafter, TSPD controller) in "
+                                        "Hugging Face PyTorch format")
     exp.add_argument("src", help="checkpoint directory or preset")
     exp.add_argument("out", help="output directory (new or empty)")
     exp.add_argument("--format", choices=("torch",), default="torch")

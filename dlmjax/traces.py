@@ -261,7 +261,7 @@ def run(args) -> int:
     from dlmjax.presets import load_checkpoint
 
     if args.seed == 1234:
-        raise SystemExit("--seed 1234 draws the evaluation prompts; pick another seed for training traces")
+        raise ValueError("--seed 1234 draws the evaluation prompts; pick another seed for training traces")
     path, model, tokenizer, _ = load_checkpoint(args.model)
     mesh = None
     if args.data_parallel:

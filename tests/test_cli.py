@@ -134,3 +134,20 @@ def test_drafter_errors_name_the_fix(capsys, tmp_path):
     assert "--drafter DIR" in capsys.readouterr().err
     assert main(["generate", "--model", "toy-sdar", "--prompt", "Hi", "--drafter", str(tmp_path)]) == 2
     assert "--drafter serves causal" in capsys.readouterr().err
+
+
+def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path):
+    """toy-sdar ships a TSPD controller: `--decoder tspd` finds it; export carries it; `dlmjax
+    traces` writes its files."""
+    args = ["generate", "--model", "toy-sdar", "--prompt", "12+7-3\n", "--max-new-tokens", "16", "--json"]
+    assert main([*args, "--decoder", "tspd+ce"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["tpf"] > 1.0 and row["tokens"]
+    assert main(["export", "toy-sdar", str(tmp_path / "out")]) == 0
+    assert "TSPD controller" in capsys.readouterr().out
+    assert (tmp_path / "out" / "tspd_controller.safetensors").is_file()
+    assert main(["traces", "--model", "toy-sdar", "--tasks", "toy-arith", "--per-task", "2", "--out",
+                 str(tmp_path / "traces")]) == 0
+    assert {"traces.npz", "meta.json"} <= {p.name for p in (tmp_path / "traces").iterdir()}
+    assert main(["traces", "--seed", "1234", "--out", str(tmp_path / "t2")]) == 2
+    assert "evaluation prompts" in capsys.readouterr().err
