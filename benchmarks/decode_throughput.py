@@ -92,7 +92,7 @@ def main():
         items = load_eval_set("toy-arith", limit=args.prompts - half).items + load_eval_set("toy-constraint", limit=half).items
         prompts, max_new, name = [item.prompt for item in items], args.max_new or 32, "toy-sdar"
     print(f"model {name}; {len(prompts)} prompts, {max_new} new tokens")
-    header = f"| decoder | batch | mode | forwards | row TPF | batch TPF | tokens/s | wall s |"
+    header = "| decoder | batch | mode | forwards | row TPF | batch TPF | tokens/s | wall s |"
     lines, records = [header, "|---|---:|---|---:|---:|---:|---:|---:|"], []
     print(header)
     for spec in args.decoders:

@@ -44,11 +44,6 @@ class GenerationResult:
     wall_s: float  # the decode call, compilation included on a first call
     tokens_per_s: float  # generated tokens (up to EOS) / wall_s
 
-    def to_json(self) -> dict:
-        """The batch's counters (the rows are reported one by one)."""
-        return {"decoder": self.decoder, "forwards": self.forwards, "tpf": self.tpf, "batch_tpf": self.batch_tpf,
-                "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s}
-
 
 SPECULATIVE = ("psd", "mrp-spec", "drafter")  # decoders that verify drafts: they report mean_accepted_length
 
@@ -279,8 +274,9 @@ def _round_up(x: int, multiple: int) -> int:
 
 class Stream:
     """Continuous batching: decode any number of prompts through `batch_size` slots; when a row
-    is done, the next prompt takes its slot, so a run costs about mean-row-NFE x N / batch
-    forwards rather than the sum of every batch's slowest row.
+    is done, the next prompt takes its slot, so the slots stay busy: a run's step forwards come
+    near mean-row-NFE x N / batch instead of the sum of every batch's longest row, plus one
+    forward per refill (README: fixed batches vs continuous batching).
 
         stream = Stream(model, prompts, batch_size=64, tokenizer=tok, decoder="threshold:tau=0.9")
         for index, row in stream:      # as rows finish, not in prompt order
@@ -290,8 +286,8 @@ class Stream:
     Each row's result is the one `generate` gives for that prompt alone (rows never see each
     other; `row_ids`, default the prompt's index, keys its sampling stream). New prompts are
     started `refill` at a time (default batch/8), by one forward of their own that yields their
-    first block's logits. Causal models (`ar`, `drafter`) run batch after batch. `limit` decodes only the
-    first prompts with the layout of all (compiles what the full run needs: a warm-up).
+    first block's logits. Causal models (`ar`, `drafter`) run batch after batch. `limit` decodes
+    only the first prompts with the layout of all (compiles what the full run needs: a warm-up).
     """
 
     def __init__(self, model: Transformer, prompts, *, batch_size: int = 64, refill: int | None = None,
@@ -306,7 +302,7 @@ class Stream:
         data = mesh.shape["data"] if mesh is not None else 1
         self.batch = _round_up(min(batch_size, self.count), data)
         self.refill = min(self.batch, _round_up(refill or max(1, self.batch // 8), data))
-        self.seed, self.mesh, self.row_ids, self.drafter = seed, mesh, row_ids, drafter
+        self.seed, self.mesh, self.drafter = seed, mesh, drafter
         self.forwards = 0  # model forwards run
         self.start_forwards = 0  # of which forwards that started new rows (prefills yielding block 0)
         self.slot_forwards = 0  # rows carried by those forwards, summed (batch x forwards for full batches)
