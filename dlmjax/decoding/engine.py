@@ -32,8 +32,9 @@ A round (`decode_round`), per row:
    the drafts for PSD and MRP spec;
 2. a row whose block is now complete finishes (EOS, or its last block) or moves to its next block;
 3. one forward evaluates every row's copies (a row that moved: its new block, storing the old);
-4. the decoder's `resolve` reads the forward: the accepted copy (PSD, MRP spec) and the logits
-   that seed the row's next round.
+4. the decoder's `resolve` reads the forward: the accepted copy (PSD, MRP spec), the logits
+   that seed the row's next round, and the decoder's next carry. Rows that forwarded copies of
+   their block take the carry from `resolve`; the others (moved, finished) from `plan`.
 
 Counters: per row NFE = the forwards it used (each yields denoising logits for it, the prefill
 included) and committed tokens; per batch `forwards` = every model forward run.
@@ -113,7 +114,7 @@ class Plan:
     tokens: jax.Array  # [B, K]
     copies: jax.Array  # [B, N, K]
     aux: Any = None  # the decoder's own (e.g. PSD's draft commit sets)
-    carry: Any = None  # the decoder's per-row state after this round (None: keep DecodeState.carry)
+    carry: Any = None  # the decoder's per-row state after this round's plan (None: keep DecodeState.carry)
 
 
 class LayoutError(ValueError):
@@ -415,7 +416,9 @@ def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos)
 
     logits, hidden, cache, head_cache = jax.lax.cond(
         jnp.any(need), lambda: fwd.evaluate(canvas, copies, st.cache, st.head_cache, block, moves), skipped)
-    resolved, seed_logits, seed_hidden = decoder.resolve(fwd, st, plan, logits, hidden)
+    if plan.carry is None:  # the decoder keeps its carry this round: resolve sees (and may return) the current one
+        plan = plan.replace(carry=st.carry)
+    resolved, seed_logits, seed_hidden, resolved_carry = decoder.resolve(fwd, st, plan, logits, hidden)
     canvas = fwd.put_block(canvas, block, jnp.where(left[:, None], resolved, current))
 
     def seed(new_moved, new_resolved, old):
@@ -435,8 +438,14 @@ def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos)
         committed=st.committed + jnp.sum(plan.tokens != tokens, axis=-1)
         + jnp.where(left, jnp.sum(resolved != plan.tokens, axis=-1), 0),
         forwards=st.forwards + jnp.any(need),
-        carry=st.carry if plan.carry is None else plan.carry,
+        carry=rows_where(left, resolved_carry, plan.carry),
     )
+
+
+def rows_where(rows_b, on_tree, off_tree):
+    """Per row: `on_tree`'s leaves where `rows_b` [B], `off_tree`'s elsewhere (every leaf [B, ...])."""
+    return jax.tree.map(lambda on, off: jnp.where(rows_b.reshape((-1,) + (1,) * (on.ndim - 1)), on, off),
+                        on_tree, off_tree)
 
 
 def finalize(canvas, rows: Rows, geometry: Geometry, *, mask_id: int, pad_id: int, eos):

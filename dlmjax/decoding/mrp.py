@@ -128,7 +128,8 @@ class MRPSpec(MRPDecoder):
         return Plan(tokens=tokens_bk, copies=self.draft(fwd, state, tokens_bk))
 
     def resolve(self, fwd: BlockForwards, state: DecodeState, plan: Plan, logits_bnkv, hidden_bnkd):
-        """The backbone's static pick on every copy, the per-row walk over the drafts, and the bonus."""
+        """The backbone's static pick on every copy, the per-row walk over the drafts, and the bonus
+        (the carry is the plan's: MRP spec keeps none)."""
         copies, mask_id = plan.copies, fwd.mask_id
         n = copies.shape[1]
         picks = [static_pick(logits_bnkv[:, k], (copies[:, k] == mask_id) & ~state.done[:, None], mask_id)
@@ -147,7 +148,7 @@ class MRPSpec(MRPDecoder):
         bonus_commit = at_accepted(jnp.stack([c for c, _ in picks], axis=1))
         bonus_tokens = at_accepted(jnp.stack([t for _, t in picks], axis=1))
         tokens = jnp.where(bonus_commit, bonus_tokens, at_accepted(copies))
-        return tokens, at_accepted(logits_bnkv), at_accepted(hidden_bnkd)
+        return tokens, at_accepted(logits_bnkv), at_accepted(hidden_bnkd), plan.carry
 
 
 @register_decoder

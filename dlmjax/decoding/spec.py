@@ -79,7 +79,8 @@ class DiffusionDecoder:
 
     def init_carry(self, fwd, batch: int):
         """The decoder's own per-row state carried from round to round (`DecodeState.carry`, every
-        leaf [B, ...]; a `plan` returns the next one in `Plan.carry`). None: the decoder keeps none."""
+        leaf [B, ...]; `plan` returns the one after its commits in `Plan.carry`, `resolve` the one
+        after the forward). None: the decoder keeps none."""
         return None
 
     def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
@@ -90,9 +91,11 @@ class DiffusionDecoder:
         return Plan(tokens=after, copies=after[:, None])
 
     def resolve(self, fwd, state, plan: Plan, logits_bnkv, hidden_bnkd):
-        """The round after its forward: (block tokens, seed logits, seed hidden) of each row that
-        forwarded copies. Policy decoders keep their commits and seed from the one copy."""
-        return plan.tokens, logits_bnkv[:, 0], hidden_bnkd[:, 0]
+        """The round after its forward: (block tokens, seed logits, seed hidden, carry) of each row
+        that forwarded copies. `plan.carry` is the carry after the plan (the engine fills in
+        `DecodeState.carry` when the plan kept it); return it unless the forward changes it (PSD
+        over a stateful policy). Policy decoders keep their commits and seed from the one copy."""
+        return plan.tokens, logits_bnkv[:, 0], hidden_bnkd[:, 0], plan.carry
 
 
 @dataclass(frozen=True)

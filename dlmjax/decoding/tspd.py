@@ -29,6 +29,13 @@ controller):
     `osc_eps` (the trajectory oscillates) or whose forecast mean stays below `floor`
     (under-confident).
 The progress guard runs last, so every round commits at least one token.
+
+PSD over these policies: `depth=N` (default 1) drafts N steps of the policy per forward and
+verifies them (dlmjax.decoding.psd): `tspd:controller=toy-sdar,depth=4`, `ce:tau=0.7,depth=4`,
+`tspd+ce:controller=toy-sdar,depth=4`. Drafts assume the logits do not change (the trajectory
+observes the same confidences again: momentum 0, stable + 1; the Kalman filter gets the same
+confidence); verification replays the policy on each draft's real logits, so the output equals
+depth=1 token for token with at most its forwards. Greedy only (temperature=0).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from flax import struct
 
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan
+from dlmjax.decoding.psd import DraftAndVerify
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
 from dlmjax.heads.controller import FEATURES, ControllerMismatchError, load_controller, mlp_logits, mlp_outputs
 from dlmjax.models.transformer import take_rows
@@ -180,11 +188,22 @@ def _parse_features(spec: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class _TraceAware(DiffusionDecoder):
-    """Shared carry handling: the trajectory (and, for CE, the Kalman state) of each row's block."""
+class _TraceAware(DraftAndVerify, DiffusionDecoder):
+    """Shared carry handling: the trajectory (and, for CE, the Kalman state) of each row's block.
+    depth: PSD over this policy (dlmjax.decoding.psd) with `depth` drafts verified per forward;
+    1 (the default) is the policy one step per forward. Greedy only above 1."""
 
     uses_controller: ClassVar[bool] = False
     uses_ce: ClassVar[bool] = False
+    depth: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.depth < 1:
+            raise DecoderSpecError(f"{self.name}: depth={self.depth} must be >= 1")
+        if self.depth > 1 and self.temperature != 0.0:
+            raise DecoderSpecError(f"{self.name}: depth={self.depth} (PSD) is greedy (temperature=0): its drafts "
+                                   "cannot know future samples")
 
     def init_carry(self, fwd, batch: int):
         k = fwd.geometry.block
@@ -200,23 +219,21 @@ class _TraceAware(DiffusionDecoder):
 
     def select(self, scores, masked_bk):
         raise DecoderSpecError(f"{self.name} decides from per-token trajectories kept across rounds; it has no "
-                               "stateless commit set (use it as a decoder of its own, not as another's policy)")
+                               f"stateless commit set (PSD over it: its own option depth=N)")
 
-    def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
-        scores = self.scores(fwd, state, keys_b)
-        old_block = state.carry["traj"].block
-        feats, traj = observe(state.carry["traj"], scores, state.block, block_abs_pos(fwd, state.block))
-        carry = {"traj": traj}
+    def policy_step(self, fwd, state, carry, scores, masked_bk):
+        """Observe one round's scores: (commit set with the progress guard, next carry). A row whose
+        block differs from its carry's starts its trajectory (and Kalman state) over."""
+        old_block = carry["traj"].block
+        feats, traj = observe(carry["traj"], scores, state.block, block_abs_pos(fwd, state.block))
+        after = {"traj": traj}
         commit = self.base_commit(feats, scores, masked_bk)
         if self.uses_ce:
-            b, k = masked_bk.shape
-            kal = reset_moved(state.carry["kalman"], old_block, state.block, Kalman.init((b, k)))
+            kal = reset_moved(carry["kalman"], old_block, state.block, Kalman.init(masked_bk.shape))
             kal = kalman_update(kal, scores.confidence, q=self.q, r=self.r, osc_eps=self.osc_eps)
             commit = ce_rules(self, kal, commit, masked_bk)
-            carry["kalman"] = kal
-        commit = policies.with_progress_guard(commit, scores, masked_bk)
-        after = jnp.where(commit, scores.tokens, tokens_bk)
-        return Plan(tokens=after, copies=after[:, None], carry=carry)
+            after["kalman"] = kal
+        return policies.with_progress_guard(commit, scores, masked_bk), after
 
 
 def ce_rules(cfg, kal: Kalman, commit_bk, masked_bk):
