@@ -94,9 +94,9 @@ def test_gsm8k_rows_are_loaded_and_malformed_rows_reported(tmp_path):
     assert loaded.score(loaded.items, ["so #### 2", "#### 7"]) == [True, False]
 
 
-def test_the_shared_gsm8k_test_split_loads():
-    loaded = load_eval_set("gsm8k", limit=5)
-    assert len(loaded.items) == 5 and not loaded.skipped
+def test_the_shipped_gsm8k_test_split_loads():
+    loaded = load_eval_set("gsm8k")
+    assert len(loaded.items) == 1319 and not loaded.skipped
     assert loaded.score(loaded.items[:1], [loaded.items[0].reference]) == [True]
 
 

@@ -3,15 +3,13 @@
 import itertools
 import json
 import random
-from pathlib import Path
 
 import pytest
 
+from dlmjax.evaluation.tasks import GSM8K_TEST
 from dlmjax.toy.tasks import (TASKS, ArithConfig, ArithTask, ConstraintConfig, ConstraintTask, Example,
                               extract_final_number, get_task, gsm8k_correct)
 from dlmjax.toy.tokenizer import CHARS
-
-GSM8K_TEST = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 ALL_TASKS = [ArithTask(), ArithTask(ArithConfig(ops=("+", "-", "*"))), ConstraintTask(),
              ConstraintTask(ConstraintConfig(min_digits=2, max_digits=6, min_solution_sets=1))]
 
@@ -151,7 +149,6 @@ def test_gsm8k_correct():
     assert not gsm8k_correct("#### 5", "no final answer here")
 
 
-@pytest.mark.skipif(not GSM8K_TEST.exists(), reason="GSM8K test split not present")
 def test_gsm8k_rows_score_against_their_own_answers():
     rows = [json.loads(line) for line in GSM8K_TEST.read_text().splitlines()[:200] if line.strip()]
     assert rows

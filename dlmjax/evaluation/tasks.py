@@ -24,8 +24,7 @@ TOY_SEED = 1234  # the held-out toy prompts: the same for every evaluation and t
 # for every block size that divides 16.
 TOY_MAX_NEW_TOKENS = {"toy-arith": 48, "toy-constraint": 16}
 TOY_DEFAULT_N = 128
-_REPO = Path(__file__).resolve().parents[2]
-GSM8K_CANDIDATES = (Path("../shared/data/gsm8k/test.jsonl"), _REPO / "../shared/data/gsm8k/test.jsonl")
+GSM8K_TEST = Path(__file__).parent / "data" / "gsm8k" / "test.jsonl"  # shipped, MIT (data/gsm8k/SOURCE.md)
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
 
@@ -146,9 +145,10 @@ def gsm8k_prompt(question: str) -> str:
 
 def _gsm8k(data) -> EvalSet:
     if data is None:
-        data = next((p for p in GSM8K_CANDIDATES if p.is_file()), None)
-        if data is None:
-            raise DatasetError("no GSM8K file found at ../shared/data/gsm8k/test.jsonl; pass --data PATH_OR_HF_NAME")
+        data = GSM8K_TEST
+        if not data.is_file():
+            raise DatasetError(f"the shipped GSM8K test split is missing from {data}; reinstall dlmjax or pass "
+                               "--data PATH_OR_HF_NAME")
     usable, skipped = _usable_rows(read_rows(data, config="main"), ("question", "answer"),
                                    check=lambda row: None if "####" in row["answer"] else "answer has no '#### N' line")
     items = [EvalItem(number - 1, gsm8k_prompt(row["question"]), row["answer"]) for number, row in usable]
