@@ -34,7 +34,7 @@ from flax import nnx, struct
 from dlmjax.decoding.ar import left_pad, positions_from_valid
 from dlmjax.decoding.policies import nucleus_filter
 from dlmjax.heads.drafter import Drafter, block_logits, check_compatible, context_features
-from dlmjax.models.transformer import KVCache, Transformer, run_layers
+from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
 
 
@@ -61,33 +61,6 @@ class SpecResult:
         acc = np.asarray(self.accepted)
         rounds = int((acc > 0).sum())
         return float(acc.sum() / rounds) if rounds else 0.0
-
-
-def write_rows(buf_bs, new_bk, offsets_b):
-    """Write new_bk [B, K, ...] into buf_bs [B, S, ...] at a per-row slot offset."""
-    return jax.vmap(lambda buf, new, o: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), o, axis=0))(
-        buf_bs, new_bk, offsets_b
-    )
-
-
-def write_cache(cache: KVCache, layer_kv, positions_bk, valid_bk, offsets_b) -> KVCache:
-    return KVCache(
-        k=tuple(write_rows(buf, k, offsets_b) for buf, (k, _) in zip(cache.k, layer_kv)),
-        v=tuple(write_rows(buf, v, offsets_b) for buf, (_, v) in zip(cache.v, layer_kv)),
-        positions=write_rows(cache.positions, positions_bk.astype(jnp.int32), offsets_b),
-        valid=write_rows(cache.valid, valid_bk, offsets_b),
-        length=cache.length,  # unused: rows keep their own offsets
-    )
-
-
-def target_forward(target: Transformer, tokens_bl, positions_bl, valid_bl, cache: KVCache | None, hidden_layers):
-    """The target's forward without writing its cache: (logits [B,L,V] f32, per-layer (k, v),
-    collected hidden states at `hidden_layers`)."""
-    x = target.embed_tokens(tokens_bl)
-    x, new_kv, collected = run_layers(
-        target.layers, target.config, x, positions_bl, valid_bl=valid_bl, cache=cache, hidden_layers=hidden_layers
-    )
-    return target.lm_logits(target.final_norm(x)), new_kv, collected
 
 
 def _probs(logits, temperature: float, top_p: float):
@@ -144,14 +117,13 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
 
     # prefill: the prompt's KV, the first token, the prompt's context features
     positions = positions_from_valid(valid_bl)
-    logits, kv, collected = target_forward(target, tokens_bl, positions, valid_bl, None, hidden_layers)
+    out = target(tokens_bl, positions, valid_bl=valid_bl, hidden_layers=hidden_layers)
+    logits = out.logits
     zeros_b = jnp.zeros((b,), jnp.int32)
-    tcache = write_cache(KVCache.init(target.config, b, capacity), kv, positions, valid_bl, zeros_b)
-    ctx = drafter.context(context_features(target, dcfg, collected))
-    dcache = write_cache(
-        KVCache.init(dcfg.layer_model_config(), b, capacity), drafter.context_kv(ctx, positions), positions, valid_bl,
-        zeros_b,
-    )
+    tcache = KVCache.init(target.config, b, capacity).write_rows(out.chunk_kv, zeros_b, positions, valid_bl)
+    ctx = drafter.context(context_features(target, dcfg, out.layer_hidden))
+    dcache = KVCache.init(dcfg.layer_model_config(), b, capacity).write_rows(
+        drafter.context_kv(ctx, positions), zeros_b, positions, valid_bl)
     key, sub = jax.random.split(key)
     if sampled:
         first = jax.random.categorical(sub, jnp.log(_probs(logits[:, -1], temperature, top_p)), axis=-1)
@@ -177,9 +149,8 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
         else:
             draft = jnp.argmax(d_logits, axis=-1).astype(jnp.int32)
         verify = jnp.concatenate([c["last"][:, None], draft], axis=1)
-        t_logits, kv, collected = target_forward(
-            target, verify, bpos, jnp.ones((b, k_blk), bool), c["tcache"], hidden_layers
-        )
+        out = target(verify, bpos, valid_bl=jnp.ones((b, k_blk), bool), cache=c["tcache"], hidden_layers=hidden_layers)
+        t_logits = out.logits
         if sampled:
             n, bonus = accept_sampled(draft, q, _probs(t_logits, temperature, top_p), k_verify)
         else:
@@ -197,9 +168,9 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
         done = c["done"] | (is_eos & keep).any(axis=1) | (count >= max_new_tokens)
 
         valid = in_round & active[:, None]
-        tcache = write_cache(c["tcache"], kv, bpos, valid, c["offset"])
-        ctx = drafter.context(context_features(target, dcfg, collected))
-        dcache = write_cache(c["dcache"], drafter.context_kv(ctx, bpos), bpos, valid, c["offset"])
+        tcache = c["tcache"].write_rows(out.chunk_kv, c["offset"], bpos, valid)
+        ctx = drafter.context(context_features(target, dcfg, out.layer_hidden))
+        dcache = c["dcache"].write_rows(drafter.context_kv(ctx, bpos), c["offset"], bpos, valid)
         gained = jnp.where(active, n + 1, 0)
         return dict(
             round=c["round"] + 1, generated=generated, count=count, done=done,
@@ -267,4 +238,4 @@ def generate_with_drafter(
     )
 
 
-__all__ = ["SpecResult", "accept_greedy", "accept_sampled", "generate_with_drafter", "target_forward"]
+__all__ = ["SpecResult", "accept_greedy", "accept_sampled", "generate_with_drafter"]
