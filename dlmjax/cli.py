@@ -99,10 +99,10 @@ def cmd_export(args) -> int:
         export_controller(src, out)
         extras.append("its TSPD controller")
     drafter_dir = find_drafter_dir(src)
-    if drafter_dir is not None:  # DFlash format, as it was stored (vLLM and SGLang load it)
+    if drafter_dir is not None:  # DFlash format (vLLM and SGLang load it)
         drafter = load_drafter(drafter_dir, model.config)
-        save_drafter(drafter, out / DRAFTER_SUBDIR, dtype=drafter.config.dtype)
-        extras.append(f"its DFlash drafter in {DRAFTER_SUBDIR}/")
+        save_drafter(drafter, out / DRAFTER_SUBDIR, dtype=args.drafter_dtype)
+        extras.append(f"its DFlash drafter in {DRAFTER_SUBDIR}/ ({args.drafter_dtype})")
     print(f"wrote {args.format} checkpoint to {out}" + (f" (with {' and '.join(extras)})" if extras else ""))
     return 0
 
@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("src", help="checkpoint directory or preset")
     exp.add_argument("out", help="output directory (new or empty)")
     exp.add_argument("--format", choices=("torch",), default="torch")
+    exp.add_argument("--drafter-dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                     help="dtype of the DFlash drafter written beside the model (default bfloat16, as published)")
     exp.set_defaults(func=cmd_export)
     return parser
 

@@ -116,7 +116,8 @@ def test_causal_model_defaults_to_ar_and_decodes_with_its_drafter(capsys, tmp_pa
     assert all(r["mean_accepted_length"] > 1.0 and r["nfe"] < a["nfe"] for r, a in zip(spec, ar))
 
     assert main(["export", "toy-ar", str(tmp_path / "out")]) == 0
-    assert "DFlash drafter" in capsys.readouterr().out
+    assert "DFlash drafter in drafter/ (bfloat16)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "drafter" / "config.json").read_text())["dtype"] == "bfloat16"
     assert main(["generate", "--model", str(tmp_path / "out"), *prompts, "--decoder", "drafter",
                  "--max-new-tokens", "24", "--json"]) == 0
     assert [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()] == [r["tokens"] for r in ar]
