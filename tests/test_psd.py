@@ -36,6 +36,9 @@ def test_psd_saves_forwards_and_is_batch_invariant(sdar):
     stepwise = generate(sdar, PROMPTS, decoder="psd:policy=topk,depth=1", max_new_tokens=MAX_NEW)
     speculative = generate(sdar, PROMPTS, decoder="psd:policy=topk,depth=4", max_new_tokens=MAX_NEW)
     assert speculative.tpf > stepwise.tpf == 1.0, "no draft was ever accepted: the test is vacuous"
+    # Results report the accepted length (tokens per verifying forward) of speculative decoders only.
+    assert all(r.mean_accepted_length == r.tpf for r in speculative.rows)
+    assert all(r.mean_accepted_length is None for r in stepwise.rows)
     for i in (1, 5):  # two prompts with the same layout alone: batch 1
         alone = generate(sdar, [PROMPTS[i]], decoder="psd:policy=topk,depth=4", max_new_tokens=MAX_NEW)
         assert alone.rows[0].tokens == speculative.rows[i].tokens

@@ -45,7 +45,10 @@ class GenerationResult:
     tokens_per_s: float  # generated tokens (up to EOS) / wall_s
 
 
-SPECULATIVE = ("psd", "mrp-spec", "drafter")  # decoders that verify drafts: they report mean_accepted_length
+def verifies_drafts(decoder) -> bool:
+    """Speculative decoders (they report mean_accepted_length): mrp-spec, drafter, and PSD or the
+    TSPD/CE policies with draft depth > 1."""
+    return decoder.name in ("mrp-spec", "drafter") or getattr(decoder, "depth", 1) > 1
 
 
 def _resolve_decoder(decoder) -> DiffusionDecoder | AR:
@@ -161,7 +164,7 @@ class _Request:
         row_tokens = np.asarray(tokens)[:count].tolist()
         text = self.tokenizer.decode(row_tokens) if self.tokenizer is not None else None
         tpf = float(committed) / max(int(nfe), 1)
-        if accepted_length is None and self.decoder.name in SPECULATIVE:
+        if accepted_length is None and verifies_drafts(self.decoder):
             accepted_length = tpf
         return RowResult(text=text, tokens=row_tokens, nfe=int(nfe), tpf=tpf, num_tokens=len(row_tokens),
                          mean_accepted_length=accepted_length)
