@@ -14,3 +14,25 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers (tiny_models.py)
+
+
+import jax  # noqa: E402  (after the XLA flags above)
+import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache as jax_cache  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def persistent_compilation_cache(tmp_path_factory):
+    """A persistent compilation cache for one module (use it with `pytestmark =
+    pytest.mark.usefixtures("persistent_compilation_cache")`): train() calls on the same shapes
+    (resumed runs) load the step compiled by the first instead of compiling it again. The
+    previous settings come back, and the cache is reset, when the module ends."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {name: getattr(jax.config, name) for name in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax_cache.reset_cache()
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from dlmjax.decoding.ar import generate_ar
 from dlmjax.decoding.speculative import generate_with_drafter
@@ -25,6 +24,8 @@ from dlmjax.train.config import RunConfigError, load_run_config
 from dlmjax.train.drafter import block_inputs, sample_anchors
 from dlmjax.train.loop import train
 from test_mrp_train import tiny_backbone
+
+pytestmark = pytest.mark.usefixtures("persistent_compilation_cache")  # conftest.py
 
 CONFIG = "configs/drafter/toy-ar.yaml"
 
@@ -111,19 +112,6 @@ def test_config_errors():
 
 # ----------------------------------------------------------------------------------------------
 # a short run on a tiny causal target
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    saved = {name: getattr(jax.config, name) for name in
-             ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    jax_cache.reset_cache()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    jax_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 from dlmjax.config import ModelConfig
 from dlmjax.heads.mrp import load_head
@@ -19,6 +18,8 @@ from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.train.config import RunConfigError, load_run_config
 from dlmjax.train.loop import make_optimizer, train
 from dlmjax.train.mrp import kl_per_position, per_position_loss, reveal
+
+pytestmark = pytest.mark.usefixtures("persistent_compilation_cache")  # conftest.py
 
 CONFIG = "configs/mrp/toy-sdar.yaml"
 TINY = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -34,21 +35,6 @@ def tiny_backbone(path, attention="block_causal", num_layers=2, weight_std=0.02)
     graphdef, state = nnx.split(init_model(cfg, seed=0))  # matrices ~ N(0, 0.02)
     state = jax.tree.map(lambda x: x * (weight_std / 0.02) if x.ndim >= 2 else x, state)
     return export_model(nnx.merge(graphdef, state), path)  # the tokenizer is already there
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """A persistent compilation cache for this module: train() calls on the same shapes (the resumed
-    runs) load the step compiled by the first instead of compiling it again."""
-    saved = {name: getattr(jax.config, name) for name in
-             ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    jax_cache.reset_cache()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    jax_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,14 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[jax.Array, jax.Arra
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool)
 
 
+def special_ids(cfg, eos_ids=None, pad_id=None) -> tuple[tuple[int, ...], int]:
+    """(eos ids, pad id) of a causal decode: the given ones, else the config's; pad falls back
+    to the first EOS, then 0."""
+    eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
+    pad_id = cfg.pad_token_id if pad_id is None else pad_id
+    return eos_ids, int(pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0))
+
+
 def positions_from_valid(valid_bl):
     """Per-row positions counting real tokens from 0 (padding gets 0; it is never attended)."""
     return jnp.maximum(jnp.cumsum(valid_bl.astype(jnp.int32), axis=1) - 1, 0)
@@ -113,9 +121,7 @@ def generate_ar(
     cfg = model.config
     if cfg.attention != "causal":
         raise ValueError(f"AR generation needs a causal model; {cfg.family} is {cfg.attention} (use a diffusion decoder)")
-    eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
-    pad_id = cfg.pad_token_id if pad_id is None else pad_id
-    pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
+    eos_ids, pad_id = special_ids(cfg, eos_ids, pad_id)
     tokens, valid = left_pad(prompts, pad_id)
     if tokens.shape[1] + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(

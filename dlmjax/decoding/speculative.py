@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from dlmjax.decoding.ar import left_pad, positions_from_valid
+from dlmjax.decoding.ar import left_pad, positions_from_valid, special_ids
 from dlmjax.decoding.policies import nucleus_filter
 from dlmjax.heads.drafter import Drafter, block_logits, check_compatible, context_features
 from dlmjax.models.transformer import KVCache, Transformer
@@ -218,9 +218,7 @@ def generate_with_drafter(
         raise ValueError(f"block={block}: a drafter block needs at least 2 tokens (the last token + 1 proposal)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}; ask for at least 1 token")
-    eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else eos_ids)
-    pad_id = cfg.pad_token_id if pad_id is None else pad_id
-    pad_id = pad_id if pad_id is not None else (eos_ids[0] if eos_ids else 0)
+    eos_ids, pad_id = special_ids(cfg, eos_ids, pad_id)
     tokens, valid = left_pad(prompts, pad_id)
     limit = min(cfg.max_position_embeddings, drafter.config.max_position_embeddings)
     if tokens.shape[1] + max_new_tokens + block > limit:
