@@ -37,19 +37,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dlmjax import numerics
 from dlmjax.decoding import engine, policies
 from dlmjax.decoding.engine import BlockForwards, Plan
 from dlmjax.decoding.spec import DiffusionDecoder, Static
 from dlmjax.decoding.tspd import Trajectory, block_abs_pos, feature_matrix, observe
 from dlmjax.heads.controller import FEATURES, model_fingerprint
 from dlmjax.models.transformer import take_rows
+from dlmjax.validation import InputError
 
 TRACE_FORMAT = "dlmjax-tspd-traces"
 TRACE_VERSION = 1
 FIELDS = ("features", "label", "prompt", "round", "block", "token", "target")
 
 
-class TraceError(ValueError):
+class TraceError(InputError):
     """Traces that do not fit what reads them."""
 
 
@@ -100,7 +102,7 @@ def _loop(decoder, fwd, state, eos):
 _STATIC = ("graphdef", "geometry", "cache_mode", "mask_id", "eos_ids", "max_rounds")
 
 
-@partial(jax.jit, static_argnames=_STATIC)
+@partial(numerics.jit, static_argnames=_STATIC)
 def _reference_and_trace(graphdef, params, canvas, rows, *, geometry, cache_mode, mask_id, eos_ids, max_rounds):
     """(y* canvas [B, T], the tracer's carry) for a laid-out batch."""
     fwd = BlockForwards(nnx.merge(graphdef, params), rows, geometry, cache_mode, mask_id)
@@ -261,7 +263,7 @@ def run(args) -> int:
     from dlmjax.presets import load_checkpoint
 
     if args.seed == 1234:
-        raise ValueError("--seed 1234 draws the evaluation prompts; pick another seed for training traces")
+        raise InputError("--seed 1234 draws the evaluation prompts; pick another seed for training traces")
     path, model, tokenizer, _ = load_checkpoint(args.model)
     mesh = None
     if args.data_parallel:

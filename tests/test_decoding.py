@@ -204,9 +204,17 @@ def test_prompt_beyond_max_length(sdar):
         generate(sdar, [list(range(1, 30)) * 5], max_new_tokens=8)
 
 
-def test_generation_length_not_divisible_by_block(sdar):
-    with pytest.raises(ValueError, match="max_new_tokens=10 is not a multiple of the decoding block size 4; use 8 or 12"):
-        generate(sdar, [[1, 2]], max_new_tokens=10)
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_generation_length_not_divisible_by_block_is_cut(family):
+    """max_new_tokens need not be a multiple of the block: the engine decodes the whole blocks that
+    hold it and keeps the first max_new_tokens (the same tokens as the next multiple, cut)."""
+    model = peaky_model(family, seed=1)
+    decoder = "static" if family == "sdar" else "static:block=4"
+    whole = generate(model, [[1, 2, 3], [4, 5]], decoder=decoder, max_new_tokens=12)
+    cut = generate(model, [[1, 2, 3], [4, 5]], decoder=decoder, max_new_tokens=10)
+    for w, c in zip(whole.rows, cut.rows):
+        assert c.tokens == w.tokens[:10] and c.num_tokens == len(c.tokens) == min(w.num_tokens, 10)
+    assert any(w.num_tokens > 10 for w in whole.rows)  # the cut removed something
 
 
 def test_missing_mask_token():

@@ -17,14 +17,19 @@ from dlmjax.heads.mrp import MRPHead, check_compatible
 from dlmjax.io.tokenizer import Tokenizer
 from dlmjax.models.transformer import Transformer
 from dlmjax.sharding import shard_batch
+from dlmjax.validation import InputError, positive_int
 
 DEFAULT_BIDIRECTIONAL_BLOCK = 32
 
 
 @dataclass
 class RowResult:
+    """One prompt's output. Any max_new_tokens works: diffusion decoders decode the whole blocks
+    that hold it and keep the first max_new_tokens, so `tokens` / `num_tokens` are the tokens
+    kept, while `tpf` counts every token the decoder committed (whole blocks)."""
+
     text: str | None
-    tokens: list[int]  # generated ids up to and including EOS
+    tokens: list[int]  # the tokens kept: at most max_new_tokens, up to and including EOS
     nfe: int  # denoising forwards this row used (AR: decode steps)
     tpf: float  # committed tokens / NFE
     num_tokens: int  # len(tokens)
@@ -57,16 +62,16 @@ def _resolve_decoder(decoder) -> DiffusionDecoder | AR:
 
 def _encode(prompts, tokenizer: Tokenizer | None) -> list[list[int]]:
     if not prompts:
-        raise ValueError("no prompts given")
+        raise InputError("no prompts given")
     if all(isinstance(p, str) for p in prompts):
         if tokenizer is None:
-            raise ValueError("text prompts need a tokenizer: pass tokenizer=load_tokenizer(checkpoint_dir)")
+            raise InputError("text prompts need a tokenizer: pass tokenizer=load_tokenizer(checkpoint_dir)")
         ids = [tokenizer.encode(p) for p in prompts]
     else:
         ids = [list(map(int, p)) for p in prompts]
     for i, p in enumerate(ids):
         if not p:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            raise InputError(f"prompt {i} is empty; every prompt needs at least one token")
     return ids
 
 
@@ -74,7 +79,7 @@ def _special_ids(model: Transformer, tokenizer: Tokenizer | None, *, need_mask: 
     cfg = model.config
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else (tokenizer.mask_id if tokenizer else None)
     if need_mask and mask_id is None:
-        raise ValueError(
+        raise InputError(
             "no mask token: diffusion decoding needs one; set mask_token_id in config.json or add a mask "
             "token (e.g. '<|mask|>') to the tokenizer"
         )
@@ -127,7 +132,7 @@ def _head_for(decoder, model: Transformer, head: MRPHead | None):
 def _check_length(model: Transformer, prompt_len: int, max_new_tokens: int):
     limit = model.config.max_position_embeddings
     if prompt_len + max_new_tokens > limit:
-        raise ValueError(
+        raise InputError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's maximum "
             f"length {limit}; shorten the prompt or lower max_new_tokens"
         )
@@ -171,6 +176,7 @@ class _Request:
 
 
 def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, head) -> _Request:
+    positive_int("max_new_tokens", max_new_tokens)
     decoder = _resolve_decoder(decoder)
     ids = _encode(prompts, tokenizer)
     _check_length(model, max(len(p) for p in ids), max_new_tokens)
@@ -181,7 +187,7 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
         raise DecoderSpecError(f"decoder {decoder.name!r} does not fit a {kind} {model.config.family} model; {fix}")
     mask_id, eos, pad = _special_ids(model, tokenizer, need_mask=not causal)
     if row_ids is not None and len(row_ids) != len(ids):
-        raise ValueError(f"row_ids has {len(row_ids)} entries for {len(ids)} prompts; give one per prompt")
+        raise InputError(f"row_ids has {len(row_ids)} entries for {len(ids)} prompts; give one per prompt")
     request = _Request(model, tokenizer, decoder, ids, eos, pad, mask_id, max_new_tokens, _head_for(decoder, model, head))
     if not causal:
         geometry, canvas, rows = engine.plan_layout(
@@ -296,8 +302,7 @@ class Stream:
     def __init__(self, model: Transformer, prompts, *, batch_size: int = 64, refill: int | None = None,
                  tokenizer: Tokenizer | None = None, decoder="static", max_new_tokens: int = 64, seed: int = 0,
                  row_ids=None, mesh=None, head: MRPHead | None = None, drafter=None, limit: int | None = None):
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        positive_int("batch_size", batch_size)
         self.request = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
                                 row_ids=row_ids, head=head)
         self.decoder = decoder_spec(self.request.decoder)

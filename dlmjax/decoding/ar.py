@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from dlmjax import numerics
 from dlmjax.decoding.policies import nucleus_filter
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
+from dlmjax.validation import InputError
 
 
 @struct.dataclass
@@ -28,7 +30,7 @@ class ARResult:
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[jax.Array, jax.Array]:
     """Left-pad token lists to one length: (tokens [B, L] int32, valid [B, L] bool)."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise InputError("every prompt needs at least one token")
     width = max(len(p) for p in prompts)
     tokens = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
     valid = [[False] * (width - len(p)) + [True] * len(p) for p in prompts]
@@ -58,7 +60,7 @@ def sample_token(logits_bv, key, temperature: float, top_p: float):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_ids", "pad_id"))
+@partial(numerics.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_ids", "pad_id"))
 def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temperature, top_p, eos_ids, pad_id):
     model = nnx.merge(graphdef, state)
     b, lp = tokens_bl.shape
@@ -120,11 +122,11 @@ def generate_ar(
     split over its 'data' axis (the batch size must divide by it)."""
     cfg = model.config
     if cfg.attention != "causal":
-        raise ValueError(f"AR generation needs a causal model; {cfg.family} is {cfg.attention} (use a diffusion decoder)")
+        raise InputError(f"AR generation needs a causal model; {cfg.family} is {cfg.attention} (use a diffusion decoder)")
     eos_ids, pad_id = special_ids(cfg, eos_ids, pad_id)
     tokens, valid = left_pad(prompts, pad_id)
     if tokens.shape[1] + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(
+        raise InputError(
             f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"max_position_embeddings ({cfg.max_position_embeddings})"
         )

@@ -42,7 +42,6 @@ included) and committed tokens; per batch `forwards` = every model forward run.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -52,8 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from dlmjax import numerics
 from dlmjax.heads.mrp import MRPHead, apply_residual, head_output
 from dlmjax.models.transformer import KVCache, Transformer, put_rows, take_rows
+from dlmjax.validation import InputError, positive_int
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class Plan:
     carry: Any = None  # the decoder's per-row state after this round's plan (None: keep DecodeState.carry)
 
 
-class LayoutError(ValueError):
+class LayoutError(InputError):
     """Prompts and lengths that cannot be laid out for block decoding."""
 
 
@@ -127,14 +128,12 @@ def plan_layout(
     """Host-side layout: (Geometry, canvas [B, T] int32, Rows of numpy arrays).
 
     The prefix width is rounded up to a multiple of `bucket` (more left padding, which no row
-    can see) so that batches of similar prompt lengths share one compiled program.
+    can see) so that batches of similar prompt lengths share one compiled program. Any
+    max_new_tokens >= 1 works: rows decode the whole blocks that hold it, and `finalize` keeps
+    the first max_new_tokens.
     """
-    if max_new_tokens < 1 or max_new_tokens % block:
-        lower, upper = (max_new_tokens // block) * block, math.ceil(max_new_tokens / block) * block
-        raise LayoutError(
-            f"max_new_tokens={max_new_tokens} is not a multiple of the decoding block size {block}; "
-            f"use {lower or block} or {upper}"
-        )
+    positive_int("max_new_tokens", max_new_tokens, error=LayoutError)
+    positive_int("block", block, error=LayoutError)
     lengths = np.array([len(p) for p in prompts])
     if block_causal:
         block_start = (lengths // block) * block  # where each row's first generation block starts
@@ -276,7 +275,7 @@ class BlockForwards:
         segments = jnp.concatenate([jnp.zeros((b, k), jnp.int32), copy_segments(b, n, k)], axis=1)
         out = self.model(tokens, jnp.concatenate([prev_positions, jnp.tile(positions, (1, n))], axis=1),
                          segments_bl=segments, valid_bl=jnp.concatenate([prev_valid, jnp.tile(valid, (1, n))], axis=1),
-                         cache=cache, compute_logits=False, chunk_parts=(k, n * k))
+                         cache=cache, compute_logits=False, chunk_parts=(k,) + (copy_parts(n, k) or (n * k,)))
         cache, head_cache = self._store(cache, head_cache, tokens[:, :k], out.hidden[:, :k],
                                         [(kk[:, :k], vv[:, :k]) for kk, vv in out.chunk_kv], start - k, k, store_b)
         hidden = out.hidden[:, k:].reshape(b, n, k, -1)
@@ -327,7 +326,7 @@ class BlockForwards:
         copies = jax.vmap(lambda cand: put_rows(window, offset, cand), in_axes=1, out_axes=1)(candidates_bnk)
         out = self.model(
             copies.reshape(b, n * width), jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, width),
-            valid_bl=jnp.tile(valid, (1, n)), cache=self._visible_cache(cache, start),
+            valid_bl=jnp.tile(valid, (1, n)), cache=self._visible_cache(cache, start), chunk_parts=copy_parts(n, width),
         )
 
         def block_part(x_bld):
@@ -356,8 +355,16 @@ class BlockForwards:
         positions, valid = self._columns(self.block_start(block_b), k)
         h_p = head_output(self.head, self.model, step, copies_bnk.reshape(b, n * k), jnp.tile(hidden_bkd, (1, n, 1)),
                           jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, k),
-                          valid_bl=jnp.tile(valid, (1, n)), cache=head_cache[self.head.module_index(step)])
+                          valid_bl=jnp.tile(valid, (1, n)), cache=head_cache[self.head.module_index(step)],
+                          chunk_parts=copy_parts(n, k))
         return h_p.reshape(b, n, k, -1)
+
+
+def copy_parts(copies: int, width: int) -> tuple[int, ...]:
+    """Attention key parts of `copies` packed copies: in the invariant numerics mode one part per
+    copy, so a copy's keys are summed exactly as in a forward of that copy alone (the other
+    copies' parts add exact zeros); one part otherwise."""
+    return (width,) * copies if numerics.current().invariant else ()
 
 
 def copy_segments(batch: int, copies: int, width: int):
@@ -477,7 +484,7 @@ def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_i
                                forwards=state.forwards)
 
 
-@partial(jax.jit, static_argnames=_STATIC)
+@partial(numerics.jit, static_argnames=_STATIC)
 def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, decoder, geometry, cache_mode,
            mask_id, pad_id, eos_ids, head_graphdef=None):
     """Decode a laid-out batch. An MRP head (decoders mrp-*) comes as (head_graphdef, head_params)."""
@@ -488,7 +495,7 @@ def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, 
 # -- continuous batching: slots that take the next prompt when their row is done (api.Stream) --
 
 
-@partial(jax.jit, static_argnames=_STATIC)
+@partial(numerics.jit, static_argnames=_STATIC)
 def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, stop_at, head_params=None, *, decoder,
                  geometry, cache_mode, mask_id, pad_id, eos_ids, head_graphdef=None):
     """Run rounds over the slots until `stop_at` of them are done (or all): (state, DecodeOutput)."""
@@ -496,7 +503,7 @@ def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, sto
     return _run_rounds(decoder, fwd, state, seed_key, eos_ids, pad_id, stop_at)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id"))
+@partial(numerics.jit, static_argnames=("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id"))
 def admit(graphdef, params, state: DecodeState | None, rows: Rows | None, canvas_r, rows_r: Rows, slots_r,
           head_params=None, *, decoder, geometry, cache_mode, mask_id, head_graphdef=None):
     """Start R new rows (their first forward, one forward for the R) and put them in `slots_r`

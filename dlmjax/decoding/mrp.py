@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import BlockForwards, DecodeState, Plan
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, POSITIVE, OneOf
 from dlmjax.heads.mrp import residual_logits
 
 REMASK_RULES = ("residual", "confidence", "both")
@@ -74,13 +75,12 @@ class MRPDirect(MRPDecoder):
     """mrp_steps: head iterations (one extra commit each) per backbone forward."""
 
     name: ClassVar[str] = "mrp-direct"
+    limits = {"mrp_steps": AT_LEAST_0}
     mrp_steps: int = 1
 
     def __post_init__(self):
         super().__post_init__()
         self._greedy_only()
-        if self.mrp_steps < 0:
-            raise DecoderSpecError(f"mrp-direct: mrp_steps={self.mrp_steps} must be >= 0")
 
     def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
         del keys_b
@@ -100,13 +100,12 @@ class MRPSpec(MRPDecoder):
     all verified by one packed backbone forward over drafts+1 copies."""
 
     name: ClassVar[str] = "mrp-spec"
+    limits = {"drafts": AT_LEAST_1}
     drafts: int = 3
 
     def __post_init__(self):
         super().__post_init__()
         self._greedy_only()
-        if self.drafts < 1:
-            raise DecoderSpecError(f"mrp-spec: drafts={self.drafts} must be >= 1")
 
     @property
     def num_copies(self) -> int:
@@ -158,20 +157,11 @@ class MRPRemask(MRPDecoder):
     head_input: others (each proposal judged with the other proposals committed) | pre."""
 
     name: ClassVar[str] = "mrp-remask"
+    limits = {"tau": OPEN_UNIT, "delta": POSITIVE, "rule": OneOf(REMASK_RULES), "head_input": OneOf(REMASK_HEAD_INPUTS)}
     tau: float = 0.9
     delta: float = 1.0
     rule: str = "both"
     head_input: str = "others"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.rule not in REMASK_RULES:
-            raise DecoderSpecError(f"mrp-remask: rule={self.rule!r}; choose one of {', '.join(REMASK_RULES)}")
-        if self.head_input not in REMASK_HEAD_INPUTS:
-            raise DecoderSpecError(f"mrp-remask: head_input={self.head_input!r}; choose one of "
-                                   f"{', '.join(REMASK_HEAD_INPUTS)}")
-        if self.delta <= 0:
-            raise DecoderSpecError(f"mrp-remask: delta={self.delta} must be > 0")
 
     def select(self, scores, masked_bk):
         return policies.threshold_commit(scores, masked_bk, self.tau)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan, rows_where
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT
 
 PSD_POLICIES = ("threshold", "topk", "decay", "margin")
 STATEFUL_POLICIES = ("tspd", "ce", "tspd+ce")  # PSD over them: their own `depth` option
@@ -121,6 +122,7 @@ class PSD(DraftAndVerify, DiffusionDecoder):
     PSD over tspd / ce / tspd+ce: their own depth option (module docstring)."""
 
     name: ClassVar[str] = "psd"
+    limits = {"tau": OPEN_UNIT, "k": AT_LEAST_1, "decay": AT_LEAST_0, "margin": AT_LEAST_0, "depth": AT_LEAST_1}
     policy: str = "threshold"
     tau: float = 0.9
     k: int = 1
@@ -137,8 +139,6 @@ class PSD(DraftAndVerify, DiffusionDecoder):
         if self.policy not in PSD_POLICIES:
             raise DecoderSpecError(f"psd: policy={self.policy!r}; choose one of {', '.join(PSD_POLICIES)} "
                                    f"(PSD over {', '.join(STATEFUL_POLICIES)}: their depth option)")
-        if self.depth < 1 or self.k < 1:
-            raise DecoderSpecError(f"psd: depth={self.depth} and k={self.k} must be >= 1")
         if self.temperature != 0.0:
             raise DecoderSpecError("psd is greedy (temperature=0): its drafts cannot know future samples")
 

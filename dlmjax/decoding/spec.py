@@ -3,6 +3,9 @@
 Each decoder is a frozen dataclass (hashable: it is a static argument of the jitted loop).
 `parse_decoder("threshold:tau=0.8")` builds one; an unknown name or option is an error that
 lists the valid ones. Later decoders (MRP, PSD, TSPD) register the same way.
+
+Every option is typed (its annotation) and ranged (the class's `limits`, dlmjax.validation): a
+decoder built from a spec or in Python with a value out of range raises `DecoderSpecError`.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import jax.numpy as jnp
 
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, InputError, OneOf, Range, check_fields
 
 CACHE_MODES = ("none", "prefix", "dual")
 
 
-class DecoderSpecError(ValueError):
+class DecoderSpecError(InputError):
     """A decoder spec that names an unknown decoder or option, or a bad value."""
 
 
@@ -37,20 +41,15 @@ class DiffusionDecoder:
     """
 
     name: ClassVar[str] = ""
+    limits = {"temperature": AT_LEAST_0, "top_p": OPEN_UNIT, "block": AT_LEAST_1, "cache": OneOf(CACHE_MODES)}
     temperature: float = 0.0
     top_p: float = 1.0
     block: int | None = None
     cache: str = "none"
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise DecoderSpecError(f"temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise DecoderSpecError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.block is not None and self.block < 1:
-            raise DecoderSpecError(f"block={self.block} must be >= 1")
-        if self.cache not in CACHE_MODES:
-            raise DecoderSpecError(f"cache={self.cache!r}; choose one of {', '.join(CACHE_MODES)}")
+        """Every option's type and range (`limits`, merged with the subclasses')."""
+        check_fields(self, self.name, error=DecoderSpecError)
 
     def select(self, scores: policies.Scores, masked_bk):
         """This step's commit set [B, K] (before the progress guard)."""
@@ -103,12 +102,8 @@ class Static(DiffusionDecoder):
     """Commit the k most confident masked positions per step (k=1: the quality reference)."""
 
     name: ClassVar[str] = "static"
+    limits = {"k": AT_LEAST_1}
     k: int = 1
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.k < 1:
-            raise DecoderSpecError(f"k={self.k} must be >= 1")
 
     def select(self, scores, masked_bk):
         return policies.static_commit(scores, masked_bk, self.k)
@@ -119,6 +114,7 @@ class Threshold(DiffusionDecoder):
     """Commit every masked position with confidence > tau, and always the most confident one."""
 
     name: ClassVar[str] = "threshold"
+    limits = {"tau": OPEN_UNIT}  # tau = 0 would commit the whole block at once
     tau: float = 0.9
 
     def select(self, scores, masked_bk):
@@ -131,6 +127,7 @@ class Entropy(DiffusionDecoder):
     entropy while their summed entropy stays <= gamma; always at least one."""
 
     name: ClassVar[str] = "entropy"
+    limits = {"gamma": AT_LEAST_0}  # 0: one token per step
     gamma: float = 0.5
 
     def select(self, scores, masked_bk):
@@ -142,8 +139,12 @@ class AR:
     """Plain autoregressive decoding with a KV cache (causal models only)."""
 
     name: ClassVar[str] = "ar"
+    limits = {"temperature": AT_LEAST_0, "top_p": OPEN_UNIT}
     temperature: float = 0.0
     top_p: float = 1.0
+
+    def __post_init__(self):
+        check_fields(self, self.name, error=DecoderSpecError)
 
 
 @dataclass(frozen=True)
@@ -156,17 +157,13 @@ class DrafterDecoding:
     """
 
     name: ClassVar[str] = "drafter"
+    limits = {"block": Range(2), "temperature": AT_LEAST_0, "top_p": OPEN_UNIT}  # block: the last token + 1 proposal
     block: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.block is not None and self.block < 2:
-            raise DecoderSpecError(f"drafter: block={self.block} must be >= 2 (the last token and one proposal)")
-        if self.temperature < 0:
-            raise DecoderSpecError(f"temperature={self.temperature} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise DecoderSpecError(f"top_p={self.top_p} must be in (0, 1]")
+        check_fields(self, self.name, error=DecoderSpecError)
 
 
 CAUSAL_DECODERS = (AR, DrafterDecoding)  # the decoders of causal (autoregressive) models
@@ -214,7 +211,11 @@ def decoder_names() -> list[str]:
 
 def parse_decoder(spec: str):
     """`NAME` or `NAME:key=value,key=value` -> a decoder config."""
+    if not isinstance(spec, str):
+        raise DecoderSpecError(f"decoder {spec!r} is neither a spec string (e.g. 'threshold:tau=0.9') nor a decoder "
+                               f"config; valid decoders: {', '.join(decoder_names())}")
     name, _, options = spec.strip().partition(":")
+    name = name.strip()
     if name not in DECODERS:
         raise DecoderSpecError(f"unknown decoder {name!r}; valid decoders: {', '.join(decoder_names())}")
     cls = DECODERS[name]
@@ -222,9 +223,12 @@ def parse_decoder(spec: str):
     kwargs = {}
     for item in filter(None, (o.strip() for o in options.split(","))):
         key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
         if not eq:
             raise DecoderSpecError(f"{name}: option {item!r} needs the form key=value")
         if key not in fields:
             raise DecoderSpecError(f"{name}: unknown option {key!r}; valid options: {', '.join(fields)}")
+        if key in kwargs:
+            raise DecoderSpecError(f"{name}: option {key!r} is given twice; keep one")
         kwargs[key] = _convert(value, fields[key].type, key, name)
     return cls(**kwargs)

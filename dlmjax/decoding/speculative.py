@@ -31,11 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from dlmjax import numerics
 from dlmjax.decoding.ar import left_pad, positions_from_valid, special_ids
 from dlmjax.decoding.policies import nucleus_filter
 from dlmjax.heads.drafter import Drafter, block_logits, check_compatible, context_features
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
+from dlmjax.validation import InputError
 
 
 @struct.dataclass
@@ -100,7 +102,7 @@ def accept_sampled(draft_bk1, q_bk1v, p_bkv, key):
 
 
 @partial(
-    jax.jit,
+    numerics.jit,
     static_argnames=("t_graph", "d_graph", "max_new_tokens", "block", "temperature", "top_p", "eos_ids", "pad_id"),
 )
 def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, max_new_tokens, block, temperature,
@@ -215,14 +217,14 @@ def generate_with_drafter(
     check_compatible(drafter.config, cfg)
     block = int(block or drafter.config.block_size)
     if block < 2:
-        raise ValueError(f"block={block}: a drafter block needs at least 2 tokens (the last token + 1 proposal)")
+        raise InputError(f"block={block}: a drafter block needs at least 2 tokens (the last token + 1 proposal)")
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}; ask for at least 1 token")
+        raise InputError(f"max_new_tokens={max_new_tokens}; ask for at least 1 token")
     eos_ids, pad_id = special_ids(cfg, eos_ids, pad_id)
     tokens, valid = left_pad(prompts, pad_id)
     limit = min(cfg.max_position_embeddings, drafter.config.max_position_embeddings)
     if tokens.shape[1] + max_new_tokens + block > limit:
-        raise ValueError(
+        raise InputError(
             f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + block ({block}) exceeds "
             f"max_position_embeddings ({limit}) of the target or the drafter"
         )

@@ -53,6 +53,7 @@ from dlmjax.decoding.psd import DraftAndVerify
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
 from dlmjax.heads.controller import FEATURES, ControllerMismatchError, load_controller, mlp_logits, mlp_outputs
 from dlmjax.models.transformer import take_rows
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, PROBABILITY, Range
 
 # -- trajectory features ------------------------------------------------------------------------
 
@@ -195,12 +196,11 @@ class _TraceAware(DraftAndVerify, DiffusionDecoder):
 
     uses_controller: ClassVar[bool] = False
     uses_ce: ClassVar[bool] = False
+    limits = {"depth": AT_LEAST_1}
     depth: int = 1
 
     def __post_init__(self):
         super().__post_init__()
-        if self.depth < 1:
-            raise DecoderSpecError(f"{self.name}: depth={self.depth} must be >= 1")
         if self.depth > 1 and self.temperature != 0.0:
             raise DecoderSpecError(f"{self.name}: depth={self.depth} (PSD) is greedy (temperature=0): its drafts "
                                    "cannot know future samples")
@@ -254,6 +254,8 @@ class _CEOptions(DiffusionDecoder):
     (process/measurement noise), lookahead/stabilize (the two rules), osc_eps (smallest velocity
     change that counts as oscillation), floor (forecast mean under which a commit is held)."""
 
+    limits = {"tau": Range(0, 1, high_open=True), "horizon": AT_LEAST_1, "z": AT_LEAST_0, "q": AT_LEAST_0,
+              "r": POSITIVE, "osc_eps": AT_LEAST_0, "floor": PROBABILITY}
     tau: float = 0.9
     horizon: int = 2
     z: float = 1.0
@@ -264,18 +266,6 @@ class _CEOptions(DiffusionDecoder):
     osc_eps: float = 0.05
     floor: float = 0.5
 
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0.0 <= self.tau < 1.0:
-            raise DecoderSpecError(f"{self.name}: tau={self.tau} must be in [0, 1)")
-        if self.horizon < 1:
-            raise DecoderSpecError(f"{self.name}: horizon={self.horizon} must be >= 1")
-        if self.z < 0 or self.q < 0 or self.r <= 0 or self.osc_eps < 0:
-            raise DecoderSpecError(f"{self.name}: need z >= 0, q >= 0, r > 0, osc_eps >= 0 "
-                                   f"(got z={self.z}, q={self.q}, r={self.r}, osc_eps={self.osc_eps})")
-        if not 0.0 <= self.floor <= 1.0:
-            raise DecoderSpecError(f"{self.name}: floor={self.floor} must be in [0, 1]")
-
 
 @dataclass(frozen=True)
 class _ControllerOptions(DiffusionDecoder):
@@ -283,6 +273,7 @@ class _ControllerOptions(DiffusionDecoder):
     one (toy-sdar). threshold: commit where P(final) > threshold (default: the controller's
     calibrated one). features: optional '+'-joined feature names, checked against the controller's."""
 
+    limits = {"threshold": Range(0, 1, high_open=True)}
     controller: str = ""
     threshold: float | None = None
     features: str = ""
@@ -293,12 +284,10 @@ class _ControllerOptions(DiffusionDecoder):
             raise DecoderSpecError(
                 f"{self.name} needs controller=PATH: a tspd_controller.safetensors (toy-sdar ships one: "
                 f"controller=toy-sdar); train one with `dlmjax traces` then `dlmjax train configs/tspd/toy-sdar.yaml`")
-        if self.threshold is not None and not 0.0 <= self.threshold < 1.0:
-            raise DecoderSpecError(f"{self.name}: threshold={self.threshold} must be in [0, 1)")
         names = _parse_features(self.features)
         try:
             self.weights().check_features(names)
-        except (FileNotFoundError, ControllerMismatchError, ValueError) as exc:
+        except (OSError, ValueError) as exc:  # a missing or unreadable controller, or one of other features
             raise DecoderSpecError(f"{self.name}: {exc}") from None
 
     def weights(self):

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from dlmjax.decoding.api import Stream
 from dlmjax.evaluation.tasks import EvalSet
+from dlmjax.validation import InputError
 
 
 @dataclass
@@ -111,7 +112,7 @@ def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *,
     `head`: the MRP head for mrp-* decoders; `drafter`: the DFlash drafter for `drafter`."""
     for eval_set in eval_sets:
         if not eval_set.items:
-            raise ValueError(f"{eval_set.task}: no usable prompts ({len(eval_set.skipped)} rows skipped); "
+            raise InputError(f"{eval_set.task}: no usable prompts ({len(eval_set.skipped)} rows skipped); "
                              "check the dataset file or --limit")
     if mesh is not None:
         model, head, drafter = (replicate_on(m, mesh) for m in (model, head, drafter))

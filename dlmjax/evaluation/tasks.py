@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.toy.tasks import get_task, gsm8k_correct
+from dlmjax.validation import InputError
 
 TOY_SEED = 1234  # the held-out toy prompts: the same for every evaluation and test
 # Generation budget per toy task: the longest target plus EOS, rounded up to a block multiple
@@ -28,7 +29,7 @@ GSM8K_TEST = Path(__file__).parent / "data" / "gsm8k" / "test.jsonl"  # shipped,
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError):
     pass
 
 

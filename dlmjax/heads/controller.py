@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
+from dlmjax.validation import InputError
 
 FEATURES = ("confidence", "entropy", "momentum", "stable", "block_pos", "abs_pos")
 # A Learn2PD-style filter (kind "block"): one MLP over the K confidences of the block (committed and
@@ -39,7 +40,7 @@ CONTROLLER_FILE = "tspd_controller.safetensors"  # listed in io.hf.SIDE_FILES: n
 FORMAT_VERSION = "1"
 
 
-class ControllerMismatchError(ValueError):
+class ControllerMismatchError(InputError):
     """A controller used with features or a model it was not trained for."""
 
 
@@ -49,7 +50,7 @@ def check_features(features) -> tuple[str, ...]:
         return features
     unknown = [f for f in features if f not in FEATURES]
     if not features or unknown or len(set(features)) != len(features):
-        raise ValueError(f"controller features {list(features)}: give a non-empty list of distinct names from "
+        raise InputError(f"controller features {list(features)}: give a non-empty list of distinct names from "
                          f"{', '.join(FEATURES)}")
     return features
 
@@ -142,7 +143,7 @@ def save_controller(controller: Controller | dict, path: str | Path, *, features
     params = controller.params() if isinstance(controller, Controller) else controller
     features = check_features(features)
     if features != BLOCK_FEATURES and params["fc1_w"].shape[1] != len(features):
-        raise ValueError(f"controller has {params['fc1_w'].shape[1]} inputs but {len(features)} features were named")
+        raise InputError(f"controller has {params['fc1_w'].shape[1]} inputs but {len(features)} features were named")
     path = Path(path)
     if path.suffix != ".safetensors":
         path = path / CONTROLLER_FILE

@@ -30,11 +30,12 @@ from flax import nnx
 from dlmjax.config import ConfigError, ModelConfig
 from dlmjax.models import layers
 from dlmjax.models.transformer import Block, Linear, RMSNorm, Transformer
+from dlmjax.validation import InputError
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
-class DrafterMismatchError(ValueError):
+class DrafterMismatchError(InputError):
     """A drafter used with a target it was not made for."""
 
 

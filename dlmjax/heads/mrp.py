@@ -36,12 +36,13 @@ from dlmjax.config import ModelConfig
 from dlmjax.io.hf import HF_RULES, INDEX_FILE, TRANSPOSE, KeyRule, load_config, open_shards
 from dlmjax.io.safetensors import CheckpointError, save_file
 from dlmjax.models.transformer import Block, KVCache, Linear, RMSNorm, Transformer, run_layers
+from dlmjax.validation import InputError
 
 HEAD_FILE = "mrp_head.safetensors"
 SCALE_KEY = "mrp_residual_scale"
 
 
-class HeadMismatchError(ValueError):
+class HeadMismatchError(InputError):
     """An MRP head used with a backbone it was not made for."""
 
 
@@ -71,11 +72,11 @@ class MRPModule(nnx.Module):
         self.norm = RMSNorm(d, backbone.rms_norm_eps, dt)
 
     def __call__(self, embeds_bld, hidden_bld, positions_bl, *, segments_bl=None, valid_bl=None,
-                 cache: KVCache | None = None, visible_bll=None):
+                 cache: KVCache | None = None, visible_bll=None, chunk_parts=()):
         """(h_p [B, L, D], this chunk's per-layer (k, v)): the module's output over one chunk."""
         x = self.eh_proj(jnp.concatenate([self.enorm(embeds_bld), self.hnorm(hidden_bld)], axis=-1))
         x, new_kv, _ = run_layers(self.layers, self.config, x, positions_bl, segments_bl=segments_bl,
-                                  valid_bl=valid_bl, cache=cache, visible_bll=visible_bll)
+                                  valid_bl=valid_bl, cache=cache, visible_bll=visible_bll, chunk_parts=chunk_parts)
         return self.norm(x), new_kv
 
 
@@ -128,10 +129,11 @@ def check_compatible(head: MRPHead, backbone: ModelConfig) -> None:
 
 
 def head_output(head: MRPHead, backbone: Transformer, step: int, tokens_bl, hidden_bld, positions_bl, *,
-                segments_bl=None, valid_bl=None, cache: KVCache | None = None, visible_bll=None):
+                segments_bl=None, valid_bl=None, cache: KVCache | None = None, visible_bll=None, chunk_parts=()):
     """h_p [B, L, D] of chain step `step`'s module (no cache write)."""
     h_p, _ = head.module_for(step)(backbone.embed_tokens(tokens_bl), hidden_bld, positions_bl,
-                                   segments_bl=segments_bl, valid_bl=valid_bl, cache=cache, visible_bll=visible_bll)
+                                   segments_bl=segments_bl, valid_bl=valid_bl, cache=cache, visible_bll=visible_bll,
+                                   chunk_parts=chunk_parts)
     return h_p
 
 

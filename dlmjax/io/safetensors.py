@@ -16,6 +16,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from dlmjax.validation import InputError
+
 SAFETENSORS_DTYPES = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -25,7 +27,7 @@ SAFETENSORS_DTYPES = {
 _CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint file that cannot be read as it stands."""
 
 

@@ -15,9 +15,10 @@ import jinja2
 from tokenizers import Tokenizer as _Backend
 
 from dlmjax.config import FAMILIES, ModelConfig
+from dlmjax.validation import InputError
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer that cannot serve the requested use."""
 
 

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Protocol
 
+from dlmjax.validation import InputError
+
 __all__ = [
     "ArithConfig", "ArithTask", "ConstraintConfig", "ConstraintTask", "Example", "TASKS", "Task",
     "extract_final_number", "get_task", "gsm8k_correct",
@@ -217,7 +219,7 @@ def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}") from None
+        raise InputError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}") from None
 
 
 # --------------------------------------------------------------------------------------------- GSM8K

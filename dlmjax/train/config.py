@@ -26,11 +26,12 @@ import yaml
 from dlmjax.config import ModelConfig
 from dlmjax.train.mrp import LOSSES
 from dlmjax.train.objectives import WEIGHTINGS
+from dlmjax.validation import InputError
 
 OBJECTIVES = ("block_diffusion", "next_token", "mrp", "drafter", "tspd")
 
 
-class RunConfigError(ValueError):
+class RunConfigError(InputError):
     pass
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlmjax.toy.tasks import get_task
+from dlmjax.validation import InputError
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Batch:
     target: np.ndarray  # [B, L] bool: positions the model generates (target + EOS fill)
 
 
-class DataError(ValueError):
+class DataError(InputError):
     pass
 
 

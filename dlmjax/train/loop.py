@@ -42,6 +42,7 @@ from dlmjax.train.config import RunConfig, RunConfigError, from_dict
 from dlmjax.train.data import make_batch, sample_examples
 from dlmjax.train.mrp import mrp_loss
 from dlmjax.train.metrics import MetricsLog
+from dlmjax.validation import InputError
 
 
 @dataclass
@@ -85,7 +86,7 @@ def initial_model(model_cfg: ModelConfig, cfg):
     differing = [f for f in SHAPE_FIELDS if getattr(source.config, f) != getattr(model_cfg, f)]
     if differing:
         detail = ", ".join(f"{f}: {getattr(source.config, f)} vs {getattr(model_cfg, f)}" for f in differing)
-        raise ValueError(f"train.init_from={cfg.init_from} has other shapes than this run's model ({detail}); "
+        raise InputError(f"train.init_from={cfg.init_from} has other shapes than this run's model ({detail}); "
                          "make the model section match it")
     graphdef, _ = nnx.split(abstract_model(model_cfg))
     return nnx.merge(graphdef, nnx.state(source))
@@ -236,7 +237,7 @@ def _write_config(run_dir: Path, run: RunConfig) -> None:
         stored = from_dict(yaml.safe_load(path.read_text())).to_dict()
         differing = sorted(k for k, v in run.to_dict().items() if stored.get(k) != v)
         if differing:
-            raise ValueError(
+            raise InputError(
                 f"{run_dir} holds a run with a different config (sections {differing}); "
                 "use a new --out directory or the same config to resume"
             )
@@ -263,7 +264,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     mesh = make_mesh(model=1)
     data_size = mesh.shape["data"]
     if cfg.batch_size % data_size:
-        raise ValueError(f"train.batch_size={cfg.batch_size} must be a multiple of the {data_size} data-parallel devices")
+        raise InputError(f"train.batch_size={cfg.batch_size} must be a multiple of the {data_size} data-parallel devices")
     replicated = NamedSharding(mesh, P())
 
     tx, schedule = make_optimizer(cfg)
