@@ -1,0 +1,181 @@
+"""Log-likelihoods of continuations: exact for causal models, a masked-diffusion Monte Carlo
+bound for diffusion models.
+
+Causal (`causal_logprobs`): the sum of the continuation's next-token log-probs and whether every
+continuation token is the argmax (lm-eval's `is_greedy`).
+
+Diffusion (`masked_diffusion_bound`): the lower bound on log p(continuation | context) that
+LLaDA's evaluation estimates. The context is never masked. The continuation is split into
+groups that are denoised independently: the whole continuation for a bidirectional model
+(LLaDA, Dream); each block of a block-causal model (SDAR), whose noisy block sees only its own
+tokens and the clean blocks before it (the training layout `[noisy ; clean]`,
+`dlmjax.train.objectives.block_diffusion_visibility`). In a group of T continuation tokens, a
+sample draws l uniformly from 1..T, masks l of the T tokens uniformly at random and scores
+
+    (T / l) * sum over the masked tokens of log p(token | context, unmasked tokens)
+
+whose expectation is the group's bound (the discrete form of the ELBO: equal to E_t of the
+1/t-weighted loss with t ~ U(0, 1)). A sample's value is the sum over groups; the estimate is
+the mean over `mc_num` samples. Masks are drawn on the host from a generator seeded by
+(seed, the request's tokens), so a request's estimate depends on nothing else (not its batch,
+not its position).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlmjax.models.transformer import Transformer
+from dlmjax.train.objectives import block_diffusion_visibility
+
+LENGTH_BUCKET = 32  # sequences are right-padded to a multiple of this: few compiled shapes
+
+
+def _bucket(length: int) -> int:
+    return -(-length // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+def _pad_rows(rows: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, width] right-padded, valid [B, width])."""
+    tokens = np.full((len(rows), width), pad_id, np.int32)
+    valid = np.zeros((len(rows), width), bool)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = row
+        valid[i, : len(row)] = True
+    return tokens, valid
+
+
+# ---------------------------------------------------------------------------------------- causal
+
+
+@partial(jax.jit, static_argnums=0)
+def _next_token_scores(graphdef, params, inputs_bl, targets_bl, valid_bl):
+    """(log p(target i | inputs <= i), target i == argmax) at every position: [B, L] each."""
+    model = nnx.merge(graphdef, params)
+    logits = model(inputs_bl, valid_bl=valid_bl).logits.astype(jnp.float32)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets_bl[..., None], axis=-1)[..., 0]
+    return logp, jnp.argmax(logits, axis=-1) == targets_bl
+
+
+def causal_logprobs(model: Transformer, pairs: list[tuple[list[int], list[int]]], *, batch_size: int = 8,
+                    pad_id: int = 0) -> list[tuple[float, bool]]:
+    """(sum of the continuation's log-probs, whether greedy decoding gives it) per (context ids,
+    continuation ids) pair. Contexts must be non-empty; the model reads context + continuation
+    less its last token."""
+    if model.config.attention != "causal":
+        raise ValueError(f"causal_logprobs needs a causal model; this one is {model.config.attention}")
+    graphdef, params = nnx.split(model)
+    results = []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        chunk_rows = [ctx + cont for ctx, cont in chunk]
+        rows = chunk_rows + [chunk_rows[0]] * (batch_size - len(chunk))  # one compiled shape per length bucket
+        width = _bucket(max(map(len, rows)) - 1)
+        inputs, valid = _pad_rows([r[:-1] for r in rows], width, pad_id)
+        targets, _ = _pad_rows([r[1:] for r in rows], width, pad_id)
+        logp, greedy = jax.device_get(_next_token_scores(graphdef, params, inputs, targets, valid))
+        for i, (ctx, cont) in enumerate(chunk):
+            span = slice(len(ctx) - 1, len(ctx) + len(cont) - 1)  # input j-1 predicts token j
+            results.append((float(np.sum(logp[i, span], dtype=np.float64)), bool(np.all(greedy[i, span]))))
+    return results
+
+
+# ------------------------------------------------------------------------------------- diffusion
+
+
+@dataclass(frozen=True)
+class MaskSamples:
+    """`mc` masking patterns of one request: noisy tokens, which positions are masked, and each
+    masked position's weight T/l (its group's continuation length over its mask count)."""
+
+    tokens: np.ndarray  # [L] the clean sequence
+    masked: np.ndarray  # [S, L] bool
+    weight: np.ndarray  # [S, L] float32, 0 where not masked
+
+
+def continuation_groups(context_len: int, total_len: int, block_size: int | None) -> np.ndarray:
+    """[L] group id of each position: -1 for the context, else 0 for a bidirectional model's whole
+    continuation, or the position's block for a block-causal model."""
+    positions = np.arange(total_len)
+    groups = positions // block_size if block_size else np.zeros(total_len, np.int64)
+    return np.where(positions < context_len, -1, groups)
+
+
+def sample_masks(context: list[int], continuation: list[int], *, mc_num: int, seed: int,
+                 block_size: int | None) -> MaskSamples:
+    """LLaDA-style masking patterns: per sample and group, l ~ U{1..T}, l of the T tokens masked."""
+    tokens = np.asarray(context + continuation, np.int32)
+    digest = zlib.crc32(tokens.tobytes())
+    rng = np.random.default_rng([seed, digest])
+    groups = continuation_groups(len(context), len(tokens), block_size)
+    masked = np.zeros((mc_num, len(tokens)), bool)
+    weight = np.zeros((mc_num, len(tokens)), np.float32)
+    for group in np.unique(groups[groups >= 0]):
+        cols = np.flatnonzero(groups == group)
+        size = len(cols)
+        counts = rng.integers(1, size + 1, size=mc_num)  # l per sample
+        ranks = np.argsort(np.argsort(rng.random((mc_num, size)), axis=1), axis=1)  # a random order
+        chosen = ranks < counts[:, None]
+        masked[:, cols] = chosen
+        weight[:, cols] = np.where(chosen, size / counts[:, None], 0.0)
+    return MaskSamples(tokens, masked, weight)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "block_size", "mask_id"))
+def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, *, block_size, mask_id):
+    """log p(clean token | the noisy sequence) at every position: [B, L] (read where masked)."""
+    model = nnx.merge(graphdef, params)
+    noisy = jnp.where(masked_bl, mask_id, clean_bl)
+    b, l = clean_bl.shape
+    if block_size:  # block-causal: [noisy ; clean], each noisy block sees the clean blocks before it
+        positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+        out = model(jnp.concatenate([noisy, clean_bl], axis=1), jnp.concatenate([positions, positions], axis=1),
+                    visible_bll=block_diffusion_visibility(positions, valid_bl, block_size), compute_logits=False)
+        logits = model.lm_logits(out.hidden[:, :l])
+    else:
+        logits = model(noisy, valid_bl=valid_bl).logits
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, clean_bl[..., None], axis=-1)[..., 0]
+
+
+def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *, mask_id: int,
+                    pad_id: int = 0) -> np.ndarray:
+    """[S, L] log-probs of the clean tokens at the masked positions of each pattern (0 elsewhere)
+    for one sequence `clean` [L] under its masking patterns `masked` [S, L]."""
+    block = model.config.block_size if model.config.attention == "block_causal" else None
+    width = _bucket(len(clean))
+    tokens, valid = _pad_rows([clean.tolist()] * len(masked), width, pad_id)
+    mask = np.zeros(tokens.shape, bool)
+    mask[:, : len(clean)] = masked
+    graphdef, params = nnx.split(model)
+    scores = _masked_scores(graphdef, params, tokens, mask, valid, block_size=block, mask_id=mask_id)
+    return np.where(masked, np.asarray(jax.device_get(scores))[:, : len(clean)], 0.0)
+
+
+def masked_diffusion_bound(model: Transformer, context: list[int], continuation: list[int], *, mc_num: int,
+                           seed: int, mask_id: int, batch_size: int = 32, pad_id: int = 0,
+                           return_samples: bool = False):
+    """The Monte Carlo estimate of the masked-diffusion bound on log p(continuation | context)
+    (module docstring): the mean over `mc_num` samples, run `batch_size` samples per forward.
+    With `return_samples`, the per-sample values [mc_num] instead."""
+    if not continuation:
+        raise ValueError("the continuation is empty; there is nothing to score")
+    block = model.config.block_size if model.config.attention == "block_causal" else None
+    samples = sample_masks(context, continuation, mc_num=mc_num, seed=seed, block_size=block)
+    values = []
+    for start in range(0, mc_num, batch_size):
+        masked = samples.masked[start : start + batch_size]
+        rows = len(masked)
+        if rows < batch_size:  # one compiled shape: pad with copies, dropped below
+            masked = np.concatenate([masked, np.repeat(masked[:1], batch_size - rows, axis=0)])
+        logp = masked_logprobs(model, samples.tokens, masked, mask_id=mask_id, pad_id=pad_id)[:rows]
+        values.append(np.sum(logp * samples.weight[start : start + rows], axis=1, dtype=np.float64))
+    values = np.concatenate(values)
+    return values if return_samples else float(values.mean())

@@ -1,0 +1,355 @@
+"""`DlmjaxLM`: a dlmjax model as an lm-evaluation-harness model (registered as `dlmjax`).
+
+    lm_eval.simple_evaluate(model="dlmjax", model_args="pretrained=toy-sdar,decoder=threshold:tau=0.9", ...)
+
+- `generate_until`: the requests of one task run as one continuous-batching `Stream` (the engine
+  `dlmjax eval` uses), split over the mesh's 'data' axis. Outputs are cut as lm-eval cuts them:
+  at `max_gen_toks` tokens, then at the first stop string of `until` (the EOS string added).
+- `loglikelihood` / `loglikelihood_rolling`: exact for causal models; for diffusion models the
+  masked-diffusion Monte Carlo bound (`dlmjax.lm_eval.likelihood`).
+- Decoding metrics per task (NFE, TPF, tokens/s, accepted length) are kept and reported by
+  `get_model_info` (lm-eval puts them in the results JSON under `config.decoding_metrics`).
+
+model_args (`--model_args key=value,...` or a JSON object): see `MODEL_ARGS`. Commas separate
+model_args, so a decoder with several options writes them with `;`
+(`decoder=psd:policy=threshold;tau=0.9;depth=4`) or passes model_args as JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import jax
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm.auto import tqdm
+
+from dlmjax.decoding.api import Stream, _block_size
+from dlmjax.decoding.spec import CAUSAL_DECODERS, parse_decoder
+from dlmjax.lm_eval.likelihood import causal_logprobs, masked_diffusion_bound
+from dlmjax.lm_eval.metrics import TaskMetrics
+
+log = logging.getLogger(__name__)
+
+# key: (default, what it is)
+MODEL_ARGS: dict[str, tuple[object, str]] = {
+    "pretrained": (None, "checkpoint directory or preset (toy-sdar, toy-ar, ...); required"),
+    "decoder": (None, "decoder SPEC as in `dlmjax generate` (options separated by ';'); default static, ar if causal"),
+    "max_new_tokens": (256, "generation budget when a request names no max_gen_toks"),
+    "batch_size": (16, "decoding slots (continuous batching) and likelihood rows per forward"),
+    "refill": (None, "rows started per refill forward (default batch_size/8)"),
+    "mesh_data": (None, "devices on the mesh's 'data' axis (default: all devices / mesh_model)"),
+    "mesh_model": (1, "devices on the mesh's 'model' axis (tensor parallel)"),
+    "seed": (0, "sampling seed of sampled decoders and of the Monte Carlo masks"),
+    "mc_num": (128, "Monte Carlo samples per diffusion log-likelihood"),
+    "mc_batch": (32, "Monte Carlo samples per forward"),
+    "dtype": (None, "float32, bfloat16 or float16 (default: the checkpoint's)"),
+    "mrp_head": (None, "checkpoint directory holding the MRP head (default: the model's own)"),
+    "drafter": (None, "DFlash drafter directory (default: the model's drafter/)"),
+    "tspd_controller": (None, "TSPD controller (default: the model's own)"),
+    "warmup": (True, "decode the first slots once untimed before each task (tokens/s excludes compilation)"),
+    "max_batch_size": (None, "lm-eval's option; not used"),
+    "device": (None, "lm-eval's option; not used (JAX places arrays on its devices)"),
+}
+
+
+class ModelArgsError(ValueError):
+    """model_args that dlmjax cannot use; the message names the fix."""
+
+
+class RequestError(ValueError):
+    """A malformed lm-eval request; the message names the request and the fix."""
+
+
+@dataclass
+class GenerationRequest:
+    index: int  # position in the request list (the sampling stream's row id)
+    task: str
+    context: str
+    until: list[str]
+    max_gen_toks: int
+
+
+def check_model_args(args: dict) -> dict:
+    """model_args with defaults filled in; an unknown key or a missing `pretrained` is an error."""
+    unknown = sorted(set(args) - set(MODEL_ARGS))
+    if unknown:
+        hint = ""
+        if "decoder" in args and any(k in str(args["decoder"]) or "=" not in k for k in unknown):
+            hint = (" (decoder options inside model_args are separated by ';', e.g. "
+                    "decoder=psd:policy=threshold;tau=0.9, because ',' separates model_args)")
+        raise ModelArgsError(f"model_args key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                             f"unknown{hint}; accepted: {', '.join(MODEL_ARGS)}")
+    if args.get("pretrained") in (None, ""):
+        raise ModelArgsError("model_args needs pretrained=DIR_OR_PRESET (a checkpoint directory or a preset such as "
+                             "toy-sdar)")
+    return {key: args.get(key, default) for key, (default, _) in MODEL_ARGS.items()}
+
+
+def _int_arg(args: dict, key: str, *, minimum: int = 1) -> int | None:
+    value = args[key]
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ModelArgsError(f"model_args {key}={value!r} must be an integer >= {minimum}") from None
+    if number < minimum or number != float(value):
+        raise ModelArgsError(f"model_args {key}={value!r} must be an integer >= {minimum}")
+    return number
+
+
+def decode_budget(max_gen_toks: int, block: int | None) -> int:
+    """Tokens to decode for `max_gen_toks`: block decoders decode whole blocks (the engine wants a
+    multiple of the block), so round up; the output is cut back to `max_gen_toks` after."""
+    return max_gen_toks if not block else -(-max_gen_toks // block) * block
+
+
+def finish_text(tokens: list[int], tokenizer, max_gen_toks: int, until: list[str]) -> str:
+    """A response as lm-eval's own models give it: at most `max_gen_toks` tokens, decoded without
+    special tokens, cut at the first stop string."""
+    text = tokenizer.decode(tokens[:max_gen_toks], skip_special_tokens=True)
+    return postprocess_generated_text(text, until, None)
+
+
+def parse_generation_request(index: int, request, default_max: int) -> GenerationRequest:
+    """The context, stop strings and budget of one generate_until request; a malformed one is an
+    error naming the request."""
+    where = f"generate_until request {index} (task {request.task_name}, doc {request.doc_id})"
+    context, gen_kwargs = request.args
+    if not isinstance(context, str) or not context:
+        raise RequestError(f"{where}: the context is {'empty' if context == '' else repr(context)}; generation needs "
+                           "a non-empty prompt string (check the task's doc_to_text)")
+    if not isinstance(gen_kwargs, dict):
+        raise RequestError(f"{where}: generation kwargs must be a dict, got {type(gen_kwargs).__name__}")
+    until = gen_kwargs.get("until", [])
+    if isinstance(until, str):  # lm-eval's own models accept one stop string
+        until = [until]
+    if not isinstance(until, list) or not all(isinstance(s, str) for s in until):
+        raise RequestError(f"{where}: `until` must be a list of stop strings (e.g. until: [\"\\n\\n\"]), got "
+                           f"{until!r}")
+    budget = next((gen_kwargs[k] for k in ("max_gen_toks", "max_new_tokens", "max_tokens") if k in gen_kwargs),
+                  default_max)
+    if not isinstance(budget, int) or budget < 1:
+        raise RequestError(f"{where}: max_gen_toks={budget!r} must be a positive integer")
+    if gen_kwargs.get("do_sample") and float(gen_kwargs.get("temperature", 0.0) or 0.0) > 0:
+        log.warning("%s asks for sampling; dlmjax samples as its decoder says (add temperature=T to the decoder "
+                    "spec in model_args)", where)
+    return GenerationRequest(index, str(request.task_name), context, list(until), budget)
+
+
+class DlmjaxLM(TemplateLM):
+    """A dlmjax checkpoint and decoder as an lm-eval model (module docstring)."""
+
+    def __init__(self, **model_args):
+        super().__init__()
+        from dlmjax.cli import _drafter_for, _with_controller
+        from dlmjax.evaluation.runner import replicate_on
+        from dlmjax.heads.mrp import has_head, load_head
+        from dlmjax.io.hf import load_model
+        from dlmjax.io.tokenizer import load_tokenizer
+        from dlmjax.presets import resolve_model
+        from dlmjax.sharding import make_mesh
+
+        args = check_model_args(model_args)
+        self.args = args
+        self.batch_size = self._batch_size(args["batch_size"])
+        self.max_new_tokens = _int_arg(args, "max_new_tokens")
+        self.mc_num, self.mc_batch = _int_arg(args, "mc_num"), _int_arg(args, "mc_batch")
+        self.seed = _int_arg(args, "seed", minimum=0)
+        self.refill = _int_arg(args, "refill")
+        self.warmup = bool(args["warmup"])
+        self.mesh = make_mesh(model=_int_arg(args, "mesh_model"), data=_int_arg(args, "mesh_data"))
+        if self.batch_size % self.mesh.shape["data"]:
+            raise ModelArgsError(f"batch_size={self.batch_size} must be a multiple of mesh_data="
+                                 f"{self.mesh.shape['data']} (each device decodes batch_size/mesh_data rows)")
+
+        self.path = resolve_model(args["pretrained"])
+        model = load_model(self.path, dtype=args["dtype"], mesh=self.mesh)
+        self.config = model.config
+        self.tokenizer = load_tokenizer(self.path, model.config)
+        self.causal = model.config.attention == "causal"
+        spec = str(args["decoder"] or ("ar" if self.causal else "static")).replace(";", ",")
+        spec = _with_controller([spec], self.path, args["tspd_controller"])[0]
+        self.decoder = parse_decoder(spec)
+        if isinstance(self.decoder, CAUSAL_DECODERS) != self.causal:
+            raise ModelArgsError(f"decoder={spec!r} does not fit this {model.config.attention} {model.config.family} "
+                                 f"model; use {'ar or drafter' if self.causal else 'a diffusion decoder'}")
+        head = None
+        if getattr(self.decoder, "needs_head", False):
+            head = load_head(resolve_model(args["mrp_head"]) if args["mrp_head"] else self.path, model.config)
+        elif args["mrp_head"] is not None and not has_head(resolve_model(args["mrp_head"])):
+            raise ModelArgsError(f"mrp_head={args['mrp_head']!r} holds no MRP head")
+        drafter = _drafter_for(self.path, model, [spec], args["drafter"], args["dtype"])
+        self.model = model  # its params are placed on the mesh by load_model
+        self.head, self.drafter = (replicate_on(m, self.mesh) if self.mesh.size > 1 else m for m in (head, drafter))
+        self.block = None if self.causal else _block_size(self.decoder, model)
+        self.metrics: dict[str, TaskMetrics] = {}
+
+    # ------------------------------------------------------------------ construction from lm-eval
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """model_args win over lm-eval's own options (its CLI always passes --batch_size, default 1)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**extra, **arg_dict})
+
+    @staticmethod
+    def _batch_size(value) -> int:
+        if isinstance(value, str) and value.startswith("auto"):
+            log.warning("batch_size=%s: dlmjax has no automatic batch size; using %d", value, MODEL_ARGS["batch_size"][0])
+            return MODEL_ARGS["batch_size"][0]
+        return _int_arg({"batch_size": value}, "batch_size")
+
+    # ------------------------------------------------------------------ tokenizer and chat template
+
+    @property
+    def eot_token_id(self) -> int:
+        eos = self.config.eos_token_ids[0] if self.config.eos_token_ids else self.tokenizer.eos_id
+        if eos is None:
+            raise ModelArgsError(f"{self.path} names no EOS token (config.json eos_token_id or tokenizer_config.json "
+                                 "eos_token)")
+        return int(eos)
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer.encode(string)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.path).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.tokenizer.chat_template if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
+
+    # ------------------------------------------------------------------ generate_until
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        parsed = [parse_generation_request(i, r, self.max_new_tokens) for i, r in enumerate(requests)]
+        eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
+        groups = defaultdict(list)  # one stream per (task, budget)
+        for req in parsed:
+            groups[(req.task, decode_budget(req.max_gen_toks, self.block))].append(req)
+        responses: list[str | None] = [None] * len(parsed)
+        with tqdm(total=len(parsed), desc="dlmjax generate_until", disable=disable_tqdm) as bar:
+            for (task, budget), group in groups.items():
+                prompts = [self._prompt_ids(req.context, budget) for req in group]
+                for req, row in zip(group, self._decode(task, prompts, budget, [r.index for r in group])):
+                    responses[req.index] = finish_text(row.tokens, self.tokenizer, req.max_gen_toks, req.until + [eos])
+                    self.cache_hook.add_partial("generate_until", requests[req.index].args, responses[req.index])
+                    bar.update(1)
+        return responses
+
+    def _prompt_ids(self, context: str, budget: int) -> list[int]:
+        """The context's ids, left-truncated (as lm-eval's HF model does) to leave room for `budget`."""
+        ids = self.tok_encode(context)
+        room = self.max_length - budget
+        if room < 1:
+            raise RequestError(f"max_gen_toks needs {budget} tokens but the model holds {self.max_length}; lower "
+                               "max_gen_toks (gen_kwargs) or max_new_tokens (model_args)")
+        if len(ids) > room:
+            log.warning("a context of %d tokens is left-truncated to %d (model length %d, budget %d)",
+                        len(ids), room, self.max_length, budget)
+            ids = ids[-room:]
+        return ids
+
+    def _decode(self, task: str, prompts: list[list[int]], budget: int, row_ids: list[int]):
+        """Rows for `prompts` in order, from one continuous-batching stream; metrics recorded."""
+
+        def stream(limit=None):
+            return Stream(self.model, prompts, batch_size=self.batch_size, refill=self.refill, tokenizer=self.tokenizer,
+                          decoder=self.decoder, max_new_tokens=budget, seed=self.seed, row_ids=row_ids,
+                          mesh=self.mesh if self.mesh.shape["data"] > 1 else None, head=self.head,
+                          drafter=self.drafter, limit=limit)
+
+        if self.warmup:  # compile outside the timed run, as `dlmjax eval` does
+            probe = stream()
+            for _ in stream(limit=min(len(prompts), probe.batch + probe.refill)):
+                pass
+        run = stream()
+        rows = dict(iter(run))
+        ordered = [rows[i] for i in range(len(prompts))]
+        self.metrics.setdefault(task, TaskMetrics(task)).add(run, ordered)
+        return ordered
+
+    # ------------------------------------------------------------------ log-likelihoods
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        pairs = [self._fit(ctx, cont) for _, ctx, cont in requests]
+        if self.causal:
+            results = causal_logprobs(self.model, pairs, batch_size=self.batch_size, pad_id=self.eot_token_id)
+        else:
+            mask_id = self.config.mask_token_id if self.config.mask_token_id is not None else self.tokenizer.mask_id
+            if mask_id is None:
+                raise ModelArgsError(f"{self.path} has no mask token; the diffusion log-likelihood needs one")
+            results = []
+            for ctx, cont in tqdm(pairs, desc="dlmjax loglikelihood (Monte Carlo)", disable=disable_tqdm):
+                value = masked_diffusion_bound(self.model, ctx, cont, mc_num=self.mc_num, seed=self.seed,
+                                               mask_id=int(mask_id), batch_size=self.mc_batch, pad_id=self.eot_token_id)
+                results.append((value, False))  # greedy-ness is not estimated (as in LLaDA's evaluation)
+        for (key, _, _), result in zip(requests, results):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, result)
+        return results
+
+    def _fit(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
+        """(context, continuation) ids within the model's length: the context left-truncated."""
+        if not continuation:
+            raise RequestError("a loglikelihood request has an empty continuation; there is nothing to score")
+        room = self._scored_length() + 1 - len(continuation)  # tokens left for the context
+        if room < 1:
+            raise RequestError(f"a continuation of {len(continuation)} tokens does not fit the model's length "
+                               f"{self.max_length} with any context")
+        return context[-room:], continuation
+
+    def _scored_length(self) -> int:
+        """Most tokens one window scores: a causal model reads all but the last of context +
+        continuation, a diffusion model reads them all."""
+        return self.max_length if self.causal else self.max_length - 1
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each document scored in disjoint windows of the model's length, as lm-eval's HF model does."""
+        results = []
+        for request in tqdm(requests, desc="dlmjax loglikelihood_rolling", disable=disable_tqdm):
+            (text,) = request.args
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self._scored_length(),
+                context_len=1)]
+            scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True)
+            total = sum(score for score, _ in scores)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            results.append(total)
+        return results
+
+    # ------------------------------------------------------------------ reporting
+
+    def get_model_info(self) -> dict:
+        """What lm-eval stores in the results JSON's `config`: the model, its decoder and the
+        decoding metrics of every task run so far."""
+        from dlmjax.decoding.spec import decoder_spec
+        from dlmjax.lm_eval.metrics import record_run
+
+        info = {"dlmjax_model": str(self.path), "decoder": decoder_spec(self.decoder),
+                "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
+                "decoding_metrics": {task: m.to_json() for task, m in self.metrics.items()}}
+        record_run(info)
+        return info
