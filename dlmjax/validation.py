@@ -120,13 +120,12 @@ def limits_of(cls) -> dict[str, Range | OneOf]:
     return merged
 
 
-def check_fields(obj, owner: str, *, error=InputError) -> None:
+def check_fields(obj, prefix: str, *, error=InputError) -> None:
     """Every dataclass field of `obj` against its annotation and its entry in `limits`; errors
-    read `owner: name=value must be ...` (owner "" leaves the prefix out)."""
+    read `{prefix}name=value must be ...` (prefix e.g. "threshold: " or "train.")."""
     limits = limits_of(type(obj))
     for f in dataclasses.fields(obj):
-        check_value(f"{owner}: {f.name}" if owner else f.name, getattr(obj, f.name), f.type, limits.get(f.name),
-                    error=error)
+        check_value(f"{prefix}{f.name}", getattr(obj, f.name), f.type, limits.get(f.name), error=error)
 
 
 def positive_int(name: str, value, *, error=InputError) -> int:

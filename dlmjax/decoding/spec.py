@@ -49,7 +49,7 @@ class DiffusionDecoder:
 
     def __post_init__(self):
         """Every option's type and range (`limits`, merged with the subclasses')."""
-        check_fields(self, self.name, error=DecoderSpecError)
+        check_fields(self, f"{self.name}: ", error=DecoderSpecError)
 
     def select(self, scores: policies.Scores, masked_bk):
         """This step's commit set [B, K] (before the progress guard)."""
@@ -144,7 +144,7 @@ class AR:
     top_p: float = 1.0
 
     def __post_init__(self):
-        check_fields(self, self.name, error=DecoderSpecError)
+        check_fields(self, f"{self.name}: ", error=DecoderSpecError)
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class DrafterDecoding:
     top_p: float = 1.0
 
     def __post_init__(self):
-        check_fields(self, self.name, error=DecoderSpecError)
+        check_fields(self, f"{self.name}: ", error=DecoderSpecError)
 
 
 CAUSAL_DECODERS = (AR, DrafterDecoding)  # the decoders of causal (autoregressive) models

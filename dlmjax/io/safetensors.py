@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from dlmjax.io.files import atomic_file
 from dlmjax.validation import InputError
 
 SAFETENSORS_DTYPES = {
@@ -86,7 +87,8 @@ class SafetensorsFile:
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """Write tensors (float64/32/16, bfloat16) to one safetensors file."""
+    """Write tensors (float64/32/16, bfloat16) to one safetensors file (under a temporary name,
+    renamed into place when complete: a killed write leaves the previous file whole)."""
     header, offset = {}, 0
     arrays = {}
     for name, arr in tensors.items():
@@ -100,7 +102,7 @@ def save_file(tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes
-    with open(path, "wb") as f:
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for arr in arrays.values():

@@ -7,7 +7,6 @@ family's known mask strings (`<|mdm_mask|>` LLaDA, `<|mask|>` Dream, `<|MASK|>` 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import jinja2
 from tokenizers import Tokenizer as _Backend
 
 from dlmjax.config import FAMILIES, ModelConfig
-from dlmjax.validation import InputError
+from dlmjax.validation import InputError, read_json_file
 
 
 class TokenizerError(InputError):
@@ -97,9 +96,20 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
             f"missing tokenizer.json in {ckpt_dir}; save the fast tokenizer beside the weights "
             "(`AutoTokenizer.from_pretrained(...).save_pretrained(dir)`)"
         )
-    backend = _Backend.from_file(str(path))
+    try:
+        backend = _Backend.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 (the tokenizers library raises a plain Exception)
+        raise TokenizerError(f"{path} cannot be read as a tokenizer ({err}); re-save it with "
+                             "`AutoTokenizer.from_pretrained(...).save_pretrained(dir)`") from None
+    if cfg is not None and backend.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
+        raise TokenizerError(
+            f"{path} has {backend.get_vocab_size(with_added_tokens=True)} tokens but the model's vocab_size is "
+            f"{cfg.vocab_size}: this tokenizer does not belong to the checkpoint; put the model's own tokenizer "
+            "beside its weights")
     cfg_path = ckpt_dir / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    tok_cfg = read_json_file(cfg_path, error=TokenizerError) if cfg_path.is_file() else {}
+    if not isinstance(tok_cfg, dict):
+        raise TokenizerError(f"{cfg_path} holds {type(tok_cfg).__name__}, not an object of settings")
 
     def lookup(name: str) -> int | None:
         content = _special_token_content(tok_cfg.get(name))

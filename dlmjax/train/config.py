@@ -13,6 +13,13 @@ An MRP head (a residual head on a frozen backbone) names its backbone instead of
 
 Override values are parsed as YAML (`train.lr=1e-3`, `data.tasks={toy-arith: 1}`). Unknown
 keys are errors that list the known ones.
+
+Validation (dlmjax.validation): a section's fields are typed by their annotations and ranged by
+the class's `limits`; every mistake is a `RunConfigError` that names the file (and the line, for
+YAML syntax errors), the key and what it accepts. The mapping from YAML to the dataclasses is
+written by hand (one `_section` for every section): dataclass-config libraries (draccus, tyro)
+would replace about forty lines but bring their own error types and override syntax, and the
+per-objective rules below would stay ours anyway.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ import yaml
 from dlmjax.config import ModelConfig
 from dlmjax.train.mrp import LOSSES
 from dlmjax.train.objectives import WEIGHTINGS
-from dlmjax.validation import InputError
+from dlmjax.validation import (
+    AT_LEAST_0, AT_LEAST_1, POSITIVE, PROBABILITY, InputError, OneOf, Range, annotation_kinds, check_fields,
+    check_value,
+)
 
 OBJECTIVES = ("block_diffusion", "next_token", "mrp", "drafter", "tspd")
 
@@ -37,13 +47,32 @@ class RunConfigError(InputError):
 
 @dataclass(frozen=True)
 class DataConfig:
-    tasks: dict = field(default_factory=lambda: {"toy-arith": 0.5, "toy-constraint": 0.5})
+    limits = {"seq_len": AT_LEAST_1, "seed": AT_LEAST_0}
+    tasks: dict = field(default_factory=lambda: {"toy-arith": 0.5, "toy-constraint": 0.5})  # task -> weight
     seq_len: int = 64
     seed: int = 0
+
+    def __post_init__(self):
+        from dlmjax.toy.tasks import TASKS
+
+        check_fields(self, "data.", error=RunConfigError)
+        if not self.tasks:
+            raise RunConfigError(f"data.tasks is empty; give task weights, e.g. {{{next(iter(TASKS))}: 1.0}}")
+        for name, weight in self.tasks.items():
+            check_value("data.tasks", name, "str", OneOf(tuple(TASKS)), error=RunConfigError)
+            check_value(f"data.tasks.{name}", weight, "float", POSITIVE, error=RunConfigError)
+
+    def __hash__(self):
+        return hash((tuple(self.tasks.items()), self.seq_len, self.seed))
 
 
 @dataclass(frozen=True)
 class OptimConfig:
+    limits = {"steps": AT_LEAST_0, "batch_size": AT_LEAST_1, "lr": POSITIVE, "warmup_steps": AT_LEAST_0,
+              "min_lr_ratio": PROBABILITY, "weight_decay": AT_LEAST_0, "clip_norm": POSITIVE,
+              "loss_weighting": OneOf(WEIGHTINGS), "seed": AT_LEAST_0, "log_every": AT_LEAST_1,
+              "checkpoint_every": AT_LEAST_1, "keep_checkpoints": AT_LEAST_1, "eval_every": AT_LEAST_0,
+              "eval_examples": AT_LEAST_1}
     steps: int = 4000
     batch_size: int = 64
     lr: float = 3e-3
@@ -60,6 +89,9 @@ class OptimConfig:
     eval_examples: int = 64  # per task, static decoding, seed 1234
     init_from: str | None = None  # start from a checkpoint dir or preset with the same shapes (e.g. toy-ar)
 
+    def __post_init__(self):
+        check_fields(self, "train.", error=RunConfigError)
+
 
 @dataclass(frozen=True)
 class MRPSection:
@@ -74,16 +106,11 @@ class MRPSection:
     gt_topk: int = 1  # masked positions revealed per block and chain step
     chain_steps: int = 1  # head iterations trained per example (n)
     temperature: float = 1.0  # KD temperature T (kd_diff losses)
+    limits = {"num_layers": AT_LEAST_1, "num_modules": AT_LEAST_1, "gt_topk": AT_LEAST_1, "chain_steps": AT_LEAST_1,
+              "init_std": AT_LEAST_0, "init_norm_scale": AT_LEAST_0, "temperature": POSITIVE, "loss": OneOf(LOSSES)}
 
     def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise RunConfigError(f"mrp.loss={self.loss!r}; choose one of {', '.join(LOSSES)}")
-        for name in ("num_layers", "num_modules", "gt_topk", "chain_steps"):
-            if getattr(self, name) < 1:
-                raise RunConfigError(f"mrp.{name}={getattr(self, name)} must be >= 1")
-        if self.temperature <= 0 or self.init_std < 0 or self.init_norm_scale < 0:
-            raise RunConfigError(f"mrp.temperature must be > 0, mrp.init_std and mrp.init_norm_scale >= 0 "
-                                 f"(got {self.temperature}, {self.init_std}, {self.init_norm_scale})")
+        check_fields(self, "mrp.", error=RunConfigError)
 
 
 @dataclass(frozen=True)
@@ -104,15 +131,19 @@ class DrafterSection:
     chain_alpha: float = 0.0  # chain loss weight alpha_c
     export_dtype: str = "bfloat16"  # dtype of the exported DFlash weights
     eval_prompts: int = 16  # per task: mean accepted length of greedy speculative decoding
+    limits = {"num_layers": AT_LEAST_1, "block_size": Range(2), "mask_token_id": AT_LEAST_0,
+              "anchors_per_row": AT_LEAST_1, "labels": OneOf(("target", "data")), "ce_weight": AT_LEAST_0,
+              "decay_gamma": AT_LEAST_0, "focal_alpha": AT_LEAST_0, "focal_gamma": AT_LEAST_0,
+              "chain_alpha": AT_LEAST_0, "export_dtype": OneOf(("bfloat16", "float32", "float16")),
+              "eval_prompts": AT_LEAST_1}  # decay_gamma, focal_alpha, chain_alpha: 0 turns a term off
 
     def __post_init__(self):
-        if self.labels not in ("target", "data"):
-            raise RunConfigError(f"drafter.labels={self.labels!r}; choose target (self-distillation) or data")
-        if self.block_size < 2 or self.num_layers < 1 or self.anchors_per_row < 1:
-            raise RunConfigError(f"drafter.block_size must be >= 2, num_layers and anchors_per_row >= 1 (got "
-                                 f"{self.block_size}, {self.num_layers}, {self.anchors_per_row})")
-        if self.decay_gamma < 0 or self.focal_alpha < 0 or self.chain_alpha < 0:
-            raise RunConfigError("drafter.decay_gamma, focal_alpha and chain_alpha must be >= 0 (0 turns a term off)")
+        check_fields(self, "drafter.", error=RunConfigError)
+        for layer in self.target_layer_ids or ():
+            check_value("drafter.target_layer_ids[]", layer, "int", AT_LEAST_0, error=RunConfigError)
+
+    def __hash__(self):
+        return hash(tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(self)))
 
 
 @dataclass(frozen=True)
@@ -126,10 +157,11 @@ class TSPDSection:
     holdout: float = 0.2  # fraction of the traces' prompts held out (eval and threshold calibration)
     target_precision: float = 0.999  # calibrated threshold: the smallest with this held-out precision
 
+    limits = {"hidden": AT_LEAST_1, "holdout": Range(0, 1, low_open=True, high_open=True),
+              "target_precision": Range(0, 1, low_open=True)}
+
     def __post_init__(self):
-        if self.hidden < 1 or not 0 < self.holdout < 1 or not 0 < self.target_precision <= 1:
-            raise RunConfigError(f"tspd.hidden must be >= 1, tspd.holdout in (0, 1), tspd.target_precision in (0, 1] "
-                                 f"(got {self.hidden}, {self.holdout}, {self.target_precision})")
+        check_fields(self, "tspd.", error=RunConfigError)
         from dlmjax.heads.controller import check_features
 
         try:
@@ -152,13 +184,10 @@ class RunConfig:
     drafter: DrafterSection = DrafterSection()
     tspd: TSPDSection = TSPDSection()
 
+    limits = {"objective": OneOf(OBJECTIVES)}
+
     def __post_init__(self):
-        if self.objective not in OBJECTIVES:
-            raise RunConfigError(f"objective={self.objective!r}; choose one of {', '.join(OBJECTIVES)}")
-        if self.train.loss_weighting not in WEIGHTINGS:
-            raise RunConfigError(
-                f"train.loss_weighting={self.train.loss_weighting!r}; choose one of {', '.join(WEIGHTINGS)}"
-            )
+        check_fields(self, "", error=RunConfigError)
         if self.objective == "mrp":
             self._check_mrp()
             return
@@ -231,29 +260,40 @@ _SECTIONS = {"data": DataConfig, "train": OptimConfig, "mrp": MRPSection, "draft
 _TOP_LEVEL = ("objective", "backbone", "model", "data", "train", "mrp", "drafter", "tspd")
 
 
-def _section(name: str, values: dict):
+def _mapping(name: str | None, value) -> dict:
+    """A section's YAML value (`name` None: the whole file): a mapping of string keys, or nothing."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        if name is None:
+            raise RunConfigError(f"the config must be a mapping of sections ({', '.join(_TOP_LEVEL)}), not {value!r}")
+        raise RunConfigError(f"`{name}` must be a mapping of keys to values (got {value!r}); e.g. `{name}: {{key: value}}`")
+    return value
+
+
+def _section(name: str, values):
     cls = _SECTIONS[name]
+    values = _mapping(name, values)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise RunConfigError(f"unknown {name} keys {unknown}; known: {', '.join(sorted(known))}")
-    return cls(**{k: _coerce(name, k, cls.__dataclass_fields__[k].type, v) for k, v in values.items()})
+    return cls(**{k: _coerce(cls.__dataclass_fields__[k].type, v) for k, v in values.items()})
 
 
-_SCALARS = {"int": int, "float": float, "str": str}
-
-
-def _coerce(section: str, key: str, type_name: str, value):
-    """YAML reads `1e-4` as a string: convert scalars to the field's type, with a clear error."""
-    kind = _SCALARS.get(type_name)
-    if kind is None or isinstance(value, kind) and not isinstance(value, bool):
-        return value
-    try:
-        if kind is int and float(value) != int(float(value)):
-            raise ValueError
-        return kind(float(value)) if kind is int else kind(value)
-    except (TypeError, ValueError):
-        raise RunConfigError(f"{section}.{key}={value!r} is not a valid {type_name}") from None
+def _coerce(type_name: str, value):
+    """YAML reads `1e-4` as a string: a string that reads as a number becomes one for a numeric
+    field, and a whole float (`3.0`, `1e3`) an int for an int field; everything else is left to
+    the section's type check."""
+    kinds = annotation_kinds(type_name)
+    if isinstance(value, str) and "str" not in kinds and ("float" in kinds or "int" in kinds):
+        try:
+            value = float(value)
+        except ValueError:
+            return value
+    if isinstance(value, float) and "int" in kinds and "float" not in kinds and value.is_integer():
+        return int(value)
+    return value
 
 
 def apply_override(raw: dict, override: str) -> None:
@@ -261,41 +301,65 @@ def apply_override(raw: dict, override: str) -> None:
         raise RunConfigError(f"override {override!r} is not key=value (e.g. train.steps=100)")
     key, value = override.split("=", 1)
     parts = key.strip().split(".")
+    if not all(parts):
+        raise RunConfigError(f"override {override!r}: {key!r} is not section.key (e.g. train.steps=100)")
     node = raw
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise RunConfigError(f"override {key!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(value)
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise RunConfigError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(err)})") from None
 
 
-def from_dict(raw: dict) -> RunConfig:
+def from_dict(raw) -> RunConfig:
+    raw = _mapping(None, raw)
     unknown = sorted(set(raw) - set(_TOP_LEVEL))
     if unknown:
         raise RunConfigError(f"unknown top-level keys {unknown}; known: {', '.join(_TOP_LEVEL)}")
     backbone = raw.get("backbone")
     return RunConfig(
         objective=raw.get("objective", "block_diffusion"),
-        model=dict(raw.get("model") or {}),
-        data=_section("data", raw.get("data") or {}),
-        train=_section("train", raw.get("train") or {}),
+        model=dict(_mapping("model", raw.get("model"))),
+        data=_section("data", raw.get("data")),
+        train=_section("train", raw.get("train")),
         backbone=None if backbone is None else str(backbone),
-        mrp=_section("mrp", raw.get("mrp") or {}),
-        drafter=_section("drafter", raw.get("drafter") or {}),
-        tspd=_section("tspd", raw.get("tspd") or {}),
+        mrp=_section("mrp", raw.get("mrp")),
+        drafter=_section("drafter", raw.get("drafter")),
+        tspd=_section("tspd", raw.get("tspd")),
     )
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + (getattr(err, "problem", None) or str(err))
+
+
+def read_yaml(path: Path):
+    """The parsed YAML of `path`; a syntax error names the file and the line."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise RunConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except yaml.YAMLError as err:
+        raise RunConfigError(f"{path}: YAML syntax error: {_yaml_problem(err)}; fix the file") from None
+
+
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """The run config of a YAML file plus overrides; every error names the file."""
     raw = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise RunConfigError(f"config file {path} not found; see configs/ for examples")
-        raw = yaml.safe_load(path.read_text()) or {}
-    for override in overrides:
-        apply_override(raw, override)
+        raw = read_yaml(path)
+        raw = {} if raw is None else raw
     try:
+        for override in overrides:
+            apply_override(_mapping(None, raw), override)
         return from_dict(raw)
-    except TypeError as exc:
-        raise RunConfigError(str(exc)) from exc
+    except RunConfigError as err:
+        raise RunConfigError(f"{path}: {err}" if path is not None else str(err)) from None

@@ -199,11 +199,11 @@ def drafter_trainee(run, run_dir):
         return {f"eval/{task}/accept_len": v for task, v in scores.items()}
 
     def export(drafter, run_dir):
-        import shutil
+        from dlmjax.io.files import staged_dir
 
-        out = run_dir / "drafter"
-        shutil.rmtree(out, ignore_errors=True)
-        return save_drafter(drafter, out, dtype=run.drafter.export_dtype)
+        with staged_dir(run_dir / "drafter") as stage:  # replaces an earlier export only when complete
+            save_drafter(drafter, stage, dtype=run.drafter.export_dtype)
+        return run_dir / "drafter"
 
     return Trainee(
         build=lambda: init_drafter(dcfg, seed=run.train.seed), abstract=abstract_drafter(dcfg), frozen=target,

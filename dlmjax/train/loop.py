@@ -12,7 +12,6 @@ uninterrupted run would have taken.
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -31,6 +30,7 @@ from tqdm.auto import tqdm
 from dlmjax.config import ModelConfig
 from dlmjax.evaluation.toy import toy_accuracy
 from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
+from dlmjax.io.files import is_staging_name, staged_dir
 from dlmjax.io.hf import export_model, load_config, load_model
 from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.models.transformer import Transformer, abstract_model, init_model
@@ -38,7 +38,7 @@ from dlmjax.presets import resolve_model
 from dlmjax.sharding import make_mesh, shard_batch
 from dlmjax.toy.tokenizer import char_tokenizer, save_char_tokenizer
 from dlmjax.train import objectives
-from dlmjax.train.config import RunConfig, RunConfigError, from_dict
+from dlmjax.train.config import RunConfig, RunConfigError, from_dict, read_yaml
 from dlmjax.train.data import make_batch, sample_examples
 from dlmjax.train.mrp import mrp_loss
 from dlmjax.train.metrics import MetricsLog
@@ -205,10 +205,10 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
         return scores
 
     def export(head, run_dir):
-        out = run_dir / "model"
-        shutil.rmtree(out, ignore_errors=True)
-        export_model(backbone, out, tokenizer_from=backbone_dir)
-        return save_head(head, out)
+        with staged_dir(run_dir / "model") as stage:  # replaces an earlier export only when complete
+            export_model(backbone, stage, tokenizer_from=backbone_dir)
+            save_head(head, stage)
+        return run_dir / "model"
 
     def build():
         head = init_head(cfg, num_layers=m.num_layers, num_modules=m.num_modules, residual_scale=m.residual_scale,
@@ -229,12 +229,31 @@ def _checkpoint_manager(run_dir: Path, cfg) -> ocp.CheckpointManager:
     return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
 
 
+RUN_ENTRIES = ("config.yaml", "checkpoints", "metrics.jsonl", "tb", "model", "tokenizer", "drafter")  # what a run writes
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """A run directory is new, empty, or an earlier run's (config.yaml and only what a run writes):
+    anything else (a checkpoint, another tool's files) is refused rather than mixed with the run."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise RunConfigError(f"--out {run_dir} is a file; pass a directory for the run")
+    entries = sorted(p.name for p in run_dir.iterdir() if not is_staging_name(p.name))
+    foreign = [name for name in entries if name not in RUN_ENTRIES]
+    if foreign or (entries and "config.yaml" not in entries):
+        held = foreign or entries
+        raise RunConfigError(
+            f"--out {run_dir} holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''}, which is not a dlmjax "
+            "run; pass a new or empty directory (or the directory of the run to resume)")
+
+
 def _write_config(run_dir: Path, run: RunConfig) -> None:
     """Write the resolved config; a resumed run must use the same one (fields added to the config
     since the run began compare at their defaults)."""
     path = run_dir / "config.yaml"
     if path.exists():
-        stored = from_dict(yaml.safe_load(path.read_text())).to_dict()
+        stored = from_dict(read_yaml(path)).to_dict()
         differing = sorted(k for k, v in run.to_dict().items() if stored.get(k) != v)
         if differing:
             raise InputError(
@@ -247,6 +266,7 @@ def _write_config(run_dir: Path, run: RunConfig) -> None:
 def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True) -> TrainResult:
     """Train (or resume) the run in `run_dir`; `stop_at` ends early after that step (as a kill would)."""
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_config(run_dir, run)
     cfg = run.train
@@ -336,7 +356,8 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
 
 
 def export_run(model, run_dir: Path) -> Path:
-    """Write the trained model as `run_dir/model` (HF layout, tokenizer included), replacing an old export."""
-    out = run_dir / "model"
-    shutil.rmtree(out, ignore_errors=True)
-    return export_model(model, out, tokenizer_from=run_dir / "tokenizer")
+    """Write the trained model as `run_dir/model` (HF layout, tokenizer included), replacing an old
+    export only once the new one is complete (a killed export leaves the old one whole)."""
+    with staged_dir(run_dir / "model") as stage:
+        export_model(model, stage, tokenizer_from=run_dir / "tokenizer")
+    return run_dir / "model"

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlmjax.io.files import staged_dir
 from dlmjax.heads.controller import BLOCK_FEATURES, Controller, check_features, model_fingerprint, save_controller
 from dlmjax.traces import TraceError, load_traces
 
@@ -161,14 +162,14 @@ def tspd_trainee(run, run_dir: Path):
 
     def export(controller, run_dir: Path) -> Path:
         scores = evaluate(controller, None)
-        out = run_dir / "model"
-        out.mkdir(parents=True, exist_ok=True)
-        save_controller(controller, out, features=features, threshold=scores["eval/threshold"], model=meta["model"])
         summary = {**scores, "w1": w1, "w0": w0, "train_examples": int(m_train.sum()),
                    "heldout_examples": int(m_held.sum()), "traces": str(t.traces), "features": list(features),
                    "target_precision": t.target_precision}
-        (out / "tspd_calibration.json").write_text(json.dumps(summary, indent=2))
-        return out
+        with staged_dir(run_dir / "model") as stage:  # replaces an earlier export only when complete
+            save_controller(controller, stage, features=features, threshold=scores["eval/threshold"],
+                            model=meta["model"])
+            (stage / "tspd_calibration.json").write_text(json.dumps(summary, indent=2))
+        return run_dir / "model"
 
     return Trainee(
         build=lambda: Controller(x_train.shape[1], t.hidden, outputs=y_train.shape[1] if block else 1,
