@@ -35,7 +35,7 @@ from flax import nnx
 from dlmjax.models.transformer import Transformer
 from dlmjax.train.objectives import block_diffusion_visibility
 
-LENGTH_BUCKET = 32  # sequences are right-padded to a multiple of this: few compiled shapes
+LENGTH_BUCKET = 16  # sequences are right-padded to a multiple of this: few compiled shapes
 
 
 def _bucket(length: int) -> int:

@@ -27,7 +27,7 @@ from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from dlmjax.decoding.api import Stream, _block_size
+from dlmjax.decoding.api import Stream
 from dlmjax.decoding.spec import CAUSAL_DECODERS, parse_decoder
 from dlmjax.lm_eval.likelihood import causal_logprobs, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
@@ -102,17 +102,19 @@ def _int_arg(args: dict, key: str, *, minimum: int = 1) -> int | None:
     return number
 
 
-def decode_budget(max_gen_toks: int, block: int | None) -> int:
-    """Tokens to decode for `max_gen_toks`: block decoders decode whole blocks (the engine wants a
-    multiple of the block), so round up; the output is cut back to `max_gen_toks` after."""
-    return max_gen_toks if not block else -(-max_gen_toks // block) * block
+def _bool_arg(args: dict, key: str) -> bool:
+    value = args[key]
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes", "false", "0", "no"):
+        return str(value).lower() in ("true", "1", "yes")
+    raise ModelArgsError(f"model_args {key}={value!r} must be true or false")
 
 
-def finish_text(tokens: list[int], tokenizer, max_gen_toks: int, until: list[str]) -> str:
-    """A response as lm-eval's own models give it: at most `max_gen_toks` tokens, decoded without
-    special tokens, cut at the first stop string."""
-    text = tokenizer.decode(tokens[:max_gen_toks], skip_special_tokens=True)
-    return postprocess_generated_text(text, until, None)
+def finish_text(tokens: list[int], tokenizer, until: list[str]) -> str:
+    """A response as lm-eval's own models give it: the generated tokens decoded without special
+    tokens, cut at the first stop string (lm-eval's own `postprocess_generated_text`)."""
+    return postprocess_generated_text(tokenizer.decode(tokens, skip_special_tokens=True), until, None)
 
 
 def parse_generation_request(index: int, request, default_max: int) -> GenerationRequest:
@@ -161,7 +163,7 @@ class DlmjaxLM(TemplateLM):
         self.mc_num, self.mc_batch = _int_arg(args, "mc_num"), _int_arg(args, "mc_batch")
         self.seed = _int_arg(args, "seed", minimum=0)
         self.refill = _int_arg(args, "refill")
-        self.warmup = bool(args["warmup"])
+        self.warmup = _bool_arg(args, "warmup")
         self.mesh = make_mesh(model=_int_arg(args, "mesh_model"), data=_int_arg(args, "mesh_data"))
         if self.batch_size % self.mesh.shape["data"]:
             raise ModelArgsError(f"batch_size={self.batch_size} must be a multiple of mesh_data="
@@ -186,7 +188,6 @@ class DlmjaxLM(TemplateLM):
         drafter = _drafter_for(self.path, model, [spec], args["drafter"], args["dtype"])
         self.model = model  # its params are placed on the mesh by load_model
         self.head, self.drafter = (replicate_on(m, self.mesh) if self.mesh.size > 1 else m for m in (head, drafter))
-        self.block = None if self.causal else _block_size(self.decoder, model)
         self.metrics: dict[str, TaskMetrics] = {}
 
     # ------------------------------------------------------------------ construction from lm-eval
@@ -248,13 +249,13 @@ class DlmjaxLM(TemplateLM):
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         groups = defaultdict(list)  # one stream per (task, budget)
         for req in parsed:
-            groups[(req.task, decode_budget(req.max_gen_toks, self.block))].append(req)
+            groups[(req.task, req.max_gen_toks)].append(req)
         responses: list[str | None] = [None] * len(parsed)
         with tqdm(total=len(parsed), desc="dlmjax generate_until", disable=disable_tqdm) as bar:
             for (task, budget), group in groups.items():
                 prompts = [self._prompt_ids(req.context, budget) for req in group]
                 for req, row in zip(group, self._decode(task, prompts, budget, [r.index for r in group])):
-                    responses[req.index] = finish_text(row.tokens, self.tokenizer, req.max_gen_toks, req.until + [eos])
+                    responses[req.index] = finish_text(row.tokens, self.tokenizer, req.until + [eos])
                     self.cache_hook.add_partial("generate_until", requests[req.index].args, responses[req.index])
                     bar.update(1)
         return responses

@@ -1,0 +1,279 @@
+"""dlmjax as an lm-evaluation-harness model (`dlmjax.lm_eval`), offline: lm-eval's tasks read a
+local jsonl through a task YAML (`dataset_path: json`), never the Hub.
+
+- toy-sdar through `simple_evaluate` and toy-ar through `dlmjax lm-eval` (lm-eval's own CLI):
+  every logged response equals `generate` on the same prompt and decoder, cut at the same stop
+  string, and each score equals the count of correct answers made by hand;
+- log-likelihoods: causal ones equal transformers' (SmolLM2-135M); the diffusion Monte Carlo
+  estimate is reproducible and its mean approaches the exactly enumerated bound;
+- malformed requests and model_args are refused with errors that name the fix.
+"""
+
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+import dlmjax.lm_eval  # noqa: E402,F401  (registers the model `dlmjax`)
+from dlmjax.decoding.api import generate  # noqa: E402
+from dlmjax.decoding.spec import decoder_spec, parse_decoder  # noqa: E402
+from dlmjax.evaluation.tasks import load_eval_set  # noqa: E402
+from dlmjax.lm_eval import DlmjaxLM, ModelArgsError, RequestError  # noqa: E402
+from dlmjax.lm_eval.likelihood import continuation_groups, masked_diffusion_bound, masked_logprobs  # noqa: E402
+from dlmjax.presets import load_checkpoint  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+LIMIT = 8
+MAX_GEN = 48
+TASKS = ("toy_arith_final", "toy_arith_first_line")
+
+# The task YAMLs a user writes for local data (README: lm-eval with local data).
+FINAL_YAML = """task: toy_arith_final
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: {max_gen}
+filter_list:
+  - name: final
+    filter:
+      - function: regex
+        regex_pattern: "#### (\\\\-?[0-9]+)"
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+FIRST_LINE_YAML = """task: toy_arith_first_line
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{first_line}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: {max_gen}
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.fixture(scope="module")
+def toy_items():
+    return load_eval_set("toy-arith", limit=LIMIT).items
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory, toy_items):
+    """toy-arith's held-out prompts as jsonl, and two task YAMLs over it."""
+    root = tmp_path_factory.mktemp("lm_eval_tasks")
+    data = root / "toy-arith.jsonl"
+    with data.open("w") as f:
+        for item in toy_items:
+            example = item.reference
+            f.write(json.dumps({"prompt": item.prompt, "answer": str(example.meta["answer"]),
+                                "first_line": example.target.split("\n")[0]}) + "\n")
+    (root / "final.yaml").write_text(FINAL_YAML.format(data=data, max_gen=MAX_GEN))
+    (root / "first_line.yaml").write_text(FIRST_LINE_YAML.format(data=data, max_gen=MAX_GEN))
+    return root
+
+
+def hand_counts(texts, toy_items):
+    """Correct answers counted by hand: the number after the first '#### ' equals the answer;
+    the first line equals the reference's first line."""
+    final = sum(bool(m) and m.group(1) == str(item.reference.meta["answer"])
+                for m, item in ((re.search(r"#### (-?\d+)", t), item) for t, item in zip(texts, toy_items)))
+    first = sum(t.split("\n")[0] == item.reference.target.split("\n")[0] for t, item in zip(texts, toy_items))
+    return {"toy_arith_final": final, "toy_arith_first_line": first}
+
+
+def check_against_generate(model_name, decoder, samples, results, toy_items):
+    """Logged responses equal `generate` cut at each task's stop string; scores equal hand counts."""
+    _, model, tokenizer, _ = load_checkpoint(model_name)
+    prompts = [item.prompt for item in toy_items]
+    texts = [row.text for row in generate(model, prompts, tokenizer=tokenizer, decoder=decoder,
+                                          max_new_tokens=MAX_GEN).rows]
+    stops = {"toy_arith_final": "\n\n", "toy_arith_first_line": "\n"}
+    for task in TASKS:
+        logged = sorted(samples[task], key=lambda s: s["doc_id"])
+        assert [s["doc"]["prompt"] for s in logged] == prompts
+        assert [s["resps"][0][0] for s in logged] == [t.split(stops[task])[0] for t in texts]
+    counts = hand_counts(texts, toy_items)
+    assert counts["toy_arith_first_line"] > 0 and counts["toy_arith_final"] > 0  # the toy models are trained
+    for task in TASKS:
+        metric = "exact_match,final" if task == "toy_arith_final" else "exact_match,none"
+        assert round(results[task][metric] * LIMIT) == counts[task]
+    # dlmjax's own toy scorer agrees with lm-eval's regex filter on these generations
+    scorer = load_eval_set("toy-arith", limit=LIMIT)
+    assert sum(scorer.score(toy_items, texts)) == counts["toy_arith_final"]
+    return texts
+
+
+def test_toy_sdar_simple_evaluate_equals_generate(task_dir, toy_items):
+    decoder = "threshold:tau=0.9"
+    out = lm_eval.simple_evaluate(
+        model="dlmjax", model_args=f"pretrained=toy-sdar,decoder={decoder},batch_size=4,mesh_data=1,warmup=False",
+        tasks=list(TASKS), limit=LIMIT, log_samples=True,
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))
+    check_against_generate("toy-sdar", decoder, out["samples"], out["results"], toy_items)
+    metrics = out["config"]["decoding_metrics"]
+    assert set(metrics) == set(TASKS)
+    for m in metrics.values():
+        assert m["n"] == LIMIT and m["nfe"] > 0 and m["tpf"] > 1.0 and m["forwards"] > 0 and m["tokens_per_s"] > 0
+        assert m["mean_accepted_length"] is None  # threshold verifies no drafts
+    assert out["config"]["decoder"] == decoder_spec(parse_decoder(decoder))
+
+
+def test_toy_ar_through_dlmjax_lm_eval_cli(task_dir, toy_items, tmp_path, capsys):
+    from dlmjax.cli import main
+
+    out_dir = tmp_path / "out"
+    rc = main(["lm-eval", "--model", "dlmjax", "--model_args", "pretrained=toy-ar,batch_size=4,mesh_data=1,warmup=False",
+               "--tasks", ",".join(TASKS), "--include_path", str(task_dir), "--limit", str(LIMIT), "--log_samples",
+               "--output_path", str(out_dir)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    results_file = next(out_dir.rglob("results_*.json"))
+    saved = json.loads(results_file.read_text())
+    samples = {task: [json.loads(line) for line in next(out_dir.rglob(f"samples_{task}_*.jsonl")).open()]
+               for task in TASKS}
+    check_against_generate("toy-ar", "ar", samples, saved["results"], toy_items)
+    metrics = saved["config"]["decoding_metrics"]
+    assert {m["tpf"] for m in metrics.values()} == {1.0}  # one token per forward
+    # lm-eval's table, then ours with a row per task
+    assert printed.index("exact_match") < printed.index("dlmjax decoding metrics")
+    assert all(re.search(rf"^\| {task} \| {LIMIT} \|", printed, re.M) for task in TASKS)
+
+
+# ---------------------------------------------------------------------------------------- requests
+
+
+@pytest.fixture(scope="module")
+def toy_ar_lm():
+    return DlmjaxLM(pretrained="toy-ar", batch_size=4, mesh_data=1, warmup=False)
+
+
+def request(context, gen_kwargs, kind="generate_until"):
+    return Instance(kind, {}, (context, gen_kwargs), 0, ("task_x", 3, 1))
+
+
+def test_malformed_requests_are_refused(toy_ar_lm):
+    with pytest.raises(RequestError, match=r"request 0 \(task task_x, doc 3\): the context is empty"):
+        toy_ar_lm.generate_until([request("", {"until": ["\n"]})])
+    with pytest.raises(RequestError, match=r"`until` must be a list of stop strings.*got 5"):
+        toy_ar_lm.generate_until([request("1+2\n", {"until": 5})])
+    with pytest.raises(RequestError, match=r"`until` must be a list"):
+        toy_ar_lm.generate_until([request("1+2\n", {"until": ["\n", None]})])
+    with pytest.raises(RequestError, match="generation kwargs must be a dict"):
+        toy_ar_lm.generate_until([request("1+2\n", "until=\n")])
+    with pytest.raises(RequestError, match="max_gen_toks=0 must be a positive integer"):
+        toy_ar_lm.generate_until([request("1+2\n", {"max_gen_toks": 0})])
+    with pytest.raises(RequestError, match="empty continuation"):
+        toy_ar_lm.loglikelihood([request("1+2", "", kind="loglikelihood")])
+
+
+def test_unknown_model_args_name_the_accepted_keys():
+    with pytest.raises(ModelArgsError, match=r"key 'gen_length' unknown; accepted: pretrained, decoder, max_new_tokens"):
+        DlmjaxLM.create_from_arg_string("pretrained=toy-ar,gen_length=256")
+    # a decoder's own commas split model_args: the error says to use ';'
+    with pytest.raises(ModelArgsError, match=r"separated by ';'"):
+        DlmjaxLM.create_from_arg_string("pretrained=toy-sdar,decoder=psd:policy=threshold,tau=0.9")
+    with pytest.raises(ModelArgsError, match="needs pretrained="):
+        DlmjaxLM.create_from_arg_string("decoder=ar")
+    with pytest.raises(ModelArgsError, match=r"decoder='static' does not fit this causal"):
+        DlmjaxLM(pretrained="toy-ar", decoder="static", mesh_data=1)
+
+
+def test_semicolons_separate_decoder_options_and_model_args_win_over_cli_batch_size():
+    lm = DlmjaxLM.create_from_arg_string("pretrained=toy-sdar,decoder=psd:policy=threshold;tau=0.8;depth=3,"
+                                         "batch_size=8,mesh_data=1", {"batch_size": 1, "device": None})
+    assert (lm.decoder.name, lm.decoder.tau, lm.decoder.depth, lm.batch_size) == ("psd", 0.8, 3, 8)
+
+
+# ---------------------------------------------------------------------------------- likelihoods
+
+
+def exact_bound(model, context, continuation, mask_id):
+    """The masked-diffusion bound computed exactly: every nonempty masking pattern of every group,
+    weighted as the estimator weighs it (each l in 1..T equally likely, each pattern of l equally)."""
+    block = model.config.block_size if model.config.attention == "block_causal" else None
+    tokens = np.asarray(context + continuation, np.int32)
+    groups = continuation_groups(len(context), len(tokens), block)
+    total = 0.0
+    for group in np.unique(groups[groups >= 0]):
+        cols = np.flatnonzero(groups == group)
+        size = len(cols)
+        patterns = [s for l in range(1, size + 1) for s in itertools.combinations(cols, l)]
+        masked = np.zeros((len(patterns), len(tokens)), bool)
+        for i, s in enumerate(patterns):
+            masked[i, list(s)] = True
+        logp = masked_logprobs(model, tokens, masked, mask_id=mask_id)
+        for i, s in enumerate(patterns):
+            l = len(s)
+            total += (1 / size) * (size / l) / math.comb(size, l) * logp[i].sum()
+    return total
+
+
+@pytest.fixture(scope="module")
+def toy_sdar():
+    return load_checkpoint("toy-sdar")
+
+
+@pytest.fixture(scope="module")
+def tiny_llada():
+    from dlmjax.config import ModelConfig
+    from dlmjax.models.transformer import init_model
+
+    cfg = ModelConfig(family="llada", attention="bidirectional", vocab_size=32, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
+                      mask_token_id=31, eos_token_ids=(1,), pad_token_id=0)
+    return init_model(cfg, seed=3)
+
+
+def test_diffusion_estimate_is_reproducible_and_batch_independent(toy_sdar):
+    _, model, tok, _ = toy_sdar
+    ctx, cont = tok.encode("12+7-3\n"), tok.encode("12+7=19\n19-3=16")
+    mask_id = model.config.mask_token_id
+    a = masked_diffusion_bound(model, ctx, cont, mc_num=16, seed=5, mask_id=mask_id, batch_size=16)
+    b = masked_diffusion_bound(model, ctx, cont, mc_num=16, seed=5, mask_id=mask_id, batch_size=5)
+    c = masked_diffusion_bound(model, ctx, cont, mc_num=16, seed=6, mask_id=mask_id, batch_size=16)
+    assert a == pytest.approx(b, abs=1e-5) and a != c
+    assert a < 0
+    wrong = masked_diffusion_bound(model, ctx, tok.encode("12+7=18\n18-3=15"), mc_num=16, seed=5, mask_id=mask_id)
+    assert wrong < a - 1.0  # the trained model prefers the right chain
+
+
+@pytest.mark.parametrize("which", ["toy_sdar", "tiny_llada"])
+def test_diffusion_estimate_approaches_the_enumerated_bound(which, request):
+    if which == "toy_sdar":
+        _, model, tok, _ = request.getfixturevalue("toy_sdar")
+        ctx, cont = tok.encode("3+4-2\n"), tok.encode("3+4=7\n")  # 6 + 6 tokens: blocks of 2 and 4 (block 8)
+        mask_id = model.config.mask_token_id
+    else:
+        model = request.getfixturevalue("tiny_llada")
+        ctx, cont, mask_id = [5, 9, 2, 7], [11, 4, 20, 6, 13], 31  # one group of 5: 31 patterns
+    exact = exact_bound(model, ctx, cont, mask_id)
+    samples = masked_diffusion_bound(model, ctx, cont, mc_num=2048, seed=0, mask_id=mask_id, batch_size=512,
+                                     return_samples=True)
+    stderr = samples.std() / math.sqrt(len(samples))
+    assert stderr > 0
+    assert abs(samples.mean() - exact) < 4 * stderr, (samples.mean(), exact, stderr)
