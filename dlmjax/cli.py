@@ -14,9 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
+from pathlib import Path
 
 from dlmjax.decoding.spec import decoder_names
 from dlmjax.traces import add_parser as add_traces_parser
+from dlmjax.validation import InputError
+
+# A mistake in what the user typed or pointed at: one line, exit 2. Anything else is a bug.
+USER_ERRORS = (InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 def _drafter_for(path, model, decoders, drafter_dir, dtype):
@@ -27,7 +33,7 @@ def _drafter_for(path, model, decoders, drafter_dir, dtype):
 
     if model.config.attention != "causal":
         if drafter_dir is not None:
-            raise ValueError(f"--drafter serves causal (autoregressive) targets; {path} is a "
+            raise InputError(f"--drafter serves causal (autoregressive) targets; {path} is a "
                              f"{model.config.attention} {model.config.family} model")
         return None
     wanted = any(d.split(":")[0].strip() == "drafter" for d in decoders) if decoders else (
@@ -85,24 +91,27 @@ def cmd_export(args) -> int:
     from dlmjax.heads.controller import CONTROLLER_FILE, export_controller
     from dlmjax.heads.mrp import has_head, load_head, save_head
     from dlmjax.io.dflash import DRAFTER_SUBDIR, find_drafter_dir, load_drafter, save_drafter
-    from dlmjax.io.hf import export_model, load_model
+    from dlmjax.io.files import staged_dir
+    from dlmjax.io.hf import check_export_target, export_model, load_model
     from dlmjax.presets import resolve_model
 
-    src = resolve_model(args.src)
+    src, out = resolve_model(args.src), Path(args.out)
     model = load_model(src)
-    out = export_model(model, args.out, tokenizer_from=src)
+    check_export_target(out)
     extras = []
-    if has_head(src):
-        save_head(load_head(src, model.config), out)
-        extras.append("its MRP head")
-    if (src / CONTROLLER_FILE).is_file():
-        export_controller(src, out)
-        extras.append("its TSPD controller")
-    drafter_dir = find_drafter_dir(src)
-    if drafter_dir is not None:  # DFlash format (vLLM and SGLang load it)
-        drafter = load_drafter(drafter_dir, model.config)
-        save_drafter(drafter, out / DRAFTER_SUBDIR, dtype=args.drafter_dtype)
-        extras.append(f"its DFlash drafter in {DRAFTER_SUBDIR}/ ({args.drafter_dtype})")
+    with staged_dir(out, keep_existing=True) as stage:  # `out` appears only once everything is written
+        export_model(model, stage, tokenizer_from=src)
+        if has_head(src):
+            save_head(load_head(src, model.config), stage)
+            extras.append("its MRP head")
+        if (src / CONTROLLER_FILE).is_file():
+            export_controller(src, stage)
+            extras.append("its TSPD controller")
+        drafter_dir = find_drafter_dir(src)
+        if drafter_dir is not None:  # DFlash format (vLLM and SGLang load it)
+            drafter = load_drafter(drafter_dir, model.config)
+            save_drafter(drafter, stage / DRAFTER_SUBDIR, dtype=args.drafter_dtype)
+            extras.append(f"its DFlash drafter in {DRAFTER_SUBDIR}/ ({args.drafter_dtype})")
     print(f"wrote {args.format} checkpoint to {out}" + (f" (with {' and '.join(extras)})" if extras else ""))
     return 0
 
@@ -118,8 +127,9 @@ def cmd_eval(args) -> int:
     drafter = _drafter_for(path, model, args.decoder, args.drafter, args.dtype)
     tasks = args.task or ["toy-arith", "toy-constraint"]
     if args.data is not None and len(tasks) != 1:
-        raise ValueError("--data applies to one task; pass a single --task with it")
-    eval_sets = [load_eval_set(t, data=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens) for t in tasks]
+        raise InputError("--data applies to one task; pass a single --task with it")
+    eval_sets = [load_eval_set(t, data=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,
+                               strict=args.strict_data) for t in tasks]
     for eval_set in eval_sets:
         for problem in eval_set.skipped:
             print(f"{eval_set.task}: skipped {problem}", file=sys.stderr)
@@ -156,6 +166,17 @@ MRP_HEAD_HELP = ("checkpoint directory holding the MRP head (mrp_modules.* tenso
                  "default: the model's own directory when it has one")
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts: an integer >= 1 (argparse reports anything else, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlmjax", description="Fast decoding for diffusion language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--decoder", default=None,
                      help=f"NAME or NAME:key=value,... (default: static; ar for causal models); decoders: "
                           f"{', '.join(decoder_names())}")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=64,
+                     help="tokens to generate, any number >= 1 (whole blocks are decoded and cut; default 64)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -180,12 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default="toy-sdar", help="checkpoint directory or preset (default toy-sdar)")
     ev.add_argument("--task", action="append", help="toy-arith, toy-constraint, gsm8k, humaneval; repeat for several")
     ev.add_argument("--decoder", action="append", help="decoder SPEC as in `dlmjax generate`; repeat (default: a set)")
-    ev.add_argument("--limit", type=int, default=None, help="first N prompts per task (toy tasks: N generated; default 128)")
+    ev.add_argument("--limit", type=positive_int, default=None,
+                    help="first N prompts per task (toy tasks: N generated; default 128)")
     ev.add_argument("--data", default=None, help="gsm8k/humaneval source: local .jsonl(.gz)/.json, a directory or a HF dataset name")
+    ev.add_argument("--strict-data", action="store_true",
+                    help="refuse a --data file with unreadable rows (default: report their line numbers and skip them)")
     ev.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
     ev.add_argument("--save-outputs", action="store_true", help="also write outputs.jsonl (one line per decoder and prompt)")
-    ev.add_argument("--batch-size", type=int, default=64)
-    ev.add_argument("--max-new-tokens", type=int, default=None, help="override the task's generation budget")
+    ev.add_argument("--batch-size", type=positive_int, default=64)
+    ev.add_argument("--max-new-tokens", type=positive_int, default=None, help="override the task's generation budget")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     ev.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -231,9 +256,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:  # our errors name the fix; no traceback needed
+    except USER_ERRORS as err:  # a mistake in the input: the message names it and the fix
         print(f"dlmjax {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Exception:  # noqa: BLE001 (anything else is ours: keep the traceback)
+        traceback.print_exc()
+        print(f"dlmjax {args.command}: internal error: this is a bug in dlmjax, not a mistake in your input; "
+              "please report it with the traceback above", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

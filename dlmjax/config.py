@@ -13,11 +13,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, InputError, OneOf, check_fields, check_value
+
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A checkpoint config that dlmjax cannot represent faithfully."""
 
 
@@ -47,9 +49,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
 
+    limits = {**{name: AT_LEAST_1 for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                               "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
+                                               "block_size")},
+              "rms_norm_eps": POSITIVE, "rope_theta": POSITIVE, "attention": OneOf(ATTENTION_KINDS),
+              "mask_token_id": AT_LEAST_0}  # bos/eos/pad: any int (older Llama configs say pad_token_id -1)
+
     def __post_init__(self):
-        if self.attention not in ATTENTION_KINDS:
-            raise ConfigError(f"attention={self.attention!r}; choose one of {ATTENTION_KINDS}")
+        check_fields(self, "model.", error=ConfigError)  # every field's type and `limits`
         if self.attention == "block_causal" and not self.block_size:
             raise ConfigError("block_causal attention needs block_size (e.g. 4); set it in config.json")
         if self.num_heads % self.num_kv_heads:
@@ -154,13 +161,15 @@ def _rope_theta(raw: dict) -> float:
             f"config key `rope_parameters` = {params!r} is not supported: only rope_type 'default' "
             "with full rotary dimension is implemented (no scaling)"
         )
-    return float(params["rope_theta"])
+    return float(check_value("config.json `rope_parameters.rope_theta`", params["rope_theta"], "float", POSITIVE,
+                             error=ConfigError))
 
 
 def _eos_ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return tuple(check_value("config.json `eos_token_id`", v, "int", error=ConfigError) for v in values)
 
 
 def _dtype(raw: dict) -> str:
@@ -216,7 +225,7 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
     problems = _check_fixed(raw, _HF_FIXED, fam.name)
     layer_types = raw.get("layer_types")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        problems.append(f"`layer_types` = {sorted(set(layer_types))} (only full_attention layers are implemented)")
+        problems.append(f"`layer_types` = {sorted(set(map(str, layer_types)))} (only full_attention layers are implemented)")
     if raw.get("attention_dropout", 0.0) not in (0, 0.0):
         problems.append(f"`attention_dropout` = {raw['attention_dropout']} (dlmjax has no dropout; set 0.0)")
     _refuse(fam.name, unknown, problems)
@@ -306,14 +315,36 @@ def _from_llada(raw: dict, fam: Family) -> ModelConfig:
     )
 
 
+# The types and ranges of the config.json keys the translators compute with (checked before they do).
+_RAW_TYPES = {
+    **{key: ("int", AT_LEAST_1) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+        "num_key_value_heads", "max_position_embeddings", "block_size", "d_model", "n_heads", "n_kv_heads",
+        "n_layers", "mlp_hidden_size", "mlp_ratio", "embedding_size", "max_sequence_length")},
+    **{key: ("float", POSITIVE) for key in ("rms_norm_eps", "rope_theta")},
+    "layer_types": ("list", None), "rope_parameters": ("dict", None),
+    **{key: ("bool", None) for key in ("attention_bias", "tie_word_embeddings", "include_qkv_bias", "weight_tying")},
+    "mask_token_id": ("int", AT_LEAST_0), "bos_token_id": ("int", None), "pad_token_id": ("int", None),
+}
+
+
+def _check_raw_types(raw: dict) -> None:
+    for key, (kind, limit) in _RAW_TYPES.items():
+        if raw.get(key) is not None:
+            check_value(f"config.json `{key}`", raw[key], kind, limit, error=ConfigError)
+
+
 def from_hf_config(raw: dict, family: str | None = None) -> ModelConfig:
     """Translate a config.json dict. `family` overrides the family chosen by `model_type`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config.json holds {type(raw).__name__}, not an object of config keys")
     if family is not None and family not in FAMILIES:
         raise ConfigError(f"unknown family {family!r}; supported: {', '.join(FAMILIES)}")
     fam = FAMILIES[family] if family else family_for_model_type(raw.get("model_type"))
     missing = [k for k in _required_keys(fam) if k not in raw]
     if missing:
         raise ConfigError(f"config.json for family {fam.name} lacks required keys {missing}")
+    _check_raw_types(raw)
     return (_from_llada if fam.layout == "llada" else _from_hf_layout)(raw, fam)
 
 

@@ -25,9 +25,11 @@ import numpy as np
 from flax import nnx
 
 from dlmjax.config import ConfigError, FAMILIES, ModelConfig, from_hf_config, to_hf_config
+from dlmjax.io.files import staged_dir, write_atomic
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from dlmjax.models.transformer import Transformer, abstract_model
 from dlmjax.sharding import DEFAULT_RULES, ShardingRules, param_sharding, put_array
+from dlmjax.validation import read_json_file
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -146,7 +148,7 @@ def read_config(ckpt_dir: str | Path) -> dict:
             f"missing config.json in {ckpt_dir}: a Hugging Face checkpoint directory needs config.json "
             "beside its *.safetensors files (save it with `model.config.save_pretrained(dir)`)"
         )
-    return json.loads(path.read_text())
+    return read_json_file(path, error=ConfigError, fix="fix the file or re-download the checkpoint")
 
 
 SIDE_FILES = ("tspd_controller.safetensors",)  # stored beside a checkpoint, not weight shards (heads.controller)
@@ -157,8 +159,12 @@ def open_shards(ckpt_dir: str | Path) -> dict[str, SafetensorsFile]:
     ckpt_dir = Path(ckpt_dir)
     index = ckpt_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _weight_map(index)
         files = sorted(set(weight_map.values()))
+        extra = sorted(p.name for p in ckpt_dir.glob("*.safetensors") if p.name not in files + list(SIDE_FILES))
+        if extra:
+            raise CheckpointError(f"{ckpt_dir} holds shards that {INDEX_FILE} does not list: {extra}; remove them, or "
+                                  "add their tensors to the index if they belong to this checkpoint")
     else:  # every safetensors file but the side files dlmjax keeps beside a model
         files = sorted(p.name for p in ckpt_dir.glob("*.safetensors") if p.name not in SIDE_FILES)
     if not files:
@@ -175,7 +181,23 @@ def open_shards(ckpt_dir: str | Path) -> dict[str, SafetensorsFile]:
             if name in where:
                 raise CheckpointError(f"duplicate tensor {name!r} in {where[name].path.name} and {file}")
             where[name] = shard
+    if index.is_file():
+        unlisted = sorted(n for n, f in weight_map.items() if n not in where or where[n].path.name != f)
+        if unlisted:
+            raise CheckpointError(f"{INDEX_FILE} in {ckpt_dir} places tensors in shards that do not hold them: "
+                                  f"{unlisted[:8]}{' ...' if len(unlisted) > 8 else ''}; re-download or re-export the "
+                                  "checkpoint")
     return where
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor name -> shard file map."""
+    weight_map = read_json_file(index, error=CheckpointError, fix="re-download or re-export the checkpoint")
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index} has no `weight_map` of tensor names to shard files; re-download or re-export "
+                              "the checkpoint")
+    return weight_map
 
 
 def load_config(ckpt_dir: str | Path, *, family: str | None = None, dtype: str | None = None) -> ModelConfig:
@@ -255,12 +277,28 @@ def export_model(
     tokenizer_from: str | Path | None = None,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> Path:
-    """Write `model` as a HF checkpoint directory in PyTorch format; returns `out_dir`."""
-    cfg = model.config
+    """Write `model` as a HF checkpoint directory in PyTorch format; returns `out_dir`.
+
+    `out_dir` may hold other files (a tokenizer) but no checkpoint. The export is staged beside it
+    and swapped in when complete (dlmjax.io.files): a killed export leaves `out_dir` as it was."""
     out_dir = Path(out_dir)
-    if any(out_dir.glob("*.safetensors")):
-        raise CheckpointError(f"{out_dir} already holds a checkpoint; export into an empty or new directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_export_target(out_dir)
+    with staged_dir(out_dir, keep_existing=True) as stage:
+        _write_checkpoint(model, stage, tokenizer_from, max_shard_bytes)
+    return out_dir
+
+
+def check_export_target(out_dir: Path) -> None:
+    """Refuse an output directory that already holds a checkpoint (weights or a config.json)."""
+    held = sorted(p.name for p in out_dir.glob("*.safetensors")) + (["config.json"] if (out_dir / "config.json").exists()
+                                                                    else [])
+    if held:
+        raise CheckpointError(f"{out_dir} already holds a checkpoint ({', '.join(held[:4])}); export into an empty "
+                              "or new directory")
+
+
+def _write_checkpoint(model: Transformer, out_dir: Path, tokenizer_from, max_shard_bytes: int) -> None:
+    cfg = model.config
     key_map = key_rules(cfg)
     tensors: dict[str, np.ndarray] = {}
     for path, var in sorted(_flat_params(model).items()):
@@ -286,14 +324,13 @@ def export_model(
             weight_map.update({name: file for name in shard})
         total = sum(a.nbytes for a in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    (out_dir / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
+        write_atomic(out_dir / INDEX_FILE, json.dumps(index, indent=2))
+    write_atomic(out_dir / "config.json", json.dumps(to_hf_config(cfg), indent=2))
     if tokenizer_from is not None:
         for file in TOKENIZER_FILES:
             src = Path(tokenizer_from) / file
             if src.is_file():
                 shutil.copy2(src, out_dir / file)
-    return out_dir
 
 
 __all__ = [
