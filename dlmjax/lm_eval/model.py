@@ -31,6 +31,7 @@ from dlmjax.decoding.api import Stream
 from dlmjax.decoding.spec import CAUSAL_DECODERS, parse_decoder
 from dlmjax.lm_eval.likelihood import causal_logprobs, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
+from dlmjax.validation import InputError
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,11 @@ MODEL_ARGS: dict[str, tuple[object, str]] = {
 }
 
 
-class ModelArgsError(ValueError):
+class ModelArgsError(InputError):
     """model_args that dlmjax cannot use; the message names the fix."""
 
 
-class RequestError(ValueError):
+class RequestError(InputError):
     """A malformed lm-eval request; the message names the request and the fix."""
 
 
