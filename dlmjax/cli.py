@@ -7,6 +7,7 @@
     dlmjax train CONFIG [section.key=value ...] --out RUN_DIR
     dlmjax traces [--model DIR_OR_PRESET] --out DIR        (TSPD training traces)
     dlmjax export SRC OUT --format torch
+    dlmjax lm-eval --model dlmjax --model_args pretrained=DIR_OR_PRESET,... --tasks ...   (lm-eval's flags)
 """
 
 from __future__ import annotations
@@ -147,6 +148,15 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_lm_eval(argv: list[str]) -> int:
+    """`dlmjax lm-eval ARGS`: lm-eval's own command line, flags unchanged, with the `dlmjax` model."""
+    try:
+        from dlmjax.lm_eval import run_cli
+    except ImportError as err:
+        raise InputError(str(err)) from None
+    return run_cli(argv)
+
+
 def cmd_train(args) -> int:
     from dlmjax.train.config import load_run_config
     from dlmjax.train.loop import train
@@ -229,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_traces_parser(sub)
 
+    # Never parsed here: `main` hands everything after `lm-eval` to lm-eval's own parser.
+    sub.add_parser("lm-eval", add_help=False,
+                   help="lm-evaluation-harness with the dlmjax model: dlmjax lm-eval --model dlmjax --model_args "
+                        "pretrained=DIR,decoder=SPEC --tasks ... (lm-eval's flags; `dlmjax lm-eval --help`)")
+
     exp = sub.add_parser("export", help="write a checkpoint (with its MRP head, drafter, TSPD controller) in "
                                         "Hugging Face PyTorch format")
     exp.add_argument("src", help="checkpoint directory or preset")
@@ -253,6 +268,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # lm-eval's flags go to lm-eval's parser untouched
+        try:
+            return cmd_lm_eval(argv[1:])
+        except InputError as err:
+            print(f"dlmjax lm-eval: error: {err}", file=sys.stderr)
+            return 2
     args = parse_args(argv)
     try:
         return args.func(args)
