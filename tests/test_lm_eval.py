@@ -277,3 +277,49 @@ def test_diffusion_estimate_approaches_the_enumerated_bound(which, request):
     stderr = samples.std() / math.sqrt(len(samples))
     assert stderr > 0
     assert abs(samples.mean() - exact) < 4 * stderr, (samples.mean(), exact, stderr)
+
+
+# ------------------------------------------------------------------------------ a real causal model
+
+
+@pytest.mark.slow
+def test_causal_loglikelihood_equals_transformers(tmp_path_factory):
+    """SmolLM2-135M-Instruct (the GGUF test_smollm2 converts): lm-eval's loglikelihood and
+    loglikelihood_rolling requests through dlmjax equal transformers' log-probs on the same
+    checkpoint, tokenised by transformers' own tokenizer, within 1e-4; is_greedy agrees."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from dlmjax.io.gguf import convert_gguf
+    from test_smollm2 import packaged_gguf
+
+    ckpt = convert_gguf(packaged_gguf(), tmp_path_factory.mktemp("smollm2_lm_eval"))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    lm = DlmjaxLM(pretrained=str(ckpt), batch_size=4, mesh_data=1)
+
+    def encode(text):
+        return hf_tok(text, add_special_tokens=False)["input_ids"]
+
+    def hf_score(ctx_ids, cont_ids):
+        ids = torch.tensor([ctx_ids + cont_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf_model(ids).logits[0].double(), -1)
+        rows = logp[len(ctx_ids) - 1 : -1]
+        target = torch.tensor(cont_ids)
+        return float(rows.gather(1, target[:, None]).sum()), bool((rows.argmax(-1) == target).all())
+
+    pairs = [("The capital of France is", " Paris"), ("Question: What is 2 + 3?\nAnswer:", " 5"),
+             ("Once upon a time", " there was a little dragon who loved to read books."), ("", "Hello world")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i, ("t", i, 1)) for i, pair in enumerate(pairs)])
+    for (ctx, cont), (logprob, greedy) in zip(pairs, got):
+        if ctx:
+            whole, ctx_ids = encode(ctx + cont), encode(ctx)
+            want = hf_score(ctx_ids, whole[len(ctx_ids):])
+        else:  # an empty context is conditioned on the prefix token (lm-eval's rule)
+            want = hf_score([lm.prefix_token_id], encode(cont))
+        assert logprob == pytest.approx(want[0], abs=1e-4) and greedy == want[1]
+    assert any(g for _, g in got) and not all(g for _, g in got)
+
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0, ("t", 0, 1))])
+    assert rolling == pytest.approx(hf_score([lm.prefix_token_id], encode(text))[0], abs=1e-4)
