@@ -35,9 +35,9 @@ def is_staging_name(name: str) -> bool:
     return name.startswith(".") and (PARTIAL in name or name.endswith(PREVIOUS))
 
 
-def _remove_stale(parent: Path, name: str) -> None:
-    """Staging leftovers of `name` from processes that were killed."""
-    for leftover in parent.glob(f".{name}{PARTIAL}*"):
+def _remove_stale(parent: Path) -> None:
+    """Staging leftovers in `parent` of processes that were killed (nested ones included)."""
+    for leftover in parent.glob(f".*{PARTIAL}*"):
         pid = leftover.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
@@ -48,7 +48,7 @@ def atomic_file(path: str | os.PathLike):
     """Yield a temporary path beside `path`; on success it replaces `path` (one rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(path.parent, path.name)
+    _remove_stale(path.parent)
     tmp = path.parent / f".{path.name}{PARTIAL}{os.getpid()}"
     try:
         yield tmp
@@ -78,7 +78,7 @@ def staged_dir(target: str | os.PathLike, *, keep_existing: bool = False):
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     restore_interrupted(target)
-    _remove_stale(target.parent, target.name)
+    _remove_stale(target.parent)
     staging = target.parent / f".{target.name}{PARTIAL}{os.getpid()}"
     previous = target.parent / f".{target.name}{PREVIOUS}"
     shutil.rmtree(staging, ignore_errors=True)
