@@ -285,7 +285,8 @@ class DlmjaxLM(TemplateLM):
 
         if self.warmup:  # compile outside the timed run, as `dlmjax eval` does
             probe = stream()
-            for _ in stream(limit=min(len(prompts), probe.batch + probe.refill)):
+            warm = probe.batch if self.causal else probe.batch + probe.refill  # causal: batches of one shape
+            for _ in stream(limit=min(len(prompts), warm)):
                 pass
         run = stream()
         rows = dict(iter(run))
