@@ -16,6 +16,7 @@ from typing import Any
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, InputError, OneOf, check_fields, check_value
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
+ROUTERS = ("softmax", "sigmoid")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -48,12 +49,30 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    rotary_dim: int | None = None  # partial RoPE: rotate the first rotary_dim of head_dim (None: all)
+    # Mixture of experts (dlmjax.models.moe): the layers in `moe_layers` replace the MLP by a router over
+    # `num_experts` SiLU-gated experts of width `moe_intermediate_size` (+ an always-on shared expert).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    moe_layers: tuple[int, ...] = ()
+    router: str = "softmax"  # softmax: top-k of softmax; sigmoid: DeepSeek-V3 (bias, groups, scale)
+    norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    router_groups: int = 1  # sigmoid: experts form groups; a token picks experts of its top groups only
+    router_topk_groups: int = 1
+    router_expert_bias: bool = False  # sigmoid: a per-expert bias added to the scores for selection only
 
     limits = {**{name: AT_LEAST_1 for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                                "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
                                                "block_size")},
               "rms_norm_eps": POSITIVE, "rope_theta": POSITIVE, "attention": OneOf(ATTENTION_KINDS),
-              "mask_token_id": AT_LEAST_0}  # bos/eos/pad: any int (older Llama configs say pad_token_id -1)
+              "mask_token_id": AT_LEAST_0,  # bos/eos/pad: any int (older Llama configs say pad_token_id -1)
+              "rotary_dim": AT_LEAST_1, "num_experts": AT_LEAST_0, "num_experts_per_tok": AT_LEAST_0,
+              "moe_intermediate_size": AT_LEAST_0, "shared_expert_intermediate_size": AT_LEAST_0,
+              "router": OneOf(ROUTERS), "routed_scaling_factor": POSITIVE, "router_groups": AT_LEAST_1,
+              "router_topk_groups": AT_LEAST_1}
 
     def __post_init__(self):
         check_fields(self, "model.", error=ConfigError)  # every field's type and `limits`
@@ -66,6 +85,33 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        if self.rotary_dim is not None and (self.rotary_dim > self.head_dim or self.rotary_dim % 2):
+            raise ConfigError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim={self.head_dim}")
+        self._check_moe()
+
+    def _check_moe(self):
+        if not self.num_experts:
+            if self.moe_layers:
+                raise ConfigError(f"moe_layers={self.moe_layers} needs num_experts >= 1")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                              f"{self.num_experts}]: a token cannot pick more experts than there are")
+        if self.moe_intermediate_size < 1:
+            raise ConfigError("an MoE model needs moe_intermediate_size >= 1 (the width of one expert)")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers) or len(set(self.moe_layers)) != len(
+                self.moe_layers):
+            raise ConfigError(f"moe_layers={self.moe_layers} must be distinct layer indices in [0, {self.num_layers})")
+        groups, size = self.router_groups, self.num_experts // self.router_groups
+        if self.num_experts % groups or self.router_topk_groups > groups:
+            raise ConfigError(f"router groups: num_experts={self.num_experts} must split into router_groups={groups} "
+                              f"equal groups, and router_topk_groups={self.router_topk_groups} <= router_groups")
+        if groups > 1 and (self.router != "sigmoid" or size < 2 or self.num_experts_per_tok > self.router_topk_groups
+                           * size):
+            raise ConfigError(f"group-limited routing (router_groups={groups}) needs the sigmoid router, >= 2 experts "
+                              f"per group and num_experts_per_tok <= router_topk_groups x experts per group")
+        if self.router_expert_bias and self.router != "sigmoid":
+            raise ConfigError("router_expert_bias is implemented for the sigmoid (DeepSeek-V3) router only")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

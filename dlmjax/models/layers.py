@@ -30,12 +30,15 @@ def rope_angles(positions_bl, head_dim: int, theta: float):
 
 
 def apply_rope(x_blhd, cos_bld, sin_bld):
-    """Rotate-half RoPE (Llama/Qwen convention), computed in float32."""
+    """Rotate-half RoPE (Llama/Qwen convention), computed in float32. Angles narrower than the head
+    (partial rotary: `rope_angles` of rotary_dim) rotate its first dims and pass the rest through."""
+    rotary_dim = cos_bld.shape[-1]
     x32 = x_blhd.astype(jnp.float32)
-    half = x32.shape[-1] // 2
+    x32, passed = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    half = rotary_dim // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     out = x32 * cos_bld[:, :, None, :] + rotated * sin_bld[:, :, None, :]
-    return out.astype(x_blhd.dtype)
+    return jnp.concatenate([out, passed], axis=-1).astype(x_blhd.dtype)
 
 
 def visibility(

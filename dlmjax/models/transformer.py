@@ -25,6 +25,7 @@ from flax import nnx, struct
 
 from dlmjax.config import ModelConfig
 from dlmjax.models import layers
+from dlmjax.models.moe import MoE
 from dlmjax.sharding import constrain
 
 _INIT_STD = 0.02
@@ -179,8 +180,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.dtype
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None):
+        d, f, dt = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.dtype
         self.gate = Linear(d, f, bias=False, dtype=dt, rngs=rngs)
         self.up = Linear(d, f, bias=False, dtype=dt, rngs=rngs)
         self.down = Linear(f, d, bias=False, dtype=dt, rngs=rngs)
@@ -190,11 +191,11 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = moe_layer(cfg, rngs) if moe else MLP(cfg, rngs=rngs)
 
     def __call__(self, x, cos, sin, self_visible, cached=None, chunk_parts=()):
         attn_out, kv = self.attn(self.attn_norm(x), cos, sin, self_visible, cached, chunk_parts)
@@ -203,11 +204,16 @@ class Block(nnx.Module):
         return constrain(x, ("batch", None, None)), kv
 
 
+def moe_layer(cfg: ModelConfig, rngs: nnx.Rngs) -> MoE:
+    shared = cfg.shared_expert_intermediate_size
+    return MoE(cfg, shared=MLP(cfg, rngs=rngs, intermediate_size=shared) if shared else None, rngs=rngs)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.dtype))
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs=rngs, moe=i in cfg.moe_layers) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings
@@ -295,7 +301,7 @@ def run_layers(
         cache_visible = layers.visibility(
             positions_bl, segments_bl, cache.positions, jnp.zeros_like(cache.positions), cache.valid, **topology
         )
-    cos, sin = layers.rope_angles(positions_bl, cfg.head_dim, cfg.rope_theta)
+    cos, sin = layers.rope_angles(positions_bl, cfg.rotary_dim or cfg.head_dim, cfg.rope_theta)
     collected = [x] if 0 in hidden_layers else []
     new_kv = []
     for i, block in enumerate(blocks):

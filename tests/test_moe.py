@@ -1,0 +1,154 @@
+"""The dropless MoE layer (dlmjax.models.moe): routers, grouped experts == all experts, batch invariance."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dlmjax
+from dlmjax.config import ConfigError
+from dlmjax.models import moe
+
+E, D, F = 16, 24, 12
+
+
+def expert_weights(seed=0, experts=E):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.normal(size=(experts, D, 2 * F)) * 0.3, jnp.float32),
+            jnp.asarray(rng.normal(size=(experts, F, D)) * 0.3, jnp.float32))
+
+
+def moe_config(**overrides):
+    base = dict(family="qwen3", vocab_size=64, hidden_size=D, intermediate_size=32, num_layers=1, num_heads=2,
+                num_kv_heads=2, head_dim=12, num_experts=E, num_experts_per_tok=4, moe_intermediate_size=F,
+                moe_layers=(0,))
+    return dlmjax.ModelConfig(**{**base, **overrides})
+
+
+ROUTERS = {
+    "softmax, renormalised": dict(router="softmax", norm_topk_prob=True),
+    "softmax, raw (LLaDA-MoE)": dict(router="softmax", norm_topk_prob=False),
+    "sigmoid, groups, bias, scale (LLaDA2)": dict(router="sigmoid", norm_topk_prob=True, router_groups=4,
+                                                  router_topk_groups=2, router_expert_bias=True,
+                                                  routed_scaling_factor=2.5),
+}
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("tokens", [1, 3, 37])
+def test_grouped_experts_equal_all_experts(router, tokens):
+    """3 tokens x 4 picks leave most of the 16 experts without a token; 37 tokens fill them unevenly.
+    The router's columns 0 and 1 are equal, so every token sees a tie in its scores."""
+    cfg = moe_config(**ROUTERS[router])
+    rng = np.random.default_rng(tokens)
+    router_de = rng.normal(size=(D, E)).astype(np.float32)
+    router_de[:, 1] = router_de[:, 0]
+    bias = jnp.asarray(rng.normal(size=E) * 0.1, jnp.float32) if cfg.router_expert_bias else None
+    x = jnp.asarray(rng.normal(size=(tokens, D)), jnp.float32)
+    gate_up, down = expert_weights()
+    grouped = moe.moe_forward(x, jnp.asarray(router_de), bias, gate_up, down, cfg, "grouped")
+    dense = moe.moe_forward(x, jnp.asarray(router_de), bias, gate_up, down, cfg, "dense")
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(dense), atol=2e-6, rtol=1e-5)
+    _, experts = moe.route(cfg, x @ router_de, bias)
+    used = set(np.asarray(experts).ravel().tolist())
+    if tokens < 4:
+        assert len(used) < E, "some expert must receive no token"
+
+
+def test_router_ties_go_to_the_lower_expert_and_routing_is_per_token():
+    cfg = moe_config(router="softmax", num_experts_per_tok=2)
+    logits = jnp.zeros((3, E)).at[:, 5].set(1.0).at[:, 9].set(1.0).at[1, 2].set(1.0)
+    weights, experts = moe.route(cfg, logits)
+    assert np.asarray(experts).tolist() == [[5, 9], [2, 5], [5, 9]]
+    np.testing.assert_allclose(np.asarray(weights[0, 0]), np.asarray(weights[0, 1]))
+
+
+def test_grouped_experts_weight_each_assignment_by_its_own_expert():
+    """One token, an expert that maps x to 0 and one that does not: the weights land on the right one."""
+    gate_up, down = expert_weights()
+    down = down.at[3].set(0.0)
+    x = jnp.ones((1, D))
+    y = moe.grouped_expert_outputs(x, jnp.asarray([[3, 7]], jnp.int32), gate_up, down)
+    assert np.all(np.asarray(y[0, 0]) == 0) and np.abs(np.asarray(y[0, 1])).max() > 0
+
+
+def test_sigmoid_router_equals_transformers_deepseek_v3():
+    torch = pytest.importorskip("torch")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    for norm in (True, False):
+        hf_cfg = DeepseekV3Config(hidden_size=D, n_routed_experts=E, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                  routed_scaling_factor=2.5, norm_topk_prob=norm)
+        router = DeepseekV3TopkRouter(hf_cfg)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(E, D, generator=gen))
+            router.e_score_correction_bias.copy_(torch.randn(E, generator=gen) * 0.1)
+        x = torch.randn(50, D, generator=gen)
+        _, hf_weights, hf_experts = router(x)
+        cfg = moe_config(router="sigmoid", norm_topk_prob=norm, router_groups=4, router_topk_groups=2,
+                         router_expert_bias=True, routed_scaling_factor=2.5)
+        logits = jnp.asarray(x.numpy()) @ jnp.asarray(router.weight.detach().numpy().T)
+        weights, experts = moe.route(cfg, logits, jnp.asarray(router.e_score_correction_bias.numpy()))
+        hf_experts, hf_weights = hf_experts.numpy(), hf_weights.detach().numpy()
+        order = np.argsort(hf_experts, axis=1)  # transformers returns the top-k unsorted
+        ours = np.argsort(np.asarray(experts), axis=1)
+        np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), ours, 1),
+                                      np.take_along_axis(hf_experts, order, 1))
+        np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), ours, 1),
+                                   np.take_along_axis(hf_weights, order, 1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(num_experts_per_tok=17), "cannot pick more experts"),
+    (dict(moe_layers=(3,)), "distinct layer indices"),
+    (dict(router_groups=3, router="sigmoid"), "equal groups"),
+    (dict(router_groups=4, router="softmax"), "sigmoid router"),
+    (dict(router_expert_bias=True), "sigmoid"),
+])
+def test_bad_moe_configs_name_the_problem(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        moe_config(**bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch invariance: a row alone == in a batch of 7 == as a packed PSD copy
+
+
+def moe_block_model():
+    """The layouts() model of test_numerics with MoE layers: 8 experts, top-2, a shared expert."""
+    from test_numerics import BLOCK, VOCAB
+
+    cfg = dlmjax.ModelConfig(
+        family="sdar", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, attention="block_causal", block_size=BLOCK, qk_norm=True,
+        mask_token_id=VOCAB - 1, eos_token_ids=(VOCAB - 2,), pad_token_id=0, max_position_embeddings=64,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        moe_layers=(0, 1), norm_topk_prob=True,
+    )
+    return dlmjax.init_model(cfg, seed=5)
+
+
+def moe_layouts(model):
+    """Row 0's block logits alone, in a batch of 7 and as copy 3 of 4 packed copies (PSD verification)."""
+    from test_numerics import BLOCK, PROMPT_LEN, VOCAB, block_logits
+
+    rng = np.random.default_rng(0)
+    prompts = jnp.asarray(rng.integers(1, VOCAB - 2, (7, PROMPT_LEN)), jnp.int32)
+    copies = jnp.asarray(rng.integers(1, VOCAB - 2, (7, 4, BLOCK)), jnp.int32)
+    return {
+        "alone": block_logits(model, prompts[:1], copies[:1, 2:3])[0, 0],
+        "batch 7": block_logits(model, prompts, copies[:, 2:3])[0, 0],
+        "copy 3 of 4": block_logits(model, prompts[:1], copies[:1])[0, 2],
+    }
+
+
+def test_moe_row_is_bitwise_the_same_alone_in_a_batch_and_as_a_packed_copy():
+    """Dropless routing depends on the row only; in the invariant mode the experts also run at one
+    shape. (The fast mode differs here by ~2e-7 between these layouts, so this can fail.)"""
+    model = moe_block_model()
+    with dlmjax.numerics(invariant=True):
+        logits = moe_layouts(model)
+    for layout, value in logits.items():
+        np.testing.assert_array_equal(value, logits["alone"], err_msg=f"{layout} differs from the row alone")
