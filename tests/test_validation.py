@@ -110,6 +110,16 @@ def test_max_new_tokens_must_be_positive(capsys):
     assert "argument --max-new-tokens: 0 must be >= 1" in capsys.readouterr().err
 
 
+def test_prompts_are_checked():
+    model = dlmjax.load_model(dlmjax.presets.resolve_model("random-sdar"))
+    with pytest.raises(InputError, match=r"pass one prompt as \[prompt\]"):
+        generate(model, "What is 2+3?", max_new_tokens=4)  # a string is not a list of prompts
+    with pytest.raises(InputError, match=r"prompt 1 holds token ids outside the model's vocabulary \[0, 100\)"):
+        generate(model, [[1, 2], [3, 100]], max_new_tokens=4)
+    with pytest.raises(InputError, match="prompt 0 is neither text nor a list of token ids"):
+        generate(model, [[1, 2.5]], max_new_tokens=4)
+
+
 def test_any_max_new_tokens_is_decoded_and_cut(capsys):
     """5 tokens at block 4: two whole blocks are decoded and the first 5 kept, by generate, by
     the Stream (continuous batching) and by the CLI alike."""

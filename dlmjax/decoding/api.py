@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import asdict, dataclass
 
@@ -60,7 +61,10 @@ def _resolve_decoder(decoder) -> DiffusionDecoder | AR:
     return parse_decoder(decoder) if isinstance(decoder, str) else decoder
 
 
-def _encode(prompts, tokenizer: Tokenizer | None) -> list[list[int]]:
+def _encode(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> list[list[int]]:
+    """Prompts (a list of texts, or of token-id lists) as token ids, each in [0, vocab_size)."""
+    if isinstance(prompts, (str, bytes)):
+        raise InputError("prompts must be a list (of texts or of token-id lists); pass one prompt as [prompt]")
     if not prompts:
         raise InputError("no prompts given")
     if all(isinstance(p, str) for p in prompts):
@@ -68,11 +72,24 @@ def _encode(prompts, tokenizer: Tokenizer | None) -> list[list[int]]:
             raise InputError("text prompts need a tokenizer: pass tokenizer=load_tokenizer(checkpoint_dir)")
         ids = [tokenizer.encode(p) for p in prompts]
     else:
-        ids = [list(map(int, p)) for p in prompts]
+        ids = [_token_ids(i, p) for i, p in enumerate(prompts)]
     for i, p in enumerate(ids):
         if not p:
             raise InputError(f"prompt {i} is empty; every prompt needs at least one token")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise InputError(f"prompt {i} holds token ids outside the model's vocabulary [0, {vocab_size}); "
+                             "encode it with the model's own tokenizer")
     return ids
+
+
+def _token_ids(index: int, prompt) -> list[int]:
+    try:
+        if isinstance(prompt, str) or any(isinstance(t, bool) for t in prompt):
+            raise TypeError
+        return [operator.index(t) for t in prompt]
+    except TypeError:
+        raise InputError(f"prompt {index} is neither text nor a list of token ids; give every prompt the same "
+                         "kind") from None
 
 
 def _special_ids(model: Transformer, tokenizer: Tokenizer | None, *, need_mask: bool):
@@ -178,7 +195,7 @@ class _Request:
 def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, head) -> _Request:
     positive_int("max_new_tokens", max_new_tokens)
     decoder = _resolve_decoder(decoder)
-    ids = _encode(prompts, tokenizer)
+    ids = _encode(prompts, tokenizer, model.config.vocab_size)
     _check_length(model, max(len(p) for p in ids), max_new_tokens)
     causal = model.config.attention == "causal"
     if isinstance(decoder, CAUSAL_DECODERS) != causal:
