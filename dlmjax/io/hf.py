@@ -289,7 +289,9 @@ def export_model(
 
 
 def check_export_target(out_dir: Path) -> None:
-    """Refuse an output directory that already holds a checkpoint (weights or a config.json)."""
+    """Refuse an output directory that already holds a checkpoint (weights or a config.json), or a file."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir} is a file; export into an empty or new directory")
     held = sorted(p.name for p in out_dir.glob("*.safetensors")) + (["config.json"] if (out_dir / "config.json").exists()
                                                                     else [])
     if held:
