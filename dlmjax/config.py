@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, InputError, OneOf, check_fields, check_value
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, InputError, OneOf, Range, check_fields, check_value
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 ROUTERS = ("softmax", "sigmoid")
@@ -147,6 +147,13 @@ FAMILIES: dict[str, Family] = {
         Family("sdar", ("sdar",), "hf", "block_causal", False, True, "SDARForCausalLM", 151669, ("<|MASK|>",)),
         Family("dream", ("dream", "Dream"), "hf", "bidirectional", True, False, "DreamModel", 151666, ("<|mask|>",)),
         Family("llada", ("llada", "LLaDA"), "llada", "bidirectional", False, False, "LLaDAModelLM", 126336, ("<|mdm_mask|>",)),
+        Family("qwen3_moe", ("qwen3_moe",), "hf", "causal", False, True, "Qwen3MoeForCausalLM"),
+        Family("sdar_moe", ("sdar_moe",), "hf", "block_causal", False, True, "SDARMoeForCausalLM", 151669,
+               ("<|MASK|>",)),
+        # model_type "llada" like dense LLaDA: selected by `architectures` (see _family_of)
+        Family("llada_moe", (), "llada_moe", "bidirectional", False, True, "LLaDAMoEModelLM", 156895, ("<|mdm_mask|>",)),
+        Family("llada2_moe", ("llada2_moe",), "llada2", "block_causal", False, True, "LLaDA2MoeModelLM", 156895,
+               ("<|mask|>",)),
     )
 }
 
@@ -387,18 +394,22 @@ def from_hf_config(raw: dict, family: str | None = None) -> ModelConfig:
         raise ConfigError(f"config.json holds {type(raw).__name__}, not an object of config keys")
     if family is not None and family not in FAMILIES:
         raise ConfigError(f"unknown family {family!r}; supported: {', '.join(FAMILIES)}")
-    fam = FAMILIES[family] if family else family_for_model_type(raw.get("model_type"))
+    fam = FAMILIES[family] if family else _family_of(raw)
     missing = [k for k in _required_keys(fam) if k not in raw]
     if missing:
         raise ConfigError(f"config.json for family {fam.name} lacks required keys {missing}")
     _check_raw_types(raw, _required_keys(fam))
     raw = {k: v for k, v in raw.items() if v is not None or k not in _RAW_TYPES}  # null: unset (the default)
+    if fam.name in _MOE_TRANSLATORS:
+        return _MOE_TRANSLATORS[fam.name](raw, fam)
     return (_from_llada if fam.layout == "llada" else _from_hf_layout)(raw, fam)
 
 
 def _required_keys(fam: Family) -> tuple[str, ...]:
     if fam.layout == "llada":
         return ("d_model", "n_heads", "n_layers", "vocab_size")
+    if fam.name in _MOE_TRANSLATORS:
+        return _MOE_REQUIRED + (("intermediate_size",) if fam.name != "llada_moe" else ())
     return ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -415,6 +426,8 @@ def _token_ids(cfg: ModelConfig) -> dict:
 
 
 def to_hf_config(cfg: ModelConfig) -> dict:
+    if cfg.family in _MOE_EXPORTERS:
+        return _MOE_EXPORTERS[cfg.family](cfg)
     fam = FAMILIES[cfg.family]
     if fam.layout == "llada":
         return {
@@ -471,3 +484,252 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     if cfg.attention == "block_causal":
         out["block_size"] = cfg.block_size
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture-of-experts families (the layer: dlmjax.models.moe)
+#
+# qwen3_moe / sdar_moe: Qwen3 layers whose MLP is a softmax top-k router over `num_experts` experts
+# (transformers' Qwen3MoeForCausalLM; SDAR-30B-A3B adds SDAR's block diffusion). llada_moe:
+# LLaDA-MoE-7B-A1B (model_type "llada", told from dense LLaDA by `architectures`), a bidirectional
+# OLMoE-style stack whose router never renormalises. llada2_moe: LLaDA2.0/2.1, block diffusion with
+# fused q/k/v, partial rotary and DeepSeek-V3's sigmoid router (bias, groups, scale).
+
+LLADA_MOE_ARCHITECTURES = ("LLaDAMoEModelLM", "LLaDAMoEModel")
+
+
+def _family_of(raw: dict) -> Family:
+    architectures = raw.get("architectures") or []
+    if raw.get("model_type") in FAMILIES["llada"].model_types and any(a in LLADA_MOE_ARCHITECTURES
+                                                                       for a in architectures):
+        return FAMILIES["llada_moe"]
+    return family_for_model_type(raw.get("model_type"))
+
+
+def _moe_int(raw: dict, key: str, default=None, low=AT_LEAST_1):
+    value = raw.get(key, default)
+    return value if value is None else check_value(f"config.json `{key}`", value, "int", low, error=ConfigError)
+
+
+def _moe_layer_list(raw: dict, key: str, num_layers: int) -> list:
+    value = raw.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"config.json `{key}` = {value!r} must be a list of integers")
+    return value
+
+
+_QWEN3_MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                   "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "output_router_logits",
+                   "router_aux_loss_coef"}
+
+
+def _from_qwen3_moe(raw: dict, fam: Family) -> ModelConfig:
+    """Qwen3-MoE (and SDAR-MoE): published configs say `num_experts`, transformers 5 writes
+    `num_local_experts`; either is read (both must agree)."""
+    cfg = _from_hf_layout({k: v for k, v in raw.items() if k not in _QWEN3_MOE_KEYS}, fam)
+    experts = {key: _moe_int(raw, key, low=AT_LEAST_0) for key in ("num_experts", "num_local_experts")
+               if raw.get(key) is not None}
+    if len(set(experts.values())) > 1:
+        raise ConfigError(f"config.json says num_experts={experts['num_experts']} and num_local_experts="
+                          f"{experts['num_local_experts']}; keep one of them")
+    num_experts = next(iter(experts.values()), 128)
+    step = _moe_int(raw, "decoder_sparse_step", 1)
+    dense = set(_moe_layer_list(raw, "mlp_only_layers", cfg.num_layers))
+    moe_layers = tuple(i for i in range(cfg.num_layers) if i not in dense and (i + 1) % step == 0) if num_experts else ()
+    norm = raw.get("norm_topk_prob", False)
+    return cfg.replace(num_experts=num_experts, num_experts_per_tok=_moe_int(raw, "num_experts_per_tok", 8),
+                       moe_intermediate_size=_moe_int(raw, "moe_intermediate_size", 768), moe_layers=moe_layers,
+                       router="softmax", norm_topk_prob=check_value("config.json `norm_topk_prob`", norm, "bool",
+                                                                     error=ConfigError))
+
+
+def _rotary_dim(raw: dict, head_dim: int) -> int | None:
+    factor = raw.get("partial_rotary_factor", 1.0)
+    check_value("config.json `partial_rotary_factor`", factor, "float", Range(0, 1, low_open=True), error=ConfigError)
+    rotary = int(head_dim * factor)
+    if raw.get("rotary_dim") is not None and raw["rotary_dim"] != rotary:
+        raise ConfigError(f"config.json says rotary_dim={raw['rotary_dim']} but partial_rotary_factor={factor} x "
+                          f"head_dim={head_dim} = {rotary}; make them agree")
+    return None if rotary == head_dim else rotary
+
+
+_LLADA_MOE_KEYS = {
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "dense_intermediate_size",
+    "expert_intermediate_size", "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size",
+    "moe_layer_freq", "qk_layernorm", "rope_theta", "partial_rotary_factor", "output_router_logits",
+    "router_aux_loss_coef",
+}
+_LLADA_MOE_FIXED = {
+    "hidden_act": _must_equal(("silu",), "only SiLU-gated MLPs are implemented"),
+    "rope_scaling": _must_equal((None,), "rope scaling is not implemented"),
+    "clip_qkv": _must_equal((None,), "q/k/v clipping is not implemented"),
+    "attention_dropout": _must_equal((0, 0.0), "dlmjax has no dropout; set 0.0"),
+    "moe_router_score_function": _must_equal(("softmax",), "modeling_lladamoe.py routes by softmax"),
+    "moe_router_enable_expert_bias": _must_equal((False, None), "the LLaDA-MoE expert bias is not implemented"),
+    "router_num_group": _must_equal((None, 1), "modeling_lladamoe.py has no group-limited routing"),
+    "router_topk_group": _must_equal((None, 1), "modeling_lladamoe.py has no group-limited routing"),
+    "routed_scaling_factor": _must_equal((None, 1, 1.0), "modeling_lladamoe.py does not scale the routing weights"),
+    # modeling_lladamoe.py fixes norm_topk_prob = False whatever the config says; a config that asks
+    # for renormalisation would be silently ignored by the authors' code, so it is refused here.
+    "norm_topk_prob": _must_equal((None, False), "modeling_lladamoe.py never renormalises the top-k weights"),
+}
+
+
+def _from_llada_moe(raw: dict, fam: Family) -> ModelConfig:
+    unknown = set(raw) - _LLADA_MOE_KEYS - _METADATA_KEYS - set(_LLADA_MOE_FIXED)
+    _refuse(fam.name, unknown, _check_fixed(raw, _LLADA_MOE_FIXED, fam.name))
+    d, heads, num_layers = raw["hidden_size"], raw["num_attention_heads"], raw["num_hidden_layers"]
+    head_dim = d // heads  # the modeling code's head size
+    if raw.get("head_dim") not in (None, head_dim):
+        raise ConfigError(f"config.json head_dim={raw['head_dim']}: modeling_lladamoe.py uses hidden_size / "
+                          f"num_attention_heads = {head_dim}; remove head_dim or set it to {head_dim}")
+    freq = raw.get("moe_layer_freq") or [1] * num_layers
+    if not isinstance(freq, list) or len(freq) != num_layers:
+        raise ConfigError(f"config.json `moe_layer_freq` = {freq!r} must list one 0 (dense) or 1 (MoE) per layer "
+                          f"({num_layers} layers)")
+    num_experts = _moe_int(raw, "num_experts", 64)
+    attention_bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        family=fam.name, vocab_size=raw["vocab_size"], hidden_size=d,
+        intermediate_size=_moe_int(raw, "dense_intermediate_size", 8192), num_layers=num_layers, num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(raw.get("rope_theta", 50000.0)),
+        max_position_embeddings=raw.get("max_position_embeddings", 8192), attention=fam.attention,
+        qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=bool(raw.get("qk_layernorm", True)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), rotary_dim=_rotary_dim(raw, head_dim),
+        num_experts=num_experts, num_experts_per_tok=_moe_int(raw, "num_experts_per_tok", 8),
+        moe_intermediate_size=_moe_int(raw, "expert_intermediate_size", 1024),
+        shared_expert_intermediate_size=_moe_int(raw, "shared_expert_intermediate_size") or 0,
+        moe_layers=tuple(i for i, f in enumerate(freq) if f), router="softmax", norm_topk_prob=False,
+        **_dtype_and_special_ids(raw, fam),
+    )
+
+
+_LLADA2_KEYS = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "use_qkv_bias", "use_bias", "rms_norm_eps", "tie_word_embeddings",
+    "max_position_embeddings", "rope_theta", "num_experts", "num_shared_experts", "num_experts_per_tok", "n_group",
+    "topk_group", "routed_scaling_factor", "moe_intermediate_size", "first_k_dense_replace", "partial_rotary_factor",
+    "rotary_dim", "output_router_logits", "norm_topk_prob", "block_size",
+    # dropouts of training: the forward at inference has none
+    "embedding_dropout", "attention_dropout", "output_dropout",
+}
+_LLADA2_FIXED = {
+    "hidden_act": _must_equal(("silu",), "only SiLU-gated MLPs are implemented"),
+    "rope_scaling": _must_equal((None,), "rope scaling is not implemented"),
+    "use_sliding_window": _must_equal((False, None), "sliding-window attention is not implemented"),
+    "norm_head": _must_equal((False,), "a normalised lm_head is not implemented"),
+    "use_qk_norm": _must_equal((True, None), "modeling_llada2_moe.py always applies query/key layernorm"),
+    "score_function": _must_equal(("sigmoid", None), "LLaDA2 routes by sigmoid scores"),
+    "moe_router_enable_expert_bias": _must_equal((True, None), "LLaDA2's gate always carries expert_bias"),
+    "router_dtype": _must_equal(("fp32", "float32", None), "the router runs in float32"),
+    "num_nextn_predict_layers": _must_equal((0, None), "multi-token-prediction layers are not implemented"),
+}
+
+
+def _from_llada2(raw: dict, fam: Family) -> ModelConfig:
+    unknown = set(raw) - _LLADA2_KEYS - _METADATA_KEYS - set(_LLADA2_FIXED)
+    _refuse(fam.name, unknown, _check_fixed(raw, _LLADA2_FIXED, fam.name))
+    d, heads, num_layers = raw["hidden_size"], raw["num_attention_heads"], raw["num_hidden_layers"]
+    head_dim = raw.get("head_dim") or d // heads
+    num_experts = _moe_int(raw, "num_experts", 0, low=AT_LEAST_0)
+    top_k = _moe_int(raw, "num_experts_per_tok", 2)
+    first_dense = _moe_int(raw, "first_k_dense_replace", 0, low=AT_LEAST_0)
+    groups = _moe_int(raw, "n_group") or 1
+    shared = _moe_int(raw, "num_shared_experts", 0, low=AT_LEAST_0) or 0
+    moe_width = _moe_int(raw, "moe_intermediate_size") or 0
+    return ModelConfig(
+        family=fam.name, vocab_size=raw["vocab_size"], hidden_size=d, intermediate_size=raw["intermediate_size"],
+        num_layers=num_layers, num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=head_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=_rope_theta(raw),
+        max_position_embeddings=raw.get("max_position_embeddings", 16384), attention=fam.attention,
+        block_size=_moe_int(raw, "block_size", 32), qkv_bias=bool(raw.get("use_qkv_bias", False)),
+        o_bias=bool(raw.get("use_bias", True)), qk_norm=True,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), rotary_dim=_rotary_dim(
+            {"partial_rotary_factor": 0.5, **raw}, head_dim),
+        num_experts=num_experts, num_experts_per_tok=top_k if num_experts else 0, moe_intermediate_size=moe_width,
+        shared_expert_intermediate_size=moe_width * shared,
+        moe_layers=tuple(range(first_dense, num_layers)) if num_experts else (), router="sigmoid",
+        # the gate renormalises whenever it picks more than one expert (`norm_topk_prob` is not read)
+        norm_topk_prob=top_k > 1, routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
+        router_groups=groups, router_topk_groups=_moe_int(raw, "topk_group") or 1, router_expert_bias=True,
+        **_dtype_and_special_ids(raw, fam),
+    )
+
+
+_MOE_TRANSLATORS = {"qwen3_moe": _from_qwen3_moe, "sdar_moe": _from_qwen3_moe, "llada_moe": _from_llada_moe,
+                    "llada2_moe": _from_llada2}
+_MOE_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_exportable(cfg: ModelConfig, **expected) -> None:
+    wrong = {k: getattr(cfg, k) for k, v in expected.items() if getattr(cfg, k) != v}
+    if wrong:
+        raise ConfigError(f"family {cfg.family} cannot express {wrong} in its config.json (it fixes "
+                          f"{ {k: expected[k] for k in wrong} })")
+
+
+def _to_qwen3_moe(cfg: ModelConfig) -> dict:
+    _check_exportable(cfg, router="softmax", rotary_dim=None, shared_expert_intermediate_size=0)
+    base = to_hf_config(cfg.replace(family="qwen3", num_experts=0, moe_layers=()))
+    fam = FAMILIES[cfg.family]
+    out = {**base, "architectures": [fam.architecture], "model_type": fam.model_types[0],
+           "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+           "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
+           "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(cfg.num_layers) if i not in cfg.moe_layers],
+           **_token_ids(cfg)}
+    if cfg.attention == "block_causal":
+        out["block_size"] = cfg.block_size
+    return out
+
+
+def _to_llada_moe(cfg: ModelConfig) -> dict:
+    _check_exportable(cfg, router="softmax", norm_topk_prob=False, head_dim=cfg.hidden_size // cfg.num_heads,
+                      o_bias=cfg.qkv_bias)
+    return {
+        "architectures": [FAMILIES["llada_moe"].architecture], "model_type": "llada",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.qkv_bias,
+        "dense_intermediate_size": cfg.intermediate_size, "expert_intermediate_size": cfg.moe_intermediate_size,
+        "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size or None,
+        "moe_layer_freq": [int(i in cfg.moe_layers) for i in range(cfg.num_layers)], "qk_layernorm": cfg.qk_norm,
+        "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False, "router_num_group": None,
+        "router_topk_group": None, "routed_scaling_factor": 1, "norm_topk_prob": False, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None, "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim,
+        "torch_dtype": cfg.dtype, **_token_ids(cfg),
+    }
+
+
+def _to_llada2(cfg: ModelConfig) -> dict:
+    first_dense = min(cfg.moe_layers) if cfg.moe_layers else cfg.num_layers
+    shared, width = cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size
+    _check_exportable(cfg, router="sigmoid", qk_norm=True, router_expert_bias=bool(cfg.num_experts),
+                      norm_topk_prob=cfg.num_experts_per_tok > 1,
+                      moe_layers=tuple(range(first_dense, cfg.num_layers)) if cfg.num_experts else ())
+    if width and shared % width:
+        raise ConfigError(f"llada2_moe's shared expert is num_shared_experts x moe_intermediate_size wide; "
+                          f"{shared} is not a multiple of {width}")
+    return {
+        "architectures": [FAMILIES["llada2_moe"].architecture], "model_type": "llada2_moe",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "use_qkv_bias": cfg.qkv_bias, "use_bias": cfg.o_bias, "use_qk_norm": True, "norm_head": False,
+        "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim, "num_experts": cfg.num_experts,
+        "num_shared_experts": shared // width if width else 0, "num_experts_per_tok": cfg.num_experts_per_tok,
+        "n_group": cfg.router_groups, "topk_group": cfg.router_topk_groups,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "moe_intermediate_size": width,
+        "first_k_dense_replace": first_dense, "score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "router_dtype": "fp32", "norm_topk_prob": True, "block_size": cfg.block_size, "torch_dtype": cfg.dtype,
+        **_token_ids(cfg),
+    }
+
+
+_MOE_EXPORTERS = {"qwen3_moe": _to_qwen3_moe, "sdar_moe": _to_qwen3_moe, "llada_moe": _to_llada_moe,
+                  "llada2_moe": _to_llada2}

@@ -17,19 +17,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "model")
+MESH_AXES = ("data", "expert", "model")
 
 
-def make_mesh(model: int = 1, data: int | None = None, devices=None) -> Mesh:
-    """A (data, model) mesh over `devices` (default: all). `data` defaults to what is left."""
+def make_mesh(model: int = 1, data: int | None = None, devices=None, expert: int = 1) -> Mesh:
+    """A (data, expert, model) mesh over `devices` (default: all). `data` defaults to what is left.
+    'expert' holds MoE experts (expert parallelism); dense weights are replicated over it."""
     devices = list(devices if devices is not None else jax.devices())
-    if model < 1 or len(devices) % model:
-        raise ValueError(f"model={model} must divide the number of devices ({len(devices)})")
-    data = data or len(devices) // model
-    if data * model > len(devices):
-        raise ValueError(f"mesh {data} x {model} needs {data * model} devices; only {len(devices)} available")
+    if model < 1 or expert < 1 or len(devices) % (model * expert):
+        raise ValueError(f"model={model} x expert={expert} must divide the number of devices ({len(devices)})")
+    data = data or len(devices) // (model * expert)
+    if data * expert * model > len(devices):
+        raise ValueError(f"mesh {data} x {expert} x {model} needs {data * expert * model} devices; only "
+                         f"{len(devices)} available")
     auto = jax.sharding.AxisType.Auto
-    return jax.make_mesh((data, model), MESH_AXES, axis_types=(auto, auto), devices=devices[: data * model])
+    return jax.make_mesh((data, expert, model), MESH_AXES, axis_types=(auto,) * 3,
+                         devices=devices[: data * expert * model])
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class ShardingRules:
     mlp: str | None = "model"
     embed: str | None = None
     head_dim: str | None = None
+    expert: str | None = "expert"  # the stacked experts of an MoE layer
 
     def __post_init__(self):
         for f in fields(self):
@@ -56,6 +60,8 @@ class ShardingRules:
         out, used = [], set()
         for i, name in enumerate(logical_axes):
             axis = None if name is None else getattr(self, name)
+            if axis is not None and mesh_sizes is not None and axis not in mesh_sizes:
+                axis = None  # a mesh without this axis (e.g. one built before 'expert' existed)
             if axis is not None and dims is not None and mesh_sizes is not None and dims[i] % mesh_sizes[axis]:
                 axis = None
             if axis is not None and axis in used:
@@ -80,6 +86,11 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r".*(q|k)_norm\.scale", ("head_dim",)),
     (r".*mlp\.(gate|up)\.kernel", ("embed", "mlp")),
     (r".*mlp\.down\.kernel", ("mlp", "embed")),
+    (r".*mlp\.shared\.(gate|up)\.kernel", ("embed", "mlp")),
+    (r".*mlp\.shared\.down\.kernel", ("mlp", "embed")),
+    (r".*mlp\.router", ("embed", None)),
+    (r".*mlp\.expert_bias", (None,)),
+    (r".*mlp\.experts_(gate_up|down)", ("expert", None, None)),
     (r".*norm\.scale", ("embed",)),
 )
 

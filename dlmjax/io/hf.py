@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from dlmjax.config import ConfigError, FAMILIES, ModelConfig, from_hf_config, to_hf_config
+from dlmjax.io import moe_weights
 from dlmjax.io.files import staged_dir, write_atomic
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from dlmjax.models.transformer import Transformer, abstract_model
@@ -122,8 +122,20 @@ LLADA_RULES: tuple[KeyRule, ...] = (
 )
 
 
+# MoE layers, in the canonical layout of dlmjax.io.moe_weights (stacked experts, Qwen names).
+SWAP_LAST = Transform("swap last two axes", lambda a: a.swapaxes(-1, -2), lambda a: a.swapaxes(-1, -2))
+MOE_RULES: tuple[KeyRule, ...] = (
+    KeyRule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router", TRANSPOSE),
+    KeyRule("model.layers.{i}.mlp.gate.expert_bias", "layers.{i}.mlp.expert_bias"),
+    KeyRule("model.layers.{i}.mlp.experts.gate_up_proj", "layers.{i}.mlp.experts_gate_up", SWAP_LAST),
+    KeyRule("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.mlp.experts_down", SWAP_LAST),
+    *(KeyRule(f"model.layers.{{i}}.mlp.shared_experts.{p}_proj.weight", f"layers.{{i}}.mlp.shared.{p}.kernel",
+              TRANSPOSE) for p in ("gate", "up", "down")),
+)
+
+
 def key_rules(cfg: ModelConfig) -> tuple[KeyRule, ...]:
-    return LLADA_RULES if FAMILIES[cfg.family].layout == "llada" else HF_RULES
+    return LLADA_RULES if FAMILIES[cfg.family].layout == "llada" else HF_RULES + MOE_RULES
 
 
 def hf_name_for(path: str, rules) -> str:
@@ -226,15 +238,14 @@ def load_model(
     graphdef, abstract_state = nnx.split(abstract_model(cfg))
     expected = _flat_params(abstract_state)
     key_map = key_rules(cfg)
-    target_dtype = jnp.dtype(cfg.dtype)
     loaded: dict[str, jax.Array] = {}
     source: dict[str, str] = {}
-    for name, shard in open_shards(ckpt_dir).items():
+    for name, file, read in moe_weights.canonical_tensors(cfg, open_shards(ckpt_dir)):
         if name.startswith("mrp_modules."):
             continue  # an MRP head stored beside the backbone: dlmjax.heads.mrp.load_head reads it
         rule = next((r for r in key_map if r.match_hf(name) is not None), None)
         if rule is None:
-            raise CheckpointError(f"tensor {name!r} in {shard.path.name} matches no {cfg.family} weight name")
+            raise CheckpointError(f"tensor {name!r} in {file} matches no {cfg.family} weight name")
         path = rule.match_hf(name)
         if path == "lm_head.kernel" and cfg.tie_word_embeddings:
             continue  # a tied head saved explicitly: the embedding is the head
@@ -246,7 +257,7 @@ def load_model(
             )
         if path in source:
             raise CheckpointError(f"duplicate: tensors {source[path]!r} and {name!r} both map to {path}")
-        array = rule.transform.to_jax(shard.get(name))
+        array = rule.transform.to_jax(read())
         want = expected[path].shape
         if tuple(array.shape) != tuple(want):
             raise CheckpointError(
@@ -254,7 +265,7 @@ def load_model(
                 f"config expects {tuple(want)}"
             )
         sharding = param_sharding(path, want, cfg, mesh, rules) if mesh is not None else None
-        loaded[path] = put_array(np.asarray(array).astype(target_dtype), sharding)
+        loaded[path] = put_array(np.asarray(array).astype(expected[path].dtype), sharding)  # MoE routers: fp32
         source[path] = name
     missing = sorted(set(expected) - set(loaded))
     if missing:
@@ -307,6 +318,7 @@ def _write_checkpoint(model: Transformer, out_dir: Path, tokenizer_from, max_sha
         rule = next(r for r in key_map if r.match_ours(path) is not None)
         value = np.asarray(jax.device_get(var[...]))
         tensors[rule.match_ours(path)] = np.ascontiguousarray(rule.transform.to_torch(value))
+    tensors = moe_weights.published_tensors(cfg, tensors)
 
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
