@@ -122,5 +122,123 @@ def test_a_missing_expert_tensor_is_named(qwen3_moe, tmp_path):
 
 
 def test_moe_configs_round_trip_through_config_json():
-    for cfg in (from_hf_config(qwen3_moe_config_json(False)),):
+    for cfg in (from_hf_config(qwen3_moe_config_json(False)), from_hf_config(llada_moe_config_json(LLADA_MOE)),
+                from_hf_config(llada2_config_json(LLADA2)),
+                from_hf_config({**qwen3_moe_config_json(True), "model_type": "sdar_moe", "block_size": 8})):
         assert from_hf_config(to_hf_config(cfg)) == cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# SDAR-MoE: Qwen3-MoE layers under SDAR's block-causal attention
+
+
+def test_sdar_moe_equals_qwen3_moe_under_a_block_causal_mask(qwen3_moe, tmp_path):
+    model, fused, _ = qwen3_moe
+    config = {**json.loads((fused / "config.json").read_text()), "model_type": "sdar_moe",
+              "architectures": ["SDARMoeForCausalLM"], "block_size": 4}
+    path = write_checkpoint(tmp_path / "sdar_moe", config, state_dict_numpy(model))
+    ours = dlmjax.load_model(path)
+    assert (ours.config.family, ours.config.attention, ours.config.mask_token_id) == ("sdar_moe", "block_causal",
+                                                                                      151669)
+    tokens = random_tokens(2, 12)
+    assert max_diff(ours(jnp.asarray(tokens)).logits, torch_logits(model, tokens, "block_causal", 4)) <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# LLaDA-MoE and LLaDA2 against tests/moe_reference.py
+
+LLADA_MOE = dict(family="llada_moe", vocab=96, hidden=32, layers=3, heads=4, kv_heads=4, head_dim=8, rotary_dim=8,
+                 theta=50000.0, eps=1e-5, experts=8, top_k=3, moe_width=16, shared=12, dense_layers={1},
+                 dense_width=48, qkv_bias=False, o_bias=False)
+LLADA2 = dict(family="llada2", vocab=96, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, rotary_dim=4,
+              theta=600000.0, eps=1e-6, experts=8, top_k=2, n_group=4, topk_group=2, scale=2.5, moe_width=16,
+              shared=16, dense_layers={0}, dense_width=48, qkv_bias=False, o_bias=True)
+
+
+def llada_moe_config_json(c):
+    return {"architectures": ["LLaDAMoEModelLM"], "model_type": "llada", "vocab_size": c["vocab"],
+            "hidden_size": c["hidden"], "num_hidden_layers": c["layers"], "num_attention_heads": c["heads"],
+            "num_key_value_heads": c["kv_heads"], "hidden_act": "silu", "rms_norm_eps": c["eps"],
+            "rope_theta": c["theta"], "rope_scaling": None, "partial_rotary_factor": 1.0, "qk_layernorm": True,
+            "dense_intermediate_size": c["dense_width"], "expert_intermediate_size": c["moe_width"],
+            "num_experts": c["experts"], "num_experts_per_tok": c["top_k"],
+            "shared_expert_intermediate_size": c["shared"], "moe_layer_freq": [1, 0, 1], "norm_topk_prob": None,
+            "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False,
+            "router_num_group": None, "router_topk_group": None, "routed_scaling_factor": 1, "clip_qkv": None,
+            "attention_bias": False, "eos_token_id": 90, "pad_token_id": 90, "tie_word_embeddings": False}
+
+
+def llada2_config_json(c):
+    return {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "vocab_size": c["vocab"],
+            "hidden_size": c["hidden"], "intermediate_size": c["dense_width"], "num_hidden_layers": c["layers"],
+            "num_attention_heads": c["heads"], "num_key_value_heads": c["kv_heads"], "head_dim": c["head_dim"],
+            "hidden_act": "silu", "use_qkv_bias": c["qkv_bias"], "use_bias": c["o_bias"], "use_qk_norm": True,
+            "norm_head": False, "rms_norm_eps": c["eps"], "rope_theta": c["theta"], "partial_rotary_factor": 0.5,
+            "num_experts": c["experts"], "num_shared_experts": 1, "num_experts_per_tok": c["top_k"],
+            "n_group": c["n_group"], "topk_group": c["topk_group"], "routed_scaling_factor": c["scale"],
+            "moe_intermediate_size": c["moe_width"], "first_k_dense_replace": 1, "score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True, "router_dtype": "fp32", "norm_topk_prob": True,
+            "embedding_dropout": 0.1, "attention_dropout": 0.1, "output_dropout": 0.1, "block_size": 4,
+            "max_position_embeddings": 512, "eos_token_id": 90, "pad_token_id": 90, "tie_word_embeddings": False}
+
+
+def reference_model(c, seed):
+    from moe_reference import Reference
+
+    torch.manual_seed(seed)
+    model = randomize(Reference(c), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
+    return model
+
+
+def reference_logits(model, tokens, mask_kind):
+    from tiny_models import additive_mask
+
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long(), additive_mask(mask_kind, tokens.shape[1], 4)).numpy()
+
+
+@pytest.mark.parametrize("c, config_json, mask", [(LLADA_MOE, llada_moe_config_json, "bidirectional"),
+                                                  (LLADA2, llada2_config_json, "block_causal")],
+                         ids=["llada_moe", "llada2"])
+def test_llada_moe_families_equal_the_pytorch_reference_and_export_their_layout(c, config_json, mask, tmp_path):
+    model = reference_model(c, seed=len(c["family"]))
+    published = model.published_state()
+    path = write_checkpoint(tmp_path / "ckpt", config_json(c), published)
+    ours = dlmjax.load_model(path)
+    assert ours.config.attention == mask and ours.config.mask_token_id == 156895
+    tokens = random_tokens(2, 12)
+    expected = reference_logits(model, tokens, mask)
+    assert max_diff(ours(jnp.asarray(tokens)).logits, expected) <= TOL
+
+    out = dlmjax.export_model(ours, tmp_path / "export")
+    exported = SafetensorsFile(out / "model.safetensors")
+    assert set(exported.keys()) == set(published), "the export is in the family's published layout"
+    for name in published:
+        np.testing.assert_array_equal(exported.get(name), published[name], err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    assert from_hf_config(config) == ours.config
+    assert max_diff(dlmjax.load_model(out)(jnp.asarray(tokens)).logits, expected) <= TOL
+
+
+def test_llada_moe_is_told_from_dense_llada_by_architectures():
+    config = llada_moe_config_json(LLADA_MOE)
+    assert from_hf_config(config).family == "llada_moe"
+    with pytest.raises(ConfigError, match="never renormalises"):
+        from_hf_config({**config, "norm_topk_prob": True})
+    with pytest.raises(ConfigError, match=r"unknown config keys \['moe_capacity_factor'\]"):
+        from_hf_config({**config, "moe_capacity_factor": 1.25})
+
+
+def test_llada2_config_fields():
+    cfg = from_hf_config(llada2_config_json(LLADA2))
+    assert (cfg.rotary_dim, cfg.block_size, cfg.moe_layers, cfg.shared_expert_intermediate_size) == (4, 4, (1, 2), 16)
+    assert (cfg.router, cfg.router_groups, cfg.router_topk_groups, cfg.routed_scaling_factor) == ("sigmoid", 4, 2, 2.5)
+    default_block = {k: v for k, v in llada2_config_json(LLADA2).items() if k != "block_size"}
+    assert from_hf_config(default_block).block_size == 32
+    with pytest.raises(ConfigError, match="multi-token-prediction"):
+        from_hf_config({**llada2_config_json(LLADA2), "num_nextn_predict_layers": 1})
