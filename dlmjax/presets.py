@@ -27,6 +27,33 @@ PRESETS: dict[str, dict] = {
     "random-sdar": dict(family="sdar", attention="block_causal", block_size=4, **_TINY),
     "random-qwen3": dict(family="qwen3", attention="causal", **_TINY),
 }
+_TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, **_TINY)
+PRESETS.update({  # tiny random MoE models of each family (dlmjax.models.moe), in their published layouts
+    "random-qwen3-moe": dict(family="qwen3_moe", attention="causal", moe_layers=(0, 1), norm_topk_prob=True,
+                             **_TINY_MOE),
+    "random-sdar-moe": dict(family="sdar_moe", attention="block_causal", block_size=4, moe_layers=(0, 1),
+                            norm_topk_prob=True, **_TINY_MOE),
+    "random-llada-moe": dict(family="llada_moe", attention="bidirectional", moe_layers=(0, 1), **_TINY_MOE),
+    "random-llada2-moe": dict(family="llada2_moe", attention="block_causal", block_size=32, rotary_dim=8,
+                              moe_layers=(1,), shared_expert_intermediate_size=32, router="sigmoid",
+                              router_groups=4, router_topk_groups=2, router_expert_bias=True, norm_topk_prob=True,
+                              routed_scaling_factor=2.5, **_TINY_MOE),
+})
+
+# The published MoE checkpoints and how their authors decode them (model cards, dInfer, SDAR's
+# generate). `dlmjax generate --model DIR --decoder SPEC` with DIR the downloaded checkpoint.
+PUBLISHED_MOE: dict[str, dict] = {
+    "inclusionAI/LLaDA-MoE-7B-A1B-Instruct": dict(family="llada_moe", mask_token_id=156895, eos_token_id=156892,
+                                                 block=32, decoder="threshold:tau=0.9,block=32", chat=True),
+    "inclusionAI/LLaDA2.0-mini": dict(family="llada2_moe", mask_token_id=156895, eos_token_id=156892, block=32,
+                                      decoder="threshold:tau=0.95", chat=True),
+    "inclusionAI/LLaDA2.1-mini": dict(family="llada2_moe", mask_token_id=156895, eos_token_id=156892, block=32,
+                                      decoder="threshold:tau=0.95", chat=True),
+    "JetLM/SDAR-30B-A3B-Chat": dict(family="sdar_moe", mask_token_id=151669, eos_token_id=151643, block=4,
+                                    decoder="threshold:tau=0.9", chat=True),
+    "Qwen/Qwen3-30B-A3B": dict(family="qwen3_moe", mask_token_id=None, eos_token_id=151645, block=None,
+                               decoder="ar", chat=True),
+}
 
 
 SHIPPED_DIR = Path(__file__).parent / "toy" / "checkpoints"

@@ -10,6 +10,7 @@ import pytest
 
 import dlmjax
 from dlmjax.config import ConfigError, from_hf_config, to_hf_config
+from dlmjax.decoding.api import generate
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile
 from tiny_models import random_tokens, randomize, state_dict_numpy, torch_logits, write_checkpoint
 
@@ -242,3 +243,28 @@ def test_llada2_config_fields():
     assert from_hf_config(default_block).block_size == 32
     with pytest.raises(ConfigError, match="multi-token-prediction"):
         from_hf_config({**llada2_config_json(LLADA2), "num_nextn_predict_layers": 1})
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+
+
+def test_random_moe_presets_load_and_decode(tmp_path, monkeypatch):
+    from dlmjax.presets import load_checkpoint
+
+    monkeypatch.setenv("DLMJAX_CACHE", str(tmp_path))
+    for name, decoder in (("random-llada2-moe", "threshold:tau=0.95"), ("random-qwen3-moe", "ar")):
+        _, model, tokenizer, _ = load_checkpoint(name)
+        assert model.config.num_experts == 8
+        result = generate(model, ["ab"], tokenizer=tokenizer, decoder=decoder, max_new_tokens=4)
+        assert len(result.rows[0].tokens) == 4
+
+
+def test_published_moe_settings_agree_with_the_family_defaults():
+    from dlmjax.config import FAMILIES
+    from dlmjax.presets import PUBLISHED_MOE
+
+    for name, settings in PUBLISHED_MOE.items():
+        family = FAMILIES[settings["family"]]
+        assert settings["mask_token_id"] == family.default_mask_token_id, name
+        assert (settings["block"] is None) == (family.attention == "causal"), name
