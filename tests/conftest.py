@@ -1,4 +1,10 @@
-"""Test setup: 8 fake CPU devices (set before jax starts) and offline Hugging Face libraries."""
+"""Test setup: 8 fake CPU devices (set before jax starts) and offline Hugging Face libraries.
+
+`scripts/test.sh --device gpu` (or tpu) sets DLMJAX_TEST_DEVICE: the suite then runs on the
+accelerator with full-fp32 matmuls (JAX_DEFAULT_MATMUL_PRECISION=highest) and batch-invariant
+numerics (DLMJAX_INVARIANT=1), the settings under which parity and lossless equalities hold
+there. Tests marked `devices(n)` skip, with their reason, where fewer devices exist.
+"""
 
 import os
 import sys
@@ -8,7 +14,12 @@ from pathlib import Path
 # optimisation level 0 compiles about 25% faster (same HLO, same numerics to test tolerance).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                            " --xla_backend_optimization_level=0").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("DLMJAX_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+else:
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+    os.environ.setdefault("DLMJAX_INVARIANT", "1")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and several workers share the device
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -36,3 +47,13 @@ def persistent_compilation_cache(tmp_path_factory):
     for name, value in saved.items():
         jax.config.update(name, value)
     jax_cache.reset_cache()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "devices(n): needs n jax devices (8 fake CPU devices here); skipped with fewer")
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("devices")
+    if marker is not None and len(jax.devices()) < marker.args[0]:
+        pytest.skip(f"needs {marker.args[0]} devices, {jax.default_backend()} has {len(jax.devices())}")

@@ -75,6 +75,7 @@ def test_export_reimport_decodes_identically(toy, tmp_path):
     np.testing.assert_array_equal(np.asarray(a.accepted), np.asarray(b.accepted))
 
 
+@pytest.mark.devices(8)
 def test_data_parallel_batch_decodes_identically(toy):
     from dlmjax.sharding import make_mesh
 

@@ -12,7 +12,7 @@ from dlmjax.cli import main
 from dlmjax.config import ModelConfig
 from dlmjax.decoding.api import generate
 from dlmjax.evaluation.report import markdown_table, pareto_front
-from dlmjax.evaluation.runner import replicate_on, run_eval
+from dlmjax.evaluation.runner import compare_to, replicate_on, run_eval, token_agreement
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.evaluation.tasks import (
     DatasetError, humaneval_program, load_eval_set, read_rows, truncate_completion,
@@ -22,6 +22,7 @@ from dlmjax.io.tokenizer import load_tokenizer
 from dlmjax.models.transformer import init_model
 from dlmjax.sharding import make_mesh
 from dlmjax.toy.tokenizer import save_char_tokenizer
+from dlmjax.validation import InputError
 
 # ------------------------------------------------------------------------------------------ sandbox
 
@@ -146,6 +147,7 @@ def random_sdar(tmp_path_factory):
     return path
 
 
+@pytest.mark.devices(8)
 def test_data_parallel_decoding_matches_a_single_device(random_sdar):
     model = load_model(random_sdar)
     tokenizer = load_tokenizer(random_sdar, model.config)
@@ -216,3 +218,31 @@ def test_a_dataset_without_usable_rows_is_a_clear_error(random_sdar, tmp_path):
     bad.write_text("{broken\n")
     assert main(["eval", "--model", str(random_sdar), "--task", "gsm8k", "--data", str(bad), "--no-progress",
                  "--out", str(tmp_path / "out")]) == 2
+
+
+def test_eval_compare_to_reports_token_agreement(tmp_path, capsys):
+    """`--compare-to`: PSD against its own policy agrees on every token (lossless); the whole
+    block at once does not agree with one token per step."""
+    out = tmp_path / "out"
+    assert main(["eval", "--model", "toy-sdar", "--task", "toy-arith", "--limit", "8", "--no-progress",
+                 "--batch-size", "8", "--out", str(out), "--decoder", "static:k=4",
+                 "--decoder", "psd:policy=topk,k=1,depth=3", "--compare-to", "static"]) == 0
+    runs = {r["decoder"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert list(runs) == ["static", "static:k=4", "psd:policy=topk,k=1,depth=3"]  # the reference runs first
+    assert all(r["compared_to"] == "static" for r in runs.values())
+    assert runs["static"]["identical_rows"] == runs["static"]["token_agreement"] == 1.0
+    assert runs["psd:policy=topk,k=1,depth=3"]["identical_rows"] == 1.0
+    assert runs["static:k=4"]["token_agreement"] < 1.0
+    assert "same as `static`" in capsys.readouterr().out
+
+
+def test_token_agreement_counts_positions_over_the_longer_generation():
+    assert token_agreement([1, 2, 3], [1, 2, 3]) == 1.0
+    assert token_agreement([1, 2, 3, 4], [1, 9, 3]) == 0.5
+    assert token_agreement([], []) == 1.0
+
+
+def test_compare_to_a_decoder_that_was_not_run_names_the_ones_that_were():
+    outputs = [{"task": "t", "decoder": "static", "index": 0, "tokens": [1]}]
+    with pytest.raises(InputError, match="was not run; name one of the decoders: \\['static'\\]"):
+        compare_to([], outputs, "threshold:tau=0.9")

@@ -10,6 +10,8 @@ from jax.sharding import PartitionSpec as P
 import dlmjax
 from dlmjax.sharding import ShardingRules, batch_sharding, make_mesh
 
+pytestmark = pytest.mark.devices(8)
+
 
 def tiny_model(tmp_path):
     cfg = dlmjax.ModelConfig(

@@ -89,6 +89,7 @@ def test_features_labels_and_targets_match_a_plain_loop(sdar):
     assert 0 < traces["label"].mean() < 1
 
 
+@pytest.mark.devices(8)
 def test_sharded_traces_equal_single_device(sdar, tmp_path):
     mesh = make_mesh(model=1)
     assert mesh.shape["data"] == 8

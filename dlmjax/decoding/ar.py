@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from dlmjax import numerics
+from dlmjax import arithmetic
 from dlmjax.decoding.policies import nucleus_filter
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
@@ -60,7 +60,7 @@ def sample_token(logits_bv, key, temperature: float, top_p: float):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@partial(numerics.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_ids", "pad_id"))
+@partial(arithmetic.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_ids", "pad_id"))
 def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temperature, top_p, eos_ids, pad_id):
     model = nnx.merge(graphdef, state)
     b, lp = tokens_bl.shape

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from dlmjax import numerics
+from dlmjax import arithmetic
 from dlmjax.heads.mrp import MRPHead, apply_residual, head_output
 from dlmjax.models.transformer import KVCache, Transformer, put_rows, take_rows
 from dlmjax.validation import InputError, positive_int
@@ -364,7 +364,7 @@ def copy_parts(copies: int, width: int) -> tuple[int, ...]:
     """Attention key parts of `copies` packed copies: in the invariant numerics mode one part per
     copy, so a copy's keys are summed exactly as in a forward of that copy alone (the other
     copies' parts add exact zeros); one part otherwise."""
-    return (width,) * copies if numerics.current().invariant else ()
+    return (width,) * copies if arithmetic.current().invariant else ()
 
 
 def copy_segments(batch: int, copies: int, width: int):
@@ -484,7 +484,7 @@ def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_i
                                forwards=state.forwards)
 
 
-@partial(numerics.jit, static_argnames=_STATIC)
+@partial(arithmetic.jit, static_argnames=_STATIC)
 def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, decoder, geometry, cache_mode,
            mask_id, pad_id, eos_ids, head_graphdef=None):
     """Decode a laid-out batch. An MRP head (decoders mrp-*) comes as (head_graphdef, head_params)."""
@@ -495,7 +495,7 @@ def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, 
 # -- continuous batching: slots that take the next prompt when their row is done (api.Stream) --
 
 
-@partial(numerics.jit, static_argnames=_STATIC)
+@partial(arithmetic.jit, static_argnames=_STATIC)
 def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, stop_at, head_params=None, *, decoder,
                  geometry, cache_mode, mask_id, pad_id, eos_ids, head_graphdef=None):
     """Run rounds over the slots until `stop_at` of them are done (or all): (state, DecodeOutput)."""
@@ -503,7 +503,7 @@ def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, sto
     return _run_rounds(decoder, fwd, state, seed_key, eos_ids, pad_id, stop_at)
 
 
-@partial(numerics.jit, static_argnames=("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id"))
+@partial(arithmetic.jit, static_argnames=("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id"))
 def admit(graphdef, params, state: DecodeState | None, rows: Rows | None, canvas_r, rows_r: Rows, slots_r,
           head_params=None, *, decoder, geometry, cache_mode, mask_id, head_graphdef=None):
     """Start R new rows (their first forward, one forward for the R) and put them in `slots_r`

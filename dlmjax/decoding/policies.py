@@ -8,9 +8,13 @@ sure every row with masked positions commits at least its most confident one.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from dlmjax import arithmetic
 
 
 @struct.dataclass
@@ -33,19 +37,28 @@ def nucleus_filter(logits, top_p: float):
 def score(logits_bkv, *, mask_id: int, temperature: float = 0.0, top_p: float = 1.0, keys_b=None) -> Scores:
     """Propose tokens. Greedy at temperature 0; else Gumbel-max per row with `keys_b` [B]."""
     logits = logits_bkv.astype(jnp.float32).at[..., mask_id].set(-jnp.inf)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    if temperature == 0.0:
+        return Scores(*arithmetic.rowwise(_position_scores, logits))
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
+    sample = partial(_position_scores, temperature=temperature, top_p=top_p)
+    return Scores(*arithmetic.rowwise(sample, logits, gumbel))
+
+
+def _position_scores(logits_v, gumbel_v=None, *, temperature: float = 0.0, top_p: float = 1.0):
+    """(token, confidence, entropy, margin) of each position's logits (last axis): the argmax, or
+    the Gumbel-max sample of the tempered, nucleus-filtered logits."""
+    logp = jax.nn.log_softmax(logits_v, axis=-1)
     probs = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
-    if temperature == 0.0:
-        tokens = jnp.argmax(logits, axis=-1)
+    if gumbel_v is None:
+        tokens = jnp.argmax(logits_v, axis=-1)
     else:
-        noisy = nucleus_filter(logits, top_p) / temperature if top_p < 1.0 else logits / temperature
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
-        tokens = jnp.argmax(noisy + gumbel, axis=-1)
+        noisy = nucleus_filter(logits_v, top_p) / temperature if top_p < 1.0 else logits_v / temperature
+        tokens = jnp.argmax(noisy + gumbel_v, axis=-1)
     tokens = tokens.astype(jnp.int32)
     confidence = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
     top2 = jax.lax.top_k(probs, 2)[0]
-    return Scores(tokens=tokens, confidence=confidence, entropy=entropy, margin=top2[..., 0] - top2[..., 1])
+    return tokens, confidence, entropy, top2[..., 0] - top2[..., 1]
 
 
 def top_k_mask(values_bk, eligible_bk, k: int):

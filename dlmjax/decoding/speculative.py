@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from dlmjax import numerics
+from dlmjax import arithmetic
 from dlmjax.decoding.ar import left_pad, positions_from_valid, special_ids
 from dlmjax.decoding.policies import nucleus_filter
 from dlmjax.heads.drafter import Drafter, block_logits, check_compatible, context_features
@@ -102,7 +102,7 @@ def accept_sampled(draft_bk1, q_bk1v, p_bkv, key):
 
 
 @partial(
-    numerics.jit,
+    arithmetic.jit,
     static_argnames=("t_graph", "d_graph", "max_new_tokens", "block", "temperature", "top_p", "eos_ids", "pad_id"),
 )
 def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, max_new_tokens, block, temperature,

@@ -11,18 +11,22 @@ from dlmjax.evaluation.runner import RunRecord
 def markdown_table(records: list[RunRecord]) -> str:
     """One row per (task, decoder); speedup is the task's first decoder's wall time over this one's.
     NFE is per prompt, forwards for the whole task; batch TPF = committed tokens per row slot of
-    those forwards (TPF less the slots idle rows held)."""
+    those forwards (TPF less the slots idle rows held). With `--compare-to`, two columns more:
+    the prompts whose tokens equal the reference decoder's, and the positions that do."""
+    compared = records and records[0].compared_to is not None
+    extra = f" same as `{records[0].compared_to}` | token agreement |" if compared else ""
     lines = [
-        "| task | decoder | n | accuracy | NFE | TPF | useful TPF | forwards | batch TPF | tokens/s | speedup |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| task | decoder | n | accuracy | NFE | TPF | useful TPF | forwards | batch TPF | tokens/s | speedup |" + extra,
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if compared else ""),
     ]
     baseline: dict[str, float] = {}
     for r in records:
         base = baseline.setdefault(r.task, r.wall_s)
+        agreement = f" {100 * r.identical_rows:.1f}% | {100 * r.token_agreement:.2f}% |" if compared else ""
         lines.append(
             f"| {r.task} | `{r.decoder}` | {r.n} | {100 * r.accuracy:.1f}% | {r.nfe:.1f} | {r.tpf:.2f} | "
             f"{r.useful_tpf:.2f} | {r.forwards} | {r.batch_tpf:.2f} | {r.tokens_per_s:.0f} | "
-            f"{base / max(r.wall_s, 1e-9):.2f}x |"
+            f"{base / max(r.wall_s, 1e-9):.2f}x |" + agreement
         )
     return "\n".join(lines) + "\n"
 

@@ -37,6 +37,10 @@ class RunRecord:
     forwards: int = 0  # model forwards run for the whole task (prefills of new prompts included)
     batch_tpf: float = 0.0  # committed tokens / row slots of those forwards (tpf, less idle slots)
     skipped_rows: int = 0
+    # `dlmjax eval --compare-to REF`: agreement of this decoder's tokens with REF's on the same prompts
+    compared_to: str | None = None
+    identical_rows: float | None = None  # fraction of prompts whose generated tokens equal REF's
+    token_agreement: float | None = None  # fraction of positions equal (over the longer of the two)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -128,3 +132,26 @@ def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *,
                 records.append(record)
                 outputs.extend(outs)
     return records, outputs
+
+
+def token_agreement(tokens, reference) -> float:
+    """Fraction of positions where two generations hold the same token, over the longer one."""
+    longest = max(len(tokens), len(reference))
+    return sum(a == b for a, b in zip(tokens, reference)) / longest if longest else 1.0
+
+
+def compare_to(records: list[RunRecord], outputs: list[dict], reference: str) -> list[RunRecord]:
+    """Records with their agreement with decoder `reference` on each task filled in (the fast mode
+    against a lossless decoder's reference, PSD against its policy, ...). `reference` must be
+    among the decoders run."""
+    by_key = {(o["task"], o["decoder"], o["index"]): o["tokens"] for o in outputs}
+    if not any(decoder == reference for _, decoder, _ in by_key):
+        raise InputError(f"--compare-to {reference!r} was not run; name one of the decoders: "
+                         f"{sorted({d for _, d, _ in by_key})}")
+    for record in records:
+        pairs = [(tokens, by_key[(task, reference, index)]) for (task, decoder, index), tokens in by_key.items()
+                 if task == record.task and decoder == record.decoder]
+        record.compared_to = reference
+        record.identical_rows = sum(a == b for a, b in pairs) / len(pairs)
+        record.token_agreement = sum(token_agreement(a, b) for a, b in pairs) / len(pairs)
+    return records

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dlmjax import arithmetic
+
 # A large finite negative instead of -inf: a query with no visible key (a padding row) gets a
 # uniform softmax rather than NaNs, and its output is never read.
 MASK_VALUE = -1e30
@@ -16,9 +18,11 @@ MASK_VALUE = -1e30
 
 def rms_norm(x, scale, eps: float):
     """HF RMSNorm: statistics in float32, cast back, then scale."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return scale * normed.astype(x.dtype)
+    def normalize(rows):
+        x32 = rows.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+    return scale * arithmetic.rowwise(normalize, x)
 
 
 def rope_angles(positions_bl, head_dim: int, theta: float):
@@ -31,14 +35,23 @@ def rope_angles(positions_bl, head_dim: int, theta: float):
 
 def apply_rope(x_blhd, cos_bld, sin_bld):
     """Rotate-half RoPE (Llama/Qwen convention), computed in float32. Angles narrower than the head
-    (partial rotary: `rope_angles` of rotary_dim) rotate its first dims and pass the rest through."""
-    rotary_dim = cos_bld.shape[-1]
-    x32 = x_blhd.astype(jnp.float32)
+    (partial rotary: `rope_angles` of rotary_dim) rotate its first dims and pass the rest through.
+    In the invariant numerics mode it runs over fixed row tiles: XLA's fused code for
+    `x * cos + r * sin` rounds differently with the array's size (measured in bf16)."""
+    cos_b, sin_b = cos_bld[:, :, None, :], sin_bld[:, :, None, :]
+    if arithmetic.current().invariant:
+        cos_b, sin_b = (jnp.broadcast_to(a, x_blhd.shape[:3] + a.shape[-1:]) for a in (cos_b, sin_b))
+    return arithmetic.rowwise(_rotate_half, x_blhd, cos_b, sin_b)
+
+
+def _rotate_half(x, cos, sin):
+    rotary_dim = cos.shape[-1]
+    x32 = x.astype(jnp.float32)
     x32, passed = x32[..., :rotary_dim], x32[..., rotary_dim:]
     half = rotary_dim // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos_bld[:, :, None, :] + rotated * sin_bld[:, :, None, :]
-    return jnp.concatenate([out, passed], axis=-1).astype(x_blhd.dtype)
+    out = x32 * cos + rotated * sin
+    return jnp.concatenate([out, passed], axis=-1).astype(x.dtype)
 
 
 def visibility(
@@ -67,7 +80,43 @@ def visibility(
     return topo & same_segment & k_valid_bk[:, None, :]
 
 
-def attention(q_blhd, kv_parts):
+def attention(q_blhd, kv_parts, query_group: int | None = None):
+    """Grouped-query attention over one or more key/value parts with one joint softmax.
+
+    In the invariant numerics mode each row's queries go through tiles of `query_group` queries
+    (the width of a packed copy: a copy's queries then take the same places in the same
+    computation as in a forward of that copy alone), else of the mode's `query_tile`."""
+    setting = arithmetic.current()
+    if setting.invariant:
+        return _attention_tiled(q_blhd, kv_parts, query_group or setting.query_tile)
+    return _attention(q_blhd, kv_parts)
+
+
+def _attention_tiled(q_blhd, kv_parts, tile: int):
+    """`_attention` row by row and over tiles of `tile` queries (zero queries pad the last), so that
+    every score and value reduction has one shape whatever the batch or the number of queries."""
+    b, l, h, d = q_blhd.shape
+    pad = -l % tile
+    q_btqhd = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, -1, tile, h, d)
+    visible_btqs = [jnp.pad(vis, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, tile, vis.shape[-1])
+                    for _, _, vis in kv_parts]
+
+    def one_row(xs):
+        q_tqhd, keys, values, visible = xs
+
+        def one_tile(tile_xs):
+            q_qhd, vis = tile_xs
+            parts = [(k[None], v[None], s[None]) for k, v, s in zip(keys, values, vis)]
+            return jax.lax.optimization_barrier(_attention(jax.lax.optimization_barrier(q_qhd[None]), parts)[0])
+
+        return jax.lax.map(one_tile, (q_tqhd, visible))
+
+    keys, values = [k for k, _, _ in kv_parts], [v for _, v, _ in kv_parts]
+    out = jax.lax.map(one_row, (q_btqhd, keys, values, visible_btqs))
+    return out.reshape(b, l + pad, h, d)[:, :l]
+
+
+def _attention(q_blhd, kv_parts):
     """Grouped-query attention over one or more key/value parts with one joint softmax.
 
     kv_parts: [(k [B,S,Hkv,hd], v [B,S,Hkv,hd], visible [B,L,S]), ...]. Splitting the keys

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from dlmjax import arithmetic
 from dlmjax.config import ModelConfig
 from dlmjax.models import layers
 from dlmjax.models.moe import MoE
@@ -43,7 +44,7 @@ class Linear(nnx.Module):
     def __call__(self, x):
         # A 2-D matmul over flattened rows: on CPU the backward of a batched 3-D matmul is ~4x slower.
         kernel = self.kernel[...]
-        y = (x.reshape(-1, x.shape[-1]) @ kernel).reshape(*x.shape[:-1], kernel.shape[1])
+        y = arithmetic.matmul(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -175,8 +176,17 @@ class Attention(nnx.Module):
             end = start + size
             parts.append((k[:, start:end], v[:, start:end], self_visible[..., start:end]))
             start = end
-        out = layers.attention(q, parts)
+        out = layers.attention(q, parts, query_group=_uniform_width(chunk_parts, l))
         return self.o(out.reshape(b, l, -1)), (k, v)
+
+
+def _uniform_width(chunk_parts, length: int) -> int | None:
+    """The width of the chunk's key parts when they are all equal (packed copies), else None."""
+    return chunk_parts[0] if chunk_parts and len(set(chunk_parts)) == 1 and length % chunk_parts[0] == 0 else None
+
+
+def _swiglu(gate, up):
+    return jax.nn.silu(gate) * up
 
 
 class MLP(nnx.Module):
@@ -187,7 +197,7 @@ class MLP(nnx.Module):
         self.down = Linear(f, d, bias=False, dtype=dt, rngs=rngs)
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(arithmetic.rowwise(_swiglu, self.gate(x), self.up(x)))
 
 
 class Block(nnx.Module):
@@ -227,7 +237,7 @@ class Transformer(nnx.Module):
         """Final-normed hidden -> float32 logits (no alignment shift)."""
         w_dv = self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
         rows = hidden_bld.reshape(-1, hidden_bld.shape[-1])
-        logits = jnp.matmul(rows, w_dv, preferred_element_type=jnp.float32)
+        logits = arithmetic.matmul(rows, w_dv, preferred_element_type=jnp.float32)
         return logits.reshape(*hidden_bld.shape[:-1], w_dv.shape[1])
 
     def __call__(

@@ -1,0 +1,169 @@
+"""Exactness: what the batch-invariant numerics cost per forward, and how far the fast mode's tokens
+drift from the reference decoders' (issue 16).
+
+Part 1, cost: one decode-step forward (a block of `--block` tokens against a cache of `--prompt-len`
+tokens, as BlockForwards.verify runs it) at batch 1, 16 and 64, fast vs invariant, median ms.
+Part 2, agreement: on the same prompts, the fraction of rows whose tokens equal the reference's, and
+of token positions that do, for
+- PSD against its policy run one step per forward (lossless by construction),
+- mrp-spec against static (lossless by construction),
+- threshold at batch N against the same prompts one at a time,
+in the fast mode and in the invariant mode.
+
+    PYTHONPATH=. python benchmarks/exactness.py                            # toy-sdar (CPU)
+    PYTHONPATH=. python benchmarks/exactness.py --shape sdar-1.7b          # random weights, bf16 (GPU)
+
+On CPU wall time is not the target; the agreement is (the CPU's fast mode already rounds
+differently by batch shape in fp32, so it can flip near-ties too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dlmjax
+from benchmarks.decode_throughput import SHAPES, random_sdar
+from dlmjax import arithmetic
+from dlmjax.decoding import engine
+from dlmjax.decoding.api import generate
+from dlmjax.evaluation.runner import token_agreement
+from dlmjax.evaluation.tasks import load_eval_set
+from dlmjax.models.transformer import KVCache
+from dlmjax.presets import load_checkpoint
+
+MODES = {"fast": dict(invariant=False), "invariant": dict(invariant=True)}
+
+
+@partial(arithmetic.jit, static_argnames="graphdef")
+def _prefill(graphdef, state, prompts_bp, capacity):
+    model = nnx.merge(graphdef, state)
+    cache = KVCache.init(model.config, prompts_bp.shape[0], capacity.shape[0])
+    positions = jnp.broadcast_to(jnp.arange(prompts_bp.shape[1]), prompts_bp.shape)
+    return model(prompts_bp, positions, cache=cache, write_cache=True, compute_logits=False).cache
+
+
+@partial(arithmetic.jit, static_argnames="graphdef")
+def _step(graphdef, state, block_bk, cache):
+    model = nnx.merge(graphdef, state)
+    b, k = block_bk.shape
+    positions = jnp.broadcast_to(cache.length + jnp.arange(k), (b, k))
+    return model(block_bk, positions, cache=cache, chunk_parts=engine.copy_parts(1, k)).logits
+
+
+def step_ms(model, batch: int, prompt_len: int, block: int, repeats: int) -> float:
+    """Median wall ms of one decode-step forward at `batch` rows."""
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    prompts = jnp.asarray(rng.integers(0, vocab - 2, (batch, prompt_len)), jnp.int32)
+    block_bk = jnp.asarray(rng.integers(0, vocab - 2, (batch, block)), jnp.int32)
+    cache = _prefill(graphdef, state, prompts, jnp.zeros(prompt_len + block))
+    jax.block_until_ready(_step(graphdef, state, block_bk, cache))  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(_step(graphdef, state, block_bk, cache))
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def agreement(rows, reference_rows) -> tuple[float, float]:
+    pairs = list(zip([r.tokens for r in rows], [r.tokens for r in reference_rows]))
+    return (sum(a == b for a, b in pairs) / len(pairs),
+            sum(token_agreement(a, b) for a, b in pairs) / len(pairs))
+
+
+def agreement_runs(model, head, tokenizer, prompts, max_new: int, batch: int, block: int):
+    """[(comparison, identical rows, token agreement)] of the three comparisons in the current mode."""
+    def run(decoder, batch_prompts):
+        return generate(model, batch_prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new,
+                        head=head).rows
+
+    def batched(decoder):
+        return [row for s in range(0, len(prompts), batch) for row in run(decoder, prompts[s:s + batch])]
+
+    threshold = "threshold:tau=0.9"
+    results = [(f"psd:policy=threshold,tau=0.9,depth=3 vs {threshold}",
+                *agreement(batched("psd:policy=threshold,tau=0.9,depth=3"), batched(threshold)))]
+    if head is not None:
+        results.append(("mrp-spec:drafts=3 vs static", *agreement(batched("mrp-spec:drafts=3"), batched("static"))))
+    alone = [run(threshold, [p])[0] for p in prompts]
+    results.append((f"{threshold} batch {batch} vs batch 1", *agreement(batched(threshold), alone)))
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random SDAR-shaped weights (bf16) instead of toy-sdar")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=512, help="cache length of the step forward (and --shape prompts)")
+    p.add_argument("--max-new", type=int, default=None, help="default: 32 (toy-sdar), 128 (--shape)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--skip-agreement", action="store_true")
+    p.add_argument("--out", default=None, help="results directory (default benchmarks/results/exactness)")
+    args = p.parse_args()
+    device = jax.devices()[0]
+    command = " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv])
+    print("command:", command)
+    print(f"jax {jax.__version__} on {device.platform} ({device.device_kind}), {platform.processor() or platform.machine()}")
+    if args.shape:
+        model, head = random_sdar(args.shape)
+        rng = np.random.RandomState(0)
+        prompts = [rng.randint(0, 150000, 256).tolist() for _ in range(args.prompts)]
+        tokenizer, max_new, name = None, args.max_new or 128, f"random {args.shape} (bf16)"
+    else:
+        _, model, tokenizer, head = load_checkpoint("toy-sdar")
+        half = args.prompts // 2
+        items = load_eval_set("toy-arith", limit=args.prompts - half).items + load_eval_set("toy-constraint", limit=half).items
+        prompts, max_new, name = [item.prompt for item in items], args.max_new or 32, "toy-sdar"
+    block = model.config.block_size
+    lines = [f"`{command}`", "", f"jax {jax.__version__}, {device.platform} {device.device_kind}, model {name}", "",
+             f"Decode-step forward ({block} tokens against {args.prompt_len} cached), median of {args.repeats}:", "",
+             "| batch | fast ms | invariant ms | invariant / fast |", "|---:|---:|---:|---:|"]
+    costs = []
+    for batch in args.batches:
+        ms = {}
+        for mode, setting in MODES.items():
+            with dlmjax.numerics(**setting):
+                ms[mode] = step_ms(model, batch, args.prompt_len, block, args.repeats)
+        costs.append(dict(batch=batch, **{f"{m}_ms": v for m, v in ms.items()}))
+        lines.append(f"| {batch} | {ms['fast']:.2f} | {ms['invariant']:.2f} | {ms['invariant'] / ms['fast']:.2f}x |")
+        print(lines[-1], flush=True)
+    agreements = []
+    if not args.skip_agreement:
+        batch = max(args.batches)
+        lines += ["", f"Token agreement over {len(prompts)} prompts, {max_new} new tokens, batch {batch}:", "",
+                  "| mode | comparison | identical rows | token agreement |", "|---|---|---:|---:|"]
+        for mode, setting in MODES.items():
+            with dlmjax.numerics(**setting):
+                for comparison, rows_same, tokens_same in agreement_runs(model, head, tokenizer, prompts, max_new,
+                                                                         batch, block):
+                    agreements.append(dict(mode=mode, comparison=comparison, identical_rows=rows_same,
+                                           token_agreement=tokens_same))
+                    lines.append(f"| {mode} | {comparison} | {100 * rows_same:.1f}% | {100 * tokens_same:.2f}% |")
+                    print(lines[-1], flush=True)
+    out = Path(args.out or Path(__file__).parent / "results" / "exactness")
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"{device.platform}-{args.shape or 'toy-sdar'}"
+    (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
+                                                     device=f"{device.platform} {device.device_kind}",
+                                                     step_cost=costs, agreement=agreements), indent=2))
+    (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / tag}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

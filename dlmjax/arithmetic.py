@@ -1,0 +1,145 @@
+"""How the forward computes (`dlmjax.numerics`): matmul precision and the batch-invariant mode.
+
+    with dlmjax.numerics(precision="highest", invariant=True):
+        dlmjax.generate(model, prompts, decoder="psd")
+
+- `precision`: "default" lets the accelerator round fp32 matmuls through TF32 (GPU) or bf16
+  passes (TPU), which is fast and off by ~1e-2 from PyTorch's fp32; "highest" computes them in
+  full fp32. It sets jax's own `default_matmul_precision`; unset (None), jax's setting stands
+  (its default, or JAX_DEFAULT_MATMUL_PRECISION). On CPU both are exact fp32.
+- `invariant`: every reduction a row's logits depend on is computed at a shape that does not
+  depend on the batch size, on how many candidate copies are packed beside it, or on the other
+  rows' values. Matmuls run over fixed tiles of `row_tile` rows (one compiled dot, whatever the
+  batch), and the attention of packed copies sums each copy's keys on their own. A row then has
+  bitwise the same logits alone, in a batch of N and as one of N packed copies, so PSD equals its
+  policy and mrp-spec equals static on accelerators too, where the fast mode lets near-ties flip.
+  DLMJAX_INVARIANT=1 in the environment turns it on for the whole process.
+
+The setting is read when a function is traced. `arithmetic.jit` (used by the decoding entry points
+in place of `jax.jit`) makes it part of the compiled function's cache key, so switching it never
+reuses a program traced under the other setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+import os
+from dataclasses import dataclass, replace
+
+import jax
+import jax.numpy as jnp
+
+from dlmjax.validation import InputError
+
+PRECISIONS = ("default", "highest")
+
+
+@dataclass(frozen=True)
+class Numerics:
+    precision: str | None = None  # None: jax's own default_matmul_precision stands
+    invariant: bool = False
+    row_tile: int = 128  # rows per matmul tile in invariant mode
+    query_tile: int = 16  # queries per attention tile (per row) in invariant mode
+
+    def __post_init__(self):
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise InputError(f"precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.row_tile < 1 or self.query_tile < 1:
+            raise InputError(f"row_tile={self.row_tile} and query_tile={self.query_tile} must be >= 1")
+
+
+_CURRENT: contextvars.ContextVar[Numerics] = contextvars.ContextVar(
+    "dlmjax_numerics", default=Numerics(invariant=os.environ.get("DLMJAX_INVARIANT", "0") not in ("", "0")))
+
+
+def current() -> Numerics:
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def numerics(precision: str | None = None, invariant: bool | None = None, row_tile: int | None = None,
+             query_tile: int | None = None):
+    """Set the numerics for the code inside (unset arguments keep the current value)."""
+    changes = {name: value for name, value in dict(precision=precision, invariant=invariant, row_tile=row_tile,
+                                                   query_tile=query_tile).items() if value is not None}
+    with _use(replace(current(), **changes)):
+        yield current()
+
+
+@contextlib.contextmanager
+def _use(setting: Numerics):
+    token = _CURRENT.set(setting)
+    try:
+        with _matmul_precision(setting):
+            yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def _matmul_precision(setting: Numerics):
+    return contextlib.nullcontext() if setting.precision is None else jax.default_matmul_precision(setting.precision)
+
+
+
+def jit(fun=None, **jit_kwargs):
+    """`jax.jit` whose cache key includes the current numerics (a hidden static argument), and
+    whose trace runs under them."""
+    if fun is None:
+        return functools.partial(jit, **jit_kwargs)
+    static = tuple(jit_kwargs.pop("static_argnames", ())) + ("_numerics",)
+
+    def traced(*args, _numerics: Numerics, **kwargs):
+        with _use(_numerics):
+            return fun(*args, **kwargs)
+
+    compiled = jax.jit(traced, static_argnames=static, **jit_kwargs)
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        setting = current()
+        with _matmul_precision(setting):
+            return compiled(*args, _numerics=setting, **kwargs)
+
+    return call
+
+
+def rowwise(fn, *arrays):
+    """fn(*arrays) for a function that treats each row (each index of the leading axes; the last
+    axis is the row) on its own, e.g. a norm or a softmax over the last axis. In invariant mode the
+    rows go through fixed tiles of `row_tile` rows, so that a row's result never depends on how
+    many rows there are (XLA picks reduction code by shape). fn returns arrays (or a tuple of
+    them) with the rows' leading axes, optionally a last axis of their own."""
+    setting = current()
+    if not setting.invariant:
+        return fn(*arrays)
+    lead, tile = arrays[0].shape[:-1], setting.row_tile
+    m = math.prod(lead)
+    tiled = [jnp.pad(a.reshape(m, a.shape[-1]), ((0, -m % tile), (0, 0))).reshape(-1, tile, a.shape[-1])
+             for a in arrays]
+
+    def one_tile(xs):
+        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(xs)))
+
+    out = jax.lax.map(one_tile, tiled)
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m].reshape(*lead, *y.shape[2:]), out)
+
+
+def matmul(x_mk, w_kn, preferred_element_type=None):
+    """x @ w over rows [M, K]. In invariant mode the rows go through one fixed [row_tile, K] dot
+    per tile (zero rows pad the last), so a row's result never depends on M."""
+    setting = current()
+    if not setting.invariant:
+        return jnp.matmul(x_mk, w_kn, preferred_element_type=preferred_element_type)
+    m, k = x_mk.shape
+    tile = setting.row_tile
+    tiles = jnp.pad(x_mk, ((0, -m % tile), (0, 0))).reshape(-1, tile, k)
+
+    def one_tile(x_tk):
+        # The barrier keeps XLA from fusing the dot with what surrounds it differently per shape.
+        y = jnp.matmul(jax.lax.optimization_barrier(x_tk), w_kn, preferred_element_type=preferred_element_type)
+        return jax.lax.optimization_barrier(y)
+
+    return jax.lax.map(one_tile, tiles).reshape(-1, w_kn.shape[1])[:m]

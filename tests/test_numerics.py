@@ -1,0 +1,137 @@
+"""The numerics switch (`dlmjax.numerics`): matmul precision, and the batch-invariant mode in which a
+row's logits are bitwise the same alone, in a batch and as one of N packed copies.
+
+On CPU the fast mode already breaks bitwise invariance in fp32 (XLA picks matmul and reduction
+code by shape: measured 4e-6..9e-6 between a row alone and in a batch of 7), so these tests prove
+the mode on CPU too, not only on accelerators."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dlmjax
+from dlmjax import arithmetic
+from dlmjax.decoding import engine
+from dlmjax.decoding.api import generate
+from dlmjax.models.transformer import KVCache
+from dlmjax.validation import InputError
+from test_decoding import MAX_NEW, PROMPTS, peaky_model
+
+BLOCK, PROMPT_LEN, VOCAB = 4, 12, 384
+
+
+def plain_model(dtype: str):
+    """A small random SDAR model, not sharpened: its logits have the near-ties that real models have."""
+    cfg = dlmjax.ModelConfig(
+        family="sdar", vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=32, attention="block_causal", block_size=BLOCK, qk_norm=True,
+        mask_token_id=VOCAB - 1, eos_token_ids=(VOCAB - 2,), pad_token_id=0, max_position_embeddings=64, dtype=dtype,
+    )
+    return dlmjax.init_model(cfg, seed=3)
+
+
+def block_logits(model, prompts_bp, copies_bnk):
+    """Logits [B, N, K, V] of N packed candidate copies of each row's next block, after a prefill of
+    its prompt: the layout of PSD and MRP verification (engine.BlockForwards.verify)."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(_block_logits(graphdef, state, prompts_bp, copies_bnk))
+
+
+@partial(arithmetic.jit, static_argnames="graphdef")
+def _block_logits(graphdef, state, prompts_bp, copies_bnk):
+    model = nnx.merge(graphdef, state)
+    b, n, k = copies_bnk.shape
+    cache = KVCache.init(model.config, b, PROMPT_LEN + k)
+    prefill = model(prompts_bp, jnp.broadcast_to(jnp.arange(PROMPT_LEN), prompts_bp.shape), cache=cache,
+                    write_cache=True)
+    positions = jnp.tile(jnp.arange(PROMPT_LEN, PROMPT_LEN + k), (b, n))
+    segments = jnp.broadcast_to(jnp.repeat(jnp.arange(1, n + 1), k), (b, n * k))
+    out = model(copies_bnk.reshape(b, n * k), positions, segments_bl=segments, cache=prefill.cache,
+                chunk_parts=engine.copy_parts(n, k))
+    return out.logits.astype(jnp.float32).reshape(b, n, k, -1)
+
+
+def layouts(model):
+    """Row 0's block logits alone, in a batch of 7, in a batch of 64, and as copy 3 of 4."""
+    rng = np.random.default_rng(0)
+    prompts = jnp.asarray(rng.integers(1, VOCAB - 2, (64, PROMPT_LEN)), jnp.int32)
+    copies = jnp.asarray(rng.integers(1, VOCAB - 2, (64, 4, BLOCK)), jnp.int32)
+    own = copies[:, 2:3]
+    return {
+        "alone": block_logits(model, prompts[:1], own[:1])[0, 0],
+        "batch 7": block_logits(model, prompts[:7], own[:7])[0, 0],
+        "batch 64": block_logits(model, prompts, own)[0, 0],
+        "copy 3 of 4": block_logits(model, prompts[:1], copies[:1])[0, 2],
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_invariant_mode_gives_a_row_bitwise_the_same_logits_in_any_layout(dtype):
+    model = plain_model(dtype)
+    with dlmjax.numerics(invariant=True):
+        logits = layouts(model)
+    for layout, value in logits.items():
+        np.testing.assert_array_equal(value, logits["alone"], err_msg=f"{layout} differs from the row alone")
+
+
+def test_fast_mode_is_not_bitwise_invariant_here_so_the_test_above_can_fail():
+    logits = layouts(plain_model("float32"))
+    differs = [name for name, value in logits.items() if not np.array_equal(value, logits["alone"])]
+    if not differs:
+        pytest.skip("this platform's fast mode happens to be bitwise invariant for these shapes")
+    assert max(np.abs(logits[name] - logits["alone"]).max() for name in differs) < 1e-3
+
+
+@pytest.mark.parametrize("decoder", ["psd:policy=topk,depth=4", "psd:policy=threshold,tau=0.3,depth=3"])
+def test_invariant_mode_psd_equals_its_policy_and_rows_equal_themselves_alone(decoder):
+    model = plain_model("float32")
+    prompts = [[t % (VOCAB - 3) + 1 for t in p] for p in PROMPTS]
+    policy = decoder.replace("depth=4", "depth=1").replace("depth=3", "depth=1")
+    with dlmjax.numerics(invariant=True):
+        speculative = generate(model, prompts, decoder=decoder, max_new_tokens=2 * MAX_NEW)
+        stepwise = generate(model, prompts, decoder=policy, max_new_tokens=2 * MAX_NEW)
+        alone = [generate(model, [p], decoder=decoder, max_new_tokens=2 * MAX_NEW).rows[0] for p in prompts[:3]]
+    assert [r.tokens for r in speculative.rows] == [r.tokens for r in stepwise.rows]
+    assert speculative.forwards < stepwise.forwards, "no draft was accepted: the test is vacuous"
+    assert [r.tokens for r in alone] == [r.tokens for r in speculative.rows[:3]]
+    assert [r.nfe for r in alone] == [r.nfe for r in speculative.rows[:3]]
+
+
+def test_invariant_mode_keeps_the_fast_modes_tokens_on_a_peaked_model():
+    """The mode changes rounding only: where no near-tie exists, the tokens are the fast mode's."""
+    model = peaky_model("sdar", seed=1)
+    fast = generate(model, PROMPTS, decoder="threshold:tau=0.5", max_new_tokens=MAX_NEW)
+    with dlmjax.numerics(invariant=True):
+        invariant = generate(model, PROMPTS, decoder="threshold:tau=0.5", max_new_tokens=MAX_NEW)
+    assert [r.tokens for r in invariant.rows] == [r.tokens for r in fast.rows]
+
+
+def test_compiled_functions_are_keyed_by_the_numerics():
+    """A program traced in one mode is never reused in the other."""
+    mode = arithmetic.jit(lambda x: x + int(arithmetic.current().invariant))
+    assert int(mode(jnp.int32(0))) == 0
+    with dlmjax.numerics(invariant=True):
+        assert int(mode(jnp.int32(0))) == 1
+    assert int(mode(jnp.int32(0))) == 0
+
+
+def test_precision_sets_jax_matmul_precision_inside_and_restores_it():
+    before = jax.config.jax_default_matmul_precision
+    with dlmjax.numerics(precision="highest") as setting:
+        assert setting.precision == "highest"
+        assert jax.config.jax_default_matmul_precision == "highest"
+    assert jax.config.jax_default_matmul_precision == before
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(precision="tf32"), "choose one of default, highest"),
+    (dict(row_tile=0), "must be >= 1"),
+])
+def test_bad_numerics_options(options, message):
+    with pytest.raises(InputError, match=message):
+        with dlmjax.numerics(**options):
+            pass
