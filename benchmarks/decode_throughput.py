@@ -30,7 +30,8 @@ from dlmjax.evaluation.tasks import load_eval_set
 from dlmjax.heads.mrp import init_head
 from dlmjax.presets import load_checkpoint
 
-SHAPES = {  # Qwen3 / SDAR shapes
+SHAPES = {  # Qwen3 / SDAR shapes (sdar-mini: a CPU-sized stand-in with the real vocabulary and head dim)
+    "sdar-mini": dict(hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4, num_kv_heads=2),
     "sdar-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16, num_kv_heads=8),
     "sdar-8b": dict(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8),
 }

@@ -8,6 +8,8 @@
     dlmjax traces [--model DIR_OR_PRESET] --out DIR        (TSPD training traces)
     dlmjax export SRC OUT --format torch
     dlmjax lm-eval --model dlmjax --model_args pretrained=DIR_OR_PRESET,... --tasks ...   (lm-eval's flags)
+
+generate, eval, train and traces take --precision {default,highest} and --invariant (dlmjax.numerics).
 """
 
 from __future__ import annotations
