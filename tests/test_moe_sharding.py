@@ -12,6 +12,8 @@ import dlmjax
 from dlmjax.decoding.api import generate
 from dlmjax.sharding import batch_sharding, make_mesh
 
+pytestmark = pytest.mark.devices(8)
+
 VOCAB = 64
 
 

@@ -17,6 +17,7 @@ import dlmjax
 from dlmjax import arithmetic
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
+from dlmjax.heads.mrp import init_head
 from dlmjax.models.transformer import KVCache
 from dlmjax.validation import InputError
 from test_decoding import MAX_NEW, PROMPTS, peaky_model
@@ -99,6 +100,17 @@ def test_invariant_mode_psd_equals_its_policy_and_rows_equal_themselves_alone(de
     assert speculative.forwards < stepwise.forwards, "no draft was accepted: the test is vacuous"
     assert [r.tokens for r in alone] == [r.tokens for r in speculative.rows[:3]]
     assert [r.nfe for r in alone] == [r.nfe for r in speculative.rows[:3]]
+
+
+def test_invariant_mode_mrp_spec_equals_static():
+    model = plain_model("float32")
+    head = init_head(model.config, num_layers=1, init_std=0.2, seed=1)
+    prompts = [[t % (VOCAB - 3) + 1 for t in p] for p in PROMPTS]
+    with dlmjax.numerics(invariant=True):
+        spec = generate(model, prompts, decoder="mrp-spec:drafts=3", max_new_tokens=2 * MAX_NEW, head=head)
+        static = generate(model, prompts, decoder="static", max_new_tokens=2 * MAX_NEW)
+    assert [r.tokens for r in spec.rows] == [r.tokens for r in static.rows]
+    assert spec.forwards < static.forwards, "no draft was accepted: the test is vacuous"
 
 
 def test_invariant_mode_keeps_the_fast_modes_tokens_on_a_peaked_model():

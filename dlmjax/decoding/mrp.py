@@ -41,6 +41,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from dlmjax import arithmetic
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import BlockForwards, DecodeState, Plan
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
@@ -174,7 +175,8 @@ class MRPRemask(MRPDecoder):
             veto = veto | (size > self.delta)
         if self.rule in ("confidence", "both"):
             corrected = (logits_bkv + residual_bkv).at[..., mask_id].set(-jnp.inf)
-            post = jnp.take_along_axis(jax.nn.softmax(corrected, axis=-1), scores.tokens[..., None], axis=-1)[..., 0]
+            post = jnp.take_along_axis(arithmetic.rowwise(jax.nn.softmax, corrected), scores.tokens[..., None],
+                                       axis=-1)[..., 0]
             veto = veto | (post < self.tau)
         kept = proposed_bk & ~veto
         all_vetoed = jnp.any(proposed_bk, axis=-1, keepdims=True) & ~jnp.any(kept, axis=-1, keepdims=True)
