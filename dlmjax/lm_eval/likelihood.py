@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dlmjax import arithmetic
 from dlmjax.models.transformer import Transformer
 from dlmjax.train.objectives import block_diffusion_visibility
 
@@ -55,7 +56,7 @@ def _pad_rows(rows: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarra
 # ---------------------------------------------------------------------------------------- causal
 
 
-@partial(jax.jit, static_argnums=0)
+@partial(arithmetic.jit, static_argnums=0)
 def _next_token_scores(graphdef, params, inputs_bl, targets_bl, valid_bl):
     """(log p(target i | inputs <= i), target i == argmax) at every position: [B, L] each."""
     model = nnx.merge(graphdef, params)
@@ -128,7 +129,7 @@ def sample_masks(context: list[int], continuation: list[int], *, mc_num: int, se
     return MaskSamples(tokens, masked, weight)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "block_size", "mask_id"))
+@partial(arithmetic.jit, static_argnames=("graphdef", "block_size", "mask_id"))
 def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, *, block_size, mask_id):
     """log p(clean token | the noisy sequence) at every position: [B, L] (read where masked)."""
     model = nnx.merge(graphdef, params)
