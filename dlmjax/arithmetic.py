@@ -85,14 +85,16 @@ def _matmul_precision(setting: Numerics):
 
 
 def jit(fun=None, **jit_kwargs):
-    """`jax.jit` whose cache key includes the current numerics (a hidden static argument), and
-    whose trace runs under them."""
+    """`jax.jit` whose cache key includes the current numerics and kernel mode (`dlmjax.kernels`;
+    hidden static arguments), and whose trace runs under them."""
     if fun is None:
         return functools.partial(jit, **jit_kwargs)
-    static = tuple(jit_kwargs.pop("static_argnames", ())) + ("_numerics",)
+    from dlmjax import kernels
 
-    def traced(*args, _numerics: Numerics, **kwargs):
-        with _use(_numerics):
+    static = tuple(jit_kwargs.pop("static_argnames", ())) + ("_numerics", "_kernels")
+
+    def traced(*args, _numerics: Numerics, _kernels: str, **kwargs):
+        with _use(_numerics), kernels.use(_kernels):
             return fun(*args, **kwargs)
 
     compiled = jax.jit(traced, static_argnames=static, **jit_kwargs)
@@ -101,7 +103,7 @@ def jit(fun=None, **jit_kwargs):
     def call(*args, **kwargs):
         setting = current()
         with _matmul_precision(setting):
-            return compiled(*args, _numerics=setting, **kwargs)
+            return compiled(*args, _numerics=setting, _kernels=kernels.current(), **kwargs)
 
     return call
 

@@ -1,0 +1,99 @@
+"""Pallas kernels behind one switch, each with a pure-jnp reference and a logged fallback.
+
+    with dlmjax.kernels.use("off"):          # references only
+        ...
+    DLMJAX_KERNELS=interpret python ...     # Pallas kernels in interpret mode (any device; tests)
+
+Modes:
+- "auto" (default): the kernels where they are supported, i.e. on GPU and TPU; on CPU the
+  reference (today's XLA code) runs.
+- "on": the kernels wherever they are supported (on CPU that means nowhere: the reference runs,
+  with the reason logged).
+- "interpret": the kernels in Pallas interpret mode on any device (slow; tests on CPU).
+- "off": the references everywhere.
+
+Each kernel lives in its own folder (`residual_argmax/`, `attention/`) as `reference.py` (pure
+jnp, the definition), `kernel.py` (Pallas) and `__init__.py` (the dispatcher). A dispatcher runs
+the reference, and logs why once per reason (logger "dlmjax.kernels"), when the mode, the
+device, the numerics or the shapes rule the kernel out. In the batch-invariant numerics mode
+(`dlmjax.numerics(invariant=True)`) the references run: their fixed-tile paths are what the
+invariance tests prove.
+
+The mode is read when a function is traced; `dlmjax.arithmetic.jit` keys its compiled programs by
+it, so switching never reuses a program traced under another mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+
+MODES = ("auto", "on", "interpret", "off")
+ACCELERATORS = ("gpu", "tpu")
+
+log = logging.getLogger("dlmjax.kernels")
+
+
+def _env_mode() -> str:
+    mode = os.environ.get("DLMJAX_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"DLMJAX_KERNELS={mode!r}; choose one of {', '.join(MODES)}")
+    return mode
+
+
+_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("dlmjax_kernels", default=_env_mode())
+
+
+def current() -> str:
+    """The kernel mode in force ("auto", "on", "interpret" or "off")."""
+    return _MODE.get()
+
+
+@contextlib.contextmanager
+def use(mode: str):
+    """Run the code inside under kernel `mode` (one of MODES)."""
+    if mode not in MODES:
+        from dlmjax.validation import InputError
+
+        raise InputError(f"kernels={mode!r}; choose one of {', '.join(MODES)}")
+    token = _MODE.set(mode)
+    try:
+        yield mode
+    finally:
+        _MODE.reset(token)
+
+
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def fallback(kernel: str, reason: str) -> None:
+    """Log (once per kernel and reason) that `kernel` runs its reference because of `reason`."""
+    if (kernel, reason) not in _LOGGED:
+        _LOGGED.add((kernel, reason))
+        log.info("%s: reference path (%s)", kernel, reason)
+
+
+def choose(kernel: str, unsupported: str | None = None) -> str | None:
+    """How `kernel` runs now: "kernel", "interpret", or None for the reference (the reason
+    logged). `unsupported`: the dispatcher's own reason to refuse these shapes, if any."""
+    import jax
+
+    from dlmjax import arithmetic
+
+    mode = current()
+    backend = jax.default_backend()
+    if mode == "off":
+        return None  # asked for: nothing to log
+    if arithmetic.current().invariant:
+        fallback(kernel, "batch-invariant numerics keep their fixed-tile reference paths")
+        return None
+    if mode != "interpret" and backend not in ACCELERATORS:
+        if mode == "on":
+            fallback(kernel, f"no Pallas kernel on {backend}")
+        return None
+    if unsupported is not None:
+        fallback(kernel, unsupported)
+        return None
+    return "interpret" if mode == "interpret" else "kernel"

@@ -1,0 +1,47 @@
+"""`residual_argmax`: greedy scores of positions straight from their hidden states, without the
+[M, V] logits. Dispatches to the Pallas kernel (`kernel.py`) or the reference (`reference.py`)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from dlmjax import kernels
+from dlmjax.kernels.residual_argmax import kernel as _kernel
+from dlmjax.kernels.residual_argmax.reference import ArgmaxScores, logits
+from dlmjax.kernels.residual_argmax.reference import residual_argmax as reference
+
+__all__ = ["ArgmaxScores", "logits", "reference", "residual_argmax"]
+
+TILE_M, TILE_V = 16, 2048
+
+
+def _unsupported(x_md, w_dv, tile_v: int, interpret: bool) -> str | None:
+    d, vocab = w_dv.shape
+    if vocab < 2:
+        return f"vocabulary of {vocab}"
+    if not interpret and (d & (d - 1) or d < 16 or vocab < tile_v):
+        return f"hidden size {d} not a power of two >= 16, or vocabulary {vocab} < the tile {tile_v}"
+    return None
+
+
+def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_m: int = TILE_M,
+                    tile_v: int = TILE_V) -> ArgmaxScores:
+    """Per position m: the argmax of lm_head(norm(x_m)) (+ s * lm_head(h_p_m)) over the vocabulary
+    without `mask_id`, its probability, the entropy and the top-1 minus top-2 probability.
+
+    x_md [M, D] (final-normed already unless `norm` = (scale [D], eps)); w_dv [D, V] the lm_head;
+    residual = (h_p [M, D], s): MRP's residual in logit space. Greedy only (no sampling)."""
+    interpret_only = kernels.current() == "interpret"
+    how = kernels.choose("residual_argmax", _unsupported(x_md, w_dv, tile_v, interpret_only))
+    if how is None:
+        return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
+    m, vocab = x_md.shape[0], w_dv.shape[1]
+    tile_v = min(tile_v, vocab)
+    pad = -m % tile_m
+    x = jnp.pad(x_md, ((0, pad), (0, 0)))
+    h_p = None if residual is None else jnp.pad(residual[0].astype(x_md.dtype), ((0, pad), (0, 0)))
+    stats = _kernel.residual_argmax_stats(
+        x, w_dv, None if norm is None else norm[0], h_p, mask_id=mask_id,
+        eps=None if norm is None else float(norm[1]), residual_scale=None if residual is None else float(residual[1]),
+        tile_m=tile_m, tile_v=tile_v, interpret=how == "interpret")
+    return ArgmaxScores(*(a[:m] for a in _kernel.finish(*stats)))
