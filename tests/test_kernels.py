@@ -55,7 +55,7 @@ def _check_argmax(case, dtype):
                                    err_msg=name)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(argmax_cases())
 def test_residual_argmax_equals_its_reference_fp32(case):
     _check_argmax(case, "float32")
@@ -98,3 +98,113 @@ def test_the_switch_refuses_unknown_modes():
     with pytest.raises(dlmjax.validation.InputError, match="choose one of"):
         with kernels.use("fast"):
             pass
+
+
+@pytest.mark.parametrize("family,spec", [("sdar", "threshold:tau=0.5"), ("llada", "entropy:block=4,cache=dual"),
+                                         ("sdar", "psd:depth=2")])
+def test_decoders_give_the_same_tokens_with_kernels_on_and_off(family, spec):
+    """Interpret mode on CPU: the greedy policy decoders score from the hidden state through
+    residual_argmax (their forwards keep no logits), the attention goes through its kernels; every
+    decoder's tokens and NFE equal those with the kernels off."""
+    from test_decoding import MAX_NEW, PROMPTS, peaky_model
+
+    from dlmjax.decoding.api import generate
+    from dlmjax.decoding.spec import parse_decoder
+
+    model = peaky_model(family, seed=3)
+    with kernels.use("off"):
+        off = generate(model, PROMPTS[:3], decoder=spec, max_new_tokens=MAX_NEW)
+    with kernels.use("interpret"):
+        assert parse_decoder(spec).scores_from_hidden(model) == (not spec.startswith("psd"))
+        on = generate(model, PROMPTS[:3], decoder=spec, max_new_tokens=MAX_NEW)
+    assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows]
+    assert [r.nfe for r in on.rows] == [r.nfe for r in off.rows]
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+from dlmjax.kernels.attention import attention as attention_dispatch  # noqa: E402
+from dlmjax.kernels.attention import flash  # noqa: E402
+from dlmjax.kernels.attention import reference as attention_reference  # noqa: E402
+from dlmjax.models.layers import Visibility  # noqa: E402
+
+
+@st.composite
+def attention_cases(draw):
+    """Rows of different written lengths (and holes: left padding, unwritten slots), packed copies
+    (query segments 1..N over a shared context of segment 0), every topology, several parts."""
+    b, hkv, group = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    copies, width = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    return dict(b=b, hkv=hkv, h=hkv * group, copies=copies, width=width, cache=draw(st.integers(0, 21)),
+                attention=draw(st.sampled_from(["causal", "block_causal", "bidirectional"])),
+                tile_q=draw(st.sampled_from([2, 4, 8])), tile_k=draw(st.sampled_from([4, 8])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def _attention_inputs(case, dtype=jnp.float32):
+    """q of `copies` packed copies of a `width`-token block after a cache of `cache` slots, each row
+    written to its own length; parts: [cache (if any), the copies]."""
+    rng = np.random.default_rng(case["seed"])
+    b, h, hkv, d, n, w, s = case["b"], case["h"], case["hkv"], 8, case["copies"], case["width"], case["cache"]
+    l = n * w
+    lengths = rng.integers(0, s + 1, b)
+    pad = np.minimum(rng.integers(0, 3, b), lengths)
+    k_pos = np.broadcast_to(np.arange(s), (b, s)) - pad[:, None]
+    k_valid = (np.arange(s)[None] >= pad[:, None]) & (np.arange(s)[None] < lengths[:, None])
+    q_pos = np.tile(np.arange(w), (b, n)) + (lengths - pad)[:, None]
+    q_seg = np.repeat(np.arange(1, n + 1), w)[None].repeat(b, 0)
+    q_valid = rng.random((b, l)) > 0.1
+    kvs = [jnp.asarray(rng.normal(size=shape), dtype) for shape in [(b, l, h, d), (b, s, hkv, d), (b, s, hkv, d),
+                                                                     (b, l, hkv, d), (b, l, hkv, d)]]
+    q, k_cache, v_cache, k_self, v_self = kvs
+    topo = dict(attention=case["attention"], block_size=2)
+    parts = [] if s == 0 else [(k_cache, v_cache, Visibility(
+        jnp.asarray(q_pos), jnp.asarray(q_seg), jnp.asarray(k_pos), jnp.zeros((b, s), jnp.int32), jnp.asarray(k_valid),
+        **topo))]
+    parts.append((k_self, v_self, Visibility(jnp.asarray(q_pos), jnp.asarray(q_seg), jnp.asarray(q_pos),
+                                             jnp.asarray(q_seg), jnp.asarray(q_valid), **topo)))
+    return q, parts
+
+
+def _seen(parts):
+    """[B, L] whether each query sees at least one key (the others' outputs are never read)."""
+    return np.any(np.concatenate([np.asarray(vis.matrix()) for _, _, vis in parts], axis=-1), axis=-1)
+
+
+@settings(max_examples=6, deadline=None)
+@given(attention_cases())
+def test_flash_attention_equals_the_xla_einsum(case):
+    q, parts = _attention_inputs(case)
+    expected = np.asarray(attention_reference(q, parts))
+    got = np.asarray(flash(q, parts, tile_q=case["tile_q"], tile_k=case["tile_k"], interpret=True))
+    seen = _seen(parts)
+    np.testing.assert_allclose(got[seen], expected[seen], rtol=0, atol=1e-5)
+    assert np.all(np.isfinite(got))
+
+
+def test_a_part_with_every_key_hidden_adds_exact_zeros():
+    """What the row-asynchronous engine relies on (tests/test_row_async.py): a store part whose
+    keys are all hidden changes no bit of the kernel path's output either."""
+    case = dict(b=2, h=4, hkv=2, copies=2, width=3, cache=9, attention="block_causal", seed=5)
+    q, parts = _attention_inputs(case)
+    k, v, vis = parts[-1]
+    hidden = (k * 3.0, v * 2.0, vis.replace(k_valid=jnp.zeros_like(vis.k_valid)))
+    with kernels.use("interpret"):
+        alone = attention_dispatch(q, parts, tile_q=4, tile_k=4)
+        with_hidden = attention_dispatch(q, parts[:-1] + [hidden, parts[-1]], tile_q=4, tile_k=4)
+    np.testing.assert_array_equal(alone, with_hidden)
+
+
+def test_the_cudnn_call_equals_the_xla_einsum_where_it_serves():
+    """jax.nn.dot_product_attention serves plain bidirectional forwards on GPU (cuDNN); its XLA
+    implementation on CPU checks the call (head layout, grouped heads, scaling) against ours."""
+    from dlmjax.kernels.attention import _cudnn, _cudnn_serves
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 7, h, 8)), jnp.float32) for h in (4, 2, 2))
+    pos, seg = jnp.broadcast_to(jnp.arange(7), (2, 7)), jnp.zeros((2, 7), jnp.int32)
+    parts = [(k, v, Visibility(pos, seg, pos, seg, jnp.ones((2, 7), bool), attention="bidirectional",
+                               block_size=None, plain=True))]
+    assert _cudnn_serves(parts)
+    assert not _cudnn_serves([(k, v, parts[0][2].replace(attention="causal"))])
+    np.testing.assert_allclose(_cudnn(q, parts, "xla"), attention_reference(q, parts), rtol=0, atol=1e-5)

@@ -173,6 +173,9 @@ class BlockForwards:
     cache_mode: str  # "exact" (block-causal KV cache) | "none" | "prefix" | "dual"
     mask_id: int
     head: MRPHead | None = None
+    # The decoder needs greedy scores only (`DiffusionDecoder.scores_from_hidden`): forwards then
+    # return empty [..., 0] logits and the scores come from the hidden state (kernels.residual_argmax).
+    scores_from_hidden: bool = False
 
     @property
     def lead(self) -> int:
@@ -202,6 +205,23 @@ class BlockForwards:
     def _empty_cache(self, batch):
         return KVCache.init(self.model.config, batch, self.geometry.total)
 
+    def _logits(self, hidden_bld):
+        """The lm_head's logits of final-normed hidden states, or [..., 0] when the decoder scores
+        from the hidden state (`scores_from_hidden`)."""
+        if self.scores_from_hidden:
+            return jnp.zeros((*hidden_bld.shape[:-1], 0), jnp.float32)
+        return self.model.lm_logits(hidden_bld)
+
+    def greedy_scores(self, hidden_bkd):
+        """policies.Scores of each row's block from its final-normed hidden state [B, K, D], through
+        `kernels.residual_argmax` (no [B, K, V] logits on the kernel path)."""
+        from dlmjax.decoding.policies import Scores
+        from dlmjax.kernels.residual_argmax import residual_argmax
+
+        b, k, d = hidden_bkd.shape
+        scores = residual_argmax(hidden_bkd.reshape(b * k, d), self.model.lm_head_weight(), mask_id=self.mask_id)
+        return Scores(*(a.reshape(b, k) for a in scores))
+
     def prefill(self, canvas):
         """The first forward: (logits [B, K, V], hidden [B, K, D]) of block 0 for every row, with
         the cache (and the head's) holding the prompt's whole blocks (exact) or the refreshed
@@ -220,7 +240,7 @@ class BlockForwards:
         if c:
             cache, head_cache = self._store(cache, head_cache, canvas[:, :c], out.hidden[:, :c],
                                             [(kk[:, :c], vv[:, :c]) for kk, vv in out.chunk_kv], zeros, c)
-        return self.model.lm_logits(out.hidden[:, c:]), out.hidden[:, c:], cache, head_cache
+        return self._logits(out.hidden[:, c:]), out.hidden[:, c:], cache, head_cache
 
     def _store(self, cache, head_cache, tokens_bl, hidden_bld, chunk_kv, start_b, width, write_b=None):
         """Write a clean chunk of `width` columns from `start_b` into the backbone's cache (and the head's)."""
@@ -235,9 +255,12 @@ class BlockForwards:
         """prefix/dual: one full-canvas forward that rewrites the whole cache; (logits, hidden) of
         each row's block `block_b`, and the cache."""
         out = self.model(canvas, self.rows.positions, valid_bl=self.rows.valid,
-                         cache=self._empty_cache(canvas.shape[0]), write_cache=True)
+                         cache=self._empty_cache(canvas.shape[0]), write_cache=True,
+                         compute_logits=not self.scores_from_hidden)
         start, k = self.block_start(block_b), self.geometry.block
-        return take_rows(out.logits, start, k), take_rows(out.hidden, start, k), out.cache
+        hidden = take_rows(out.hidden, start, k)
+        logits = self._logits(hidden) if out.logits is None else take_rows(out.logits, start, k)
+        return logits, hidden, out.cache
 
     def evaluate(self, canvas, copies_bnk, cache, head_cache, block_b, store_b):
         """The round forward: (logits [B, N, K, V], hidden [B, N, K, D], cache, head cache) of every
@@ -279,7 +302,7 @@ class BlockForwards:
         cache, head_cache = self._store(cache, head_cache, tokens[:, :k], out.hidden[:, :k],
                                         [(kk[:, :k], vv[:, :k]) for kk, vv in out.chunk_kv], start - k, k, store_b)
         hidden = out.hidden[:, k:].reshape(b, n, k, -1)
-        return self.model.lm_logits(hidden), hidden, cache, head_cache
+        return self._logits(hidden), hidden, cache, head_cache
 
     def _window(self, block_b):
         """(first column [B], static width) of what a forward of the block reads: the block alone
@@ -327,13 +350,15 @@ class BlockForwards:
         out = self.model(
             copies.reshape(b, n * width), jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, width),
             valid_bl=jnp.tile(valid, (1, n)), cache=self._visible_cache(cache, start), chunk_parts=copy_parts(n, width),
+            compute_logits=not self.scores_from_hidden,
         )
 
         def block_part(x_bld):
             x = x_bld.reshape(b, n, width, -1).swapaxes(1, 2)  # [B, width, N, D]
             return take_rows(x, offset, k).swapaxes(1, 2)
 
-        return block_part(out.logits), block_part(out.hidden)
+        hidden = block_part(out.hidden)
+        return (self._logits(hidden) if out.logits is None else block_part(out.logits)), hidden
 
     def step(self, canvas, cache, block_b):
         """(logits [B, K, V], hidden [B, K, D]) of each row's block for the canvas as it is now."""
@@ -469,9 +494,12 @@ def finalize(canvas, rows: Rows, geometry: Geometry, *, mask_id: int, pad_id: in
 _STATIC = ("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id", "pad_id", "eos_ids")
 
 
-def _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id) -> BlockForwards:
+def _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id,
+              decoder=None) -> BlockForwards:
     head = None if head_graphdef is None else nnx.merge(head_graphdef, head_params)
-    return BlockForwards(nnx.merge(graphdef, params), rows, geometry, cache_mode, mask_id, head)
+    model = nnx.merge(graphdef, params)
+    from_hidden = decoder is not None and decoder.scores_from_hidden(model)
+    return BlockForwards(model, rows, geometry, cache_mode, mask_id, head, from_hidden)
 
 
 def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_ids, pad_id, stop_at):
@@ -488,7 +516,7 @@ def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_i
 def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, decoder, geometry, cache_mode,
            mask_id, pad_id, eos_ids, head_graphdef=None):
     """Decode a laid-out batch. An MRP head (decoders mrp-*) comes as (head_graphdef, head_params)."""
-    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id)
+    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id, decoder)
     return _run_rounds(decoder, fwd, start(fwd, canvas, decoder), seed_key, eos_ids, pad_id, canvas.shape[0])[1]
 
 
@@ -499,7 +527,7 @@ def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, 
 def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, stop_at, head_params=None, *, decoder,
                  geometry, cache_mode, mask_id, pad_id, eos_ids, head_graphdef=None):
     """Run rounds over the slots until `stop_at` of them are done (or all): (state, DecodeOutput)."""
-    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id)
+    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id, decoder)
     return _run_rounds(decoder, fwd, state, seed_key, eos_ids, pad_id, stop_at)
 
 
@@ -509,7 +537,8 @@ def admit(graphdef, params, state: DecodeState | None, rows: Rows | None, canvas
     """Start R new rows (their first forward, one forward for the R) and put them in `slots_r`
     [R] of the slot state; an index >= the slot count drops that entry. With no state yet, the R
     rows are the slots. Returns (state, rows)."""
-    fwd = _forwards(graphdef, params, rows_r, head_graphdef, head_params, geometry, cache_mode, mask_id)
+    fwd = _forwards(graphdef, params, rows_r, head_graphdef, head_params, geometry, cache_mode, mask_id,
+                   decoder)
     new = start(fwd, canvas_r, decoder)
     if state is None:
         return new, rows_r

@@ -71,8 +71,21 @@ class DiffusionDecoder:
         """Versions of the block each round's forward evaluates (drafts for PSD and MRP spec)."""
         return 1
 
+    def scores_from_hidden(self, model) -> bool:
+        """Whether this decoder's rounds need greedy scores only, never the logits (greedy policy
+        decoders whose plan, resolve and scores are these), and `residual_argmax` runs as a kernel
+        here: the engine then keeps no [B, K, V] logits and scores the hidden state."""
+        from dlmjax import kernels
+
+        own = all(getattr(type(self), f) is getattr(DiffusionDecoder, f) for f in ("plan", "resolve", "scores"))
+        return (own and self.temperature == 0.0 and not model.config.shift_logits
+                and kernels.choose("residual_argmax") is not None)
+
     def scores(self, fwd, state, keys_b) -> policies.Scores:
-        """Proposed tokens and their confidences from each row's latest logits."""
+        """Proposed tokens and their confidences from each row's latest logits (or, with
+        `scores_from_hidden`, its hidden state)."""
+        if fwd.scores_from_hidden:
+            return fwd.greedy_scores(state.hidden)
         return policies.score(state.logits, mask_id=fwd.mask_id, temperature=self.temperature, top_p=self.top_p,
                               keys_b=keys_b)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from dlmjax import arithmetic
 
@@ -80,16 +81,56 @@ def visibility(
     return topo & same_segment & k_valid_bk[:, None, :]
 
 
+@struct.dataclass
+class Visibility:
+    """`visibility`'s inputs, for kernels that evaluate it per tile instead of reading a
+    [B, Lq, Lk] matrix (`matrix()` builds that; under jit only where a reference path reads it)."""
+
+    q_pos: jax.Array  # [B, Lq]
+    q_seg: jax.Array  # [B, Lq]
+    k_pos: jax.Array  # [B, Lk]
+    k_seg: jax.Array  # [B, Lk]
+    k_valid: jax.Array  # [B, Lk] bool
+    attention: str = struct.field(pytree_node=False)
+    block_size: int | None = struct.field(pytree_node=False)
+    plain: bool = struct.field(pytree_node=False, default=False)  # one segment, every key valid
+
+    def matrix(self):
+        return visibility(self.q_pos, self.q_seg, self.k_pos, self.k_seg, self.k_valid, attention=self.attention,
+                          block_size=self.block_size)
+
+    def keys(self, start: int, end: int) -> "Visibility":
+        """The visibility of keys [start, end) only."""
+        return self.replace(k_pos=self.k_pos[:, start:end], k_seg=self.k_seg[:, start:end],
+                            k_valid=self.k_valid[:, start:end])
+
+
+def visible_matrix(visible):
+    """[B, Lq, Lk] bool of a Visibility or of a matrix."""
+    return visible.matrix() if isinstance(visible, Visibility) else visible
+
+
+def key_slice(visible, start: int, end: int):
+    """The visibility (Visibility or matrix) of keys [start, end)."""
+    return visible.keys(start, end) if isinstance(visible, Visibility) else visible[..., start:end]
+
+
 def attention(q_blhd, kv_parts, query_group: int | None = None):
-    """Grouped-query attention over one or more key/value parts with one joint softmax.
+    """Grouped-query attention over one or more key/value parts with one joint softmax; a part's
+    visibility is a [B, L, S] matrix or a `Visibility`.
 
     In the invariant numerics mode each row's queries go through tiles of `query_group` queries
     (the width of a packed copy: a copy's queries then take the same places in the same
-    computation as in a forward of that copy alone), else of the mode's `query_tile`."""
+    computation as in a forward of that copy alone), else of the mode's `query_tile`. Otherwise
+    `dlmjax.kernels.attention` dispatches: flash kernels on accelerators, `_attention` (the
+    reference) elsewhere."""
     setting = arithmetic.current()
     if setting.invariant:
-        return _attention_tiled(q_blhd, kv_parts, query_group or setting.query_tile)
-    return _attention(q_blhd, kv_parts)
+        parts = [(k, v, visible_matrix(vis)) for k, v, vis in kv_parts]
+        return _attention_tiled(q_blhd, parts, query_group or setting.query_tile)
+    from dlmjax.kernels.attention import attention as dispatch
+
+    return dispatch(q_blhd, kv_parts)
 
 
 def _attention_tiled(q_blhd, kv_parts, tile: int):

@@ -174,7 +174,7 @@ class Attention(nnx.Module):
         parts, start = [] if cached is None else [cached], 0
         for size in chunk_parts or (l,):
             end = start + size
-            parts.append((k[:, start:end], v[:, start:end], self_visible[..., start:end]))
+            parts.append((k[:, start:end], v[:, start:end], layers.key_slice(self_visible, start, end)))
             start = end
         out = layers.attention(q, parts, query_group=_uniform_width(chunk_parts, l))
         return self.o(out.reshape(b, l, -1)), (k, v)
@@ -233,9 +233,13 @@ class Transformer(nnx.Module):
     def embed_tokens(self, tokens_bl):
         return jnp.take(self.embed[...], tokens_bl, axis=0)
 
+    def lm_head_weight(self):
+        """The lm_head as [D, V] (the embedding's transpose when tied)."""
+        return self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
+
     def lm_logits(self, hidden_bld):
         """Final-normed hidden -> float32 logits (no alignment shift)."""
-        w_dv = self.embed[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        w_dv = self.lm_head_weight()
         rows = hidden_bld.reshape(-1, hidden_bld.shape[-1])
         logits = arithmetic.matmul(rows, w_dv, preferred_element_type=jnp.float32)
         return logits.reshape(*hidden_bld.shape[:-1], w_dv.shape[1])
@@ -298,6 +302,7 @@ def run_layers(
     layers with the same topology). Returns (x, per-layer (k, v) of this chunk, collected hidden
     states at `hidden_layers`: 0 is the input, i the residual stream after block i)."""
     b, l = positions_bl.shape
+    plain = segments_bl is None and valid_bl is None and cache is None  # one segment, every key valid
     segments_bl = jnp.zeros((b, l), jnp.int32) if segments_bl is None else segments_bl
     valid_bl = _valid(valid_bl, positions_bl)
     topology = dict(attention=attention or cfg.attention, block_size=cfg.block_size)
@@ -305,10 +310,11 @@ def run_layers(
         if cache is not None:
             raise ValueError("visible_bll replaces the chunk's visibility and cannot be combined with a cache")
         self_visible = visible_bll
-    else:
-        self_visible = layers.visibility(positions_bl, segments_bl, positions_bl, segments_bl, valid_bl, **topology)
+    else:  # the rule's inputs; attention kernels evaluate it per tile (layers.Visibility)
+        self_visible = layers.Visibility(positions_bl, segments_bl, positions_bl, segments_bl, valid_bl, **topology,
+                                         plain=plain)
     if cache is not None:
-        cache_visible = layers.visibility(
+        cache_visible = layers.Visibility(
             positions_bl, segments_bl, cache.positions, jnp.zeros_like(cache.positions), cache.valid, **topology
         )
     cos, sin = layers.rope_angles(positions_bl, cfg.rotary_dim or cfg.head_dim, cfg.rope_theta)

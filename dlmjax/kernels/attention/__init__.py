@@ -1,0 +1,83 @@
+"""Attention over key/value parts (`layers.attention` outside the invariant numerics mode).
+
+The chain, first that serves:
+1. `jax.nn.dot_product_attention` with cuDNN's flash attention on GPU, for a plain bidirectional
+   forward (one part, one segment, every key valid: LLaDA/Dream prefill without padding);
+2. the Pallas flash kernel (`kernel.py`): any topology, segments (packed copies see the shared
+   context and themselves), per-row lengths (a part is read up to the row's last valid key, so a
+   decode step reads only the written part of the cache); memory linear in length;
+3. the reference (`reference.py`, the XLA einsum): on CPU, in "off" mode, or for visibilities
+   given as matrices (training layouts, drafters), with the reason logged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dlmjax import kernels
+from dlmjax.kernels.attention import kernel as _kernel
+from dlmjax.kernels.attention.reference import attention as reference
+
+__all__ = ["attention", "reference"]
+
+TILE_Q, TILE_K = 64, 128
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 16 and not n & (n - 1)
+
+
+def _unsupported(q_blhd, kv_parts, interpret: bool) -> str | None:
+    from dlmjax.models.layers import Visibility
+
+    if not all(isinstance(vis, Visibility) for _, _, vis in kv_parts):
+        return "visibility given as a matrix"
+    if not interpret and not _is_pow2(q_blhd.shape[-1]):
+        return f"head dim {q_blhd.shape[-1]} is not a power of two >= 16"
+    return None
+
+
+def row_lengths(valid_bs):
+    """[B] int32: one past each row's last valid key (0 for a row with none): the keys a row reads."""
+    idx = jnp.arange(1, valid_bs.shape[1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(valid_bs, idx, 0), axis=1)
+
+
+def _cudnn_serves(kv_parts) -> bool:
+    return len(kv_parts) == 1 and kv_parts[0][2].plain and kv_parts[0][2].attention == "bidirectional"
+
+
+def _cudnn(q_blhd, kv_parts, implementation: str):
+    k, v, _ = kv_parts[0]
+    return jax.nn.dot_product_attention(q_blhd, k, v, implementation=implementation)
+
+
+def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K):
+    """Grouped-query attention of q [B, L, H, hd] over parts [(k [B, S, Hkv, hd], v, visible), ...]
+    with one joint softmax; see the module docstring for which path runs."""
+    how = kernels.choose("attention", _unsupported(q_blhd, kv_parts, kernels.current() == "interpret"))
+    if how is None:
+        return reference(q_blhd, kv_parts)
+    if how == "kernel" and jax.default_backend() == "gpu" and _cudnn_serves(kv_parts):
+        try:
+            return _cudnn(q_blhd, kv_parts, "cudnn")
+        except Exception as error:  # cuDNN refuses some shapes and dtypes at trace time
+            kernels.fallback("attention/cudnn", f"cuDNN refused: {error}"[:200])
+    return flash(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=how == "interpret")
+
+
+def flash(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
+    """The Pallas path: one flash kernel per part, merged by `kernel.combine`."""
+    b, l = q_blhd.shape[:2]
+    tile_q = min(tile_q, max(8, 1 << (l - 1).bit_length()))  # short chunks (decode): one small tile
+    pad = -l % tile_q
+    q = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    results = []
+    for k, v, vis in kv_parts:
+        q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))) for a in (vis.q_pos, vis.q_seg))
+        results.append(_kernel.flash_part(
+            q, k, v, q_pos.astype(jnp.int32), q_seg.astype(jnp.int32), vis.k_pos.astype(jnp.int32),
+            vis.k_seg.astype(jnp.int32), vis.k_valid, row_lengths(vis.k_valid), attention=vis.attention,
+            block_size=vis.block_size, tile_q=tile_q, tile_k=min(tile_k, k.shape[1]), interpret=interpret))
+    return _kernel.combine(results)[:, :l].astype(q_blhd.dtype)

@@ -1,0 +1,103 @@
+"""Pallas flash attention over one key/value part: online softmax over key tiles, the visibility
+computed per tile from positions, segments and validity (never a [L, S] mask or score matrix in
+memory), and per row only the key tiles below that row's written length read.
+
+One program per (row, query head, tile of `tile_q` queries) loops over the row's key tiles
+[0, ceil(kv_len_b / tile_k)). A key count that is not a multiple of the tile gets a last tile
+that starts at S - tile_k and hides the keys already seen: every read is in bounds and the cache
+is never padded or copied. Grouped-query heads read their shared key/value head in place.
+
+It returns the part's unnormalised accumulators (sum_s e_s v_s [B, L, H, hd] and the max m and
+sum l = sum_s e_s [B, H, L], e_s = exp(score_s - m)); `combine` merges parts with one joint
+softmax, where a part with every key hidden adds exact zeros (the row-asynchronous engine's store
+part, see layers._attention).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+MASK_VALUE = -1e30  # as layers.MASK_VALUE: a hidden key's score
+
+
+def topology(q_pos, k_pos, attention: str, block_size: int | None):
+    """[Lq, Lk] bool (broadcast): causal, block_causal or bidirectional, as layers.visibility."""
+    if attention == "causal":
+        return k_pos <= q_pos
+    if attention == "block_causal":
+        return (k_pos // block_size) <= (q_pos // block_size)
+    return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+
+
+def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref, kv_len_ref,
+            acc_ref, max_ref, sum_ref, *, tile_k: int, attention: str, block_size: int | None):
+    keys = k_ref.shape[0]
+    q = q_ref[...]
+    tile_q, head_dim = q.shape
+    q_pos, q_seg = q_pos_ref[...][:, None], q_seg_ref[...][:, None]
+    scale = head_dim ** -0.5
+
+    def body(j, carry):
+        m, l, acc = carry
+        seen = j * tile_k
+        start = jnp.minimum(seen, keys - tile_k)
+        k, v = k_ref[pl.ds(start, tile_k), :], v_ref[pl.ds(start, tile_k), :]
+        k_pos, k_seg = k_pos_ref[pl.ds(start, tile_k)][None, :], k_seg_ref[pl.ds(start, tile_k)][None, :]
+        fresh = (start + jax.lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)) >= seen
+        visible = (topology(q_pos, k_pos, attention, block_size) & ((k_seg == 0) | (k_seg == q_seg))
+                   & (k_valid_ref[pl.ds(start, tile_k)][None, :] != 0))
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jnp.where(visible & fresh, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+        a = jnp.exp(m - m_new)
+        e = jnp.where(fresh, jnp.exp(s - m_new), 0.0)
+        l = a * l + jnp.sum(e, axis=-1, keepdims=True)
+        acc = a * acc + jnp.dot(e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((tile_q, 1), MASK_VALUE, jnp.float32), jnp.zeros((tile_q, 1), jnp.float32),
+            jnp.zeros((tile_q, head_dim), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(kv_len_ref[0], tile_k), body, init)
+    acc_ref[...] = acc
+    max_ref[...] = m[:, 0]
+    sum_ref[...] = l[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "interpret"))
+def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_len_b, *,
+               attention: str, block_size: int | None, tile_q: int, tile_k: int, interpret: bool):
+    """(acc [B, L, H, hd] f32, m [B, H, L], l [B, H, L]) of one part; L % tile_q == 0, S >= tile_k."""
+    b, l, h, d = q_blhd.shape
+    s, hkv = k_bshd.shape[1], k_bshd.shape[2]
+    group = h // hkv
+    q_spec = pl.BlockSpec((None, tile_q, None, d), lambda r, hd, i: (r, i, hd, 0))
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda r, hd, i: (r, 0, hd // group, 0))
+    q_vec = pl.BlockSpec((None, tile_q), lambda r, hd, i: (r, i))
+    k_vec = pl.BlockSpec((None, s), lambda r, hd, i: (r, 0))
+    stat = pl.BlockSpec((None, None, tile_q), lambda r, hd, i: (r, hd, i))
+    kernel = functools.partial(_kernel, tile_k=tile_k, attention=attention, block_size=block_size)
+    return pl.pallas_call(
+        kernel, grid=(b, h, l // tile_q),
+        in_specs=[q_spec, kv_spec, kv_spec, q_vec, q_vec, k_vec, k_vec, k_vec, pl.BlockSpec((None, 1), lambda r, hd, i: (r, 0))],
+        out_specs=[q_spec, stat, stat],
+        out_shape=[jax.ShapeDtypeStruct((b, l, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, l), jnp.float32),
+                   jax.ShapeDtypeStruct((b, h, l), jnp.float32)],
+        interpret=interpret, name="flash_attention",
+    )(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs.astype(jnp.int32),
+      kv_len_b.reshape(b, 1))
+
+
+def combine(parts):
+    """Output [B, L, H, hd] f32 of parts' (acc, m, l) under one joint softmax."""
+    top = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
+    acc, total = 0.0, 0.0
+    for a, m, l in parts:
+        w = jnp.exp(m - top)  # [B, H, L]; 0 exactly for a part with every key hidden
+        total = total + w * l
+        acc = acc + w.transpose(0, 2, 1)[..., None] * a
+    total = total.transpose(0, 2, 1)[..., None]
+    return acc / jnp.where(total == 0, 1.0, total)
