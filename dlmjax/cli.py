@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--tspd-controller", default=None, help=CONTROLLER_HELP)
     ev.add_argument("--compare-to", default=None, metavar="DECODER",
                     help="also report each decoder's token agreement with DECODER on the same prompts (run if not "
-                         "listed), e.g. a PSD run against its policy, or the fast numerics against --invariant")
+                         "listed), e.g. PSD against its own policy, mrp-spec against static")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=cmd_eval)
 
@@ -293,21 +293,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # lm-eval's flags go to lm-eval's parser untouched
-        try:
-            return cmd_lm_eval(argv[1:])
-        except InputError as err:
-            print(f"dlmjax lm-eval: error: {err}", file=sys.stderr)
-            return 2
+        return _run("lm-eval", lambda: cmd_lm_eval(argv[1:]))
     args = parse_args(argv)
+    with numerics(precision=getattr(args, "precision", None), invariant=getattr(args, "invariant", None) or None):
+        return _run(args.command, lambda: args.func(args))
+
+
+def _run(command: str, run) -> int:
+    """run(): its exit code; a user mistake prints one line and exits 2, anything else is a bug (1)."""
     try:
-        with numerics(precision=getattr(args, "precision", None), invariant=getattr(args, "invariant", None) or None):
-            return args.func(args)
+        return run()
     except USER_ERRORS as err:  # a mistake in the input: the message names it and the fix
-        print(f"dlmjax {args.command}: error: {err}", file=sys.stderr)
+        print(f"dlmjax {command}: error: {err}", file=sys.stderr)
         return 2
     except Exception:  # noqa: BLE001 (anything else is ours: keep the traceback)
         traceback.print_exc()
-        print(f"dlmjax {args.command}: internal error: this is a bug in dlmjax, not a mistake in your input; "
+        print(f"dlmjax {command}: internal error: this is a bug in dlmjax, not a mistake in your input; "
               "please report it with the traceback above", file=sys.stderr)
         return 1
 

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dlmjax.validation import InputError
+
 MESH_AXES = ("data", "expert", "model")
 
 
@@ -25,11 +27,12 @@ def make_mesh(model: int = 1, data: int | None = None, devices=None, expert: int
     'expert' holds MoE experts (expert parallelism); dense weights are replicated over it."""
     devices = list(devices if devices is not None else jax.devices())
     if model < 1 or expert < 1 or len(devices) % (model * expert):
-        raise ValueError(f"model={model} x expert={expert} must divide the number of devices ({len(devices)})")
+        raise InputError(f"model={model} x expert={expert} must divide the number of devices ({len(devices)}); "
+                         "choose axis sizes whose product divides it")
     data = data or len(devices) // (model * expert)
     if data * expert * model > len(devices):
-        raise ValueError(f"mesh {data} x {expert} x {model} needs {data * expert * model} devices; only "
-                         f"{len(devices)} available")
+        raise InputError(f"mesh {data} x {expert} x {model} needs {data * expert * model} devices; only "
+                         f"{len(devices)} available: make data x expert x model at most that")
     auto = jax.sharding.AxisType.Auto
     return jax.make_mesh((data, expert, model), MESH_AXES, axis_types=(auto,) * 3,
                          devices=devices[: data * expert * model])

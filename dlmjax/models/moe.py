@@ -130,18 +130,7 @@ def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfi
         weights_tk, experts_tk = route(cfg, logits_te, bias_e)
         return combine(experts_fn(rows_td, experts_tk, gate_up_ed2f, down_efd), weights_tk)
 
-    setting = arithmetic.current()
-    if not setting.invariant:
-        return routed(x_td)
-    return _tiled(routed, x_td, setting.row_tile)
-
-
-def _tiled(fn, x_td, tile: int):
-    """fn over fixed tiles of `tile` rows (zero rows pad the last): one shape whatever T."""
-    t = x_td.shape[0]
-    tiles = jnp.pad(x_td, ((0, -t % tile), (0, 0))).reshape(-1, tile, x_td.shape[1])
-    out = jax.lax.map(lambda rows: jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(rows))), tiles)
-    return out.reshape(-1, out.shape[-1])[:t]
+    return arithmetic.rowwise(routed, x_td)  # invariant mode: fixed tiles of rows, one shape whatever T
 
 
 # ----------------------------------------------------------------------------------------------
