@@ -23,7 +23,7 @@ TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 @st.composite
 def argmax_cases(draw):
     tile_v = draw(st.sampled_from([8, 16, 32]))
-    vocab = draw(st.integers(tile_v, 5 * tile_v + 7))  # mostly not a multiple of the tile
+    vocab = draw(st.sampled_from([tile_v + 3, 2 * tile_v, 3 * tile_v - 1]))  # mostly not a multiple of the tile
     edges = [0, tile_v - 1, tile_v, vocab - 1, (vocab // tile_v) * tile_v - 1]  # the mask at tile edges
     return dict(
         rows=draw(st.integers(1, 20)), dim=draw(st.sampled_from([8, 16])), vocab=vocab, tile_v=tile_v,
@@ -55,13 +55,13 @@ def _check_argmax(case, dtype):
                                    err_msg=name)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(argmax_cases())
 def test_residual_argmax_equals_its_reference_fp32(case):
     _check_argmax(case, "float32")
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(argmax_cases())
 def test_residual_argmax_equals_its_reference_bf16(case):
     _check_argmax(case, "bfloat16")
@@ -132,12 +132,13 @@ from dlmjax.models.layers import Visibility  # noqa: E402
 @st.composite
 def attention_cases(draw):
     """Rows of different written lengths (and holes: left padding, unwritten slots), packed copies
-    (query segments 1..N over a shared context of segment 0), every topology, several parts."""
-    b, hkv, group = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
-    copies, width = draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    return dict(b=b, hkv=hkv, h=hkv * group, copies=copies, width=width, cache=draw(st.integers(0, 21)),
+    (query segments 1..N over a shared context of segment 0), every topology, several parts. The
+    shapes come from a few (each compiles once in interpret mode); what they hold is drawn."""
+    shape = draw(st.sampled_from([  # (rows, kv heads, group, copies, width, cache slots, tile_q, tile_k)
+        (1, 1, 2, 1, 3, 0, 4, 4), (3, 2, 2, 3, 2, 21, 4, 8), (2, 2, 1, 2, 4, 13, 8, 4)]))
+    b, hkv, group, copies, width, cache, tile_q, tile_k = shape
+    return dict(b=b, hkv=hkv, h=hkv * group, copies=copies, width=width, cache=cache, tile_q=tile_q, tile_k=tile_k,
                 attention=draw(st.sampled_from(["causal", "block_causal", "bidirectional"])),
-                tile_q=draw(st.sampled_from([2, 4, 8])), tile_k=draw(st.sampled_from([4, 8])),
                 seed=draw(st.integers(0, 2**16)))
 
 
@@ -171,7 +172,7 @@ def _seen(parts):
     return np.any(np.concatenate([np.asarray(vis.matrix()) for _, _, vis in parts], axis=-1), axis=-1)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(attention_cases())
 def test_flash_attention_equals_the_xla_einsum(case):
     q, parts = _attention_inputs(case)
@@ -198,7 +199,7 @@ def test_a_part_with_every_key_hidden_adds_exact_zeros():
 def test_the_cudnn_call_equals_the_xla_einsum_where_it_serves():
     """jax.nn.dot_product_attention serves plain bidirectional forwards on GPU (cuDNN); its XLA
     implementation on CPU checks the call (head layout, grouped heads, scaling) against ours."""
-    from dlmjax.kernels.attention import _cudnn, _cudnn_serves
+    from dlmjax.kernels.attention import _cudnn_serves, dot_product_attention
 
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 7, h, 8)), jnp.float32) for h in (4, 2, 2))
@@ -207,4 +208,37 @@ def test_the_cudnn_call_equals_the_xla_einsum_where_it_serves():
                                block_size=None, plain=True))]
     assert _cudnn_serves(parts)
     assert not _cudnn_serves([(k, v, parts[0][2].replace(attention="causal"))])
-    np.testing.assert_allclose(_cudnn(q, parts, "xla"), attention_reference(q, parts), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(dot_product_attention("xla")(q, k, v), attention_reference(q, parts), rtol=0,
+                               atol=1e-5)
+
+
+def test_a_kernel_that_does_not_compile_falls_back_with_the_reason(caplog):
+    """The compile probe: a kernel call the device refuses is reported, not raised."""
+    import functools
+
+    def refuses(x, *, width):
+        raise NotImplementedError(f"no lowering for width {width}")
+
+    kernels._COMPILES.clear()
+    assert kernels.compile_error("demo", functools.partial(refuses, width=3), jnp.ones(2)) == \
+        "does not compile here: NotImplementedError: no lowering for width 3"
+    assert kernels.compile_error("demo", functools.partial(lambda x, width: x * width, width=3), jnp.ones(2)) is None
+
+
+def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
+    """benchmarks/decode_gpu.py --tiny on CPU (the decoder and prefill sections reuse code tested
+    elsewhere and are skipped here for time): every section writes what it measured."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from benchmarks import decode_gpu
+
+    results = decode_gpu.main(["--tiny", "--skip", "decoders", "prefill", "--out", str(tmp_path)])
+    assert [(r["batch"], r["kernels"]) for r in results["step"]] == [(1, "auto"), (1, "off"), (2, "auto"), (2, "off")]
+    assert all(r["ms"] > 0 and r["roofline_ms"] > 0 and r["path"] == "reference" for r in results["step"])
+    assert [r["kernels"] for r in results["argmax"]] == ["auto", "off"]
+    assert [r["batch"] for r in results["transformers"]] == [1, 2] and all(r["ms"] > 0 for r in results["transformers"])
+    saved = json.loads((tmp_path / "cpu-tiny.json").read_text())
+    assert saved["step"] == results["step"] and "| batch | ms |" in (tmp_path / "cpu-tiny.md").read_text()

@@ -97,3 +97,25 @@ def choose(kernel: str, unsupported: str | None = None) -> str | None:
         fallback(kernel, unsupported)
         return None
     return "interpret" if mode == "interpret" else "kernel"
+
+
+_COMPILES: dict[tuple, str | None] = {}
+
+
+def compile_error(kernel: str, fn, *args) -> str | None:
+    """Why `fn(*args)` (a jitted kernel call, its static options bound) does not compile on this
+    device, or None when it does. Checked once per kernel, shapes and dtypes and cached: a kernel the
+    device's Pallas lowering refuses then falls back at trace time instead of failing the whole
+    program when it is compiled. Only for real kernels: interpret mode compiles everywhere."""
+    import jax
+
+    specs = [None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    key = (kernel, getattr(fn, "func", fn), getattr(fn, "keywords", None) and tuple(sorted(fn.keywords.items())),
+           tuple(None if s is None else (s.shape, str(s.dtype)) for s in specs))
+    if key not in _COMPILES:
+        try:
+            jax.jit(fn).lower(*specs).compile()
+            _COMPILES[key] = None
+        except Exception as error:  # the lowering's own message says what it refused
+            _COMPILES[key] = f"does not compile here: {type(error).__name__}: {error}"[:300]
+    return _COMPILES[key]

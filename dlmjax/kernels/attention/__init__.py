@@ -12,6 +12,8 @@ The chain, first that serves:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -48,9 +50,9 @@ def _cudnn_serves(kv_parts) -> bool:
     return len(kv_parts) == 1 and kv_parts[0][2].plain and kv_parts[0][2].attention == "bidirectional"
 
 
-def _cudnn(q_blhd, kv_parts, implementation: str):
-    k, v, _ = kv_parts[0]
-    return jax.nn.dot_product_attention(q_blhd, k, v, implementation=implementation)
+def dot_product_attention(implementation: str):
+    """jax.nn.dot_product_attention(q, k, v) as it serves a plain bidirectional part (no mask)."""
+    return functools.partial(jax.nn.dot_product_attention, implementation=implementation)
 
 
 def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K):
@@ -60,24 +62,43 @@ def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K):
     if how is None:
         return reference(q_blhd, kv_parts)
     if how == "kernel" and jax.default_backend() == "gpu" and _cudnn_serves(kv_parts):
-        try:
-            return _cudnn(q_blhd, kv_parts, "cudnn")
-        except Exception as error:  # cuDNN refuses some shapes and dtypes at trace time
-            kernels.fallback("attention/cudnn", f"cuDNN refused: {error}"[:200])
-    return flash(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=how == "interpret")
+        k, v, _ = kv_parts[0]
+        cudnn = dot_product_attention("cudnn")
+        error = kernels.compile_error("attention/cudnn", cudnn, q_blhd, k, v)
+        if error is None:
+            return cudnn(q_blhd, k, v)
+        kernels.fallback("attention/cudnn", error)
+    calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=how == "interpret")
+    if how == "kernel":
+        for call, args in calls[1]:
+            error = kernels.compile_error("attention", call, *args)
+            if error is not None:
+                kernels.fallback("attention", error)
+                return reference(q_blhd, kv_parts)
+    return _combine(q_blhd, calls)
+
+
+def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
+    """(query padding, [(kernel call, its arguments) per part]) of the Pallas path."""
+    l = q_blhd.shape[1]
+    tile_q = min(tile_q, max(8, 1 << (l - 1).bit_length()))  # short chunks (decode): one small tile
+    pad = -l % tile_q
+    q = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    calls = []
+    for k, v, vis in kv_parts:
+        q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
+        call = functools.partial(_kernel.flash_part, attention=vis.attention, block_size=vis.block_size,
+                                 tile_q=tile_q, tile_k=min(tile_k, k.shape[1]), interpret=interpret)
+        calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
+                             vis.k_valid, row_lengths(vis.k_valid))))
+    return pad, calls
+
+
+def _combine(q_blhd, calls):
+    _, parts = calls
+    return _kernel.combine([call(*args) for call, args in parts])[:, : q_blhd.shape[1]].astype(q_blhd.dtype)
 
 
 def flash(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
     """The Pallas path: one flash kernel per part, merged by `kernel.combine`."""
-    b, l = q_blhd.shape[:2]
-    tile_q = min(tile_q, max(8, 1 << (l - 1).bit_length()))  # short chunks (decode): one small tile
-    pad = -l % tile_q
-    q = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    results = []
-    for k, v, vis in kv_parts:
-        q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))) for a in (vis.q_pos, vis.q_seg))
-        results.append(_kernel.flash_part(
-            q, k, v, q_pos.astype(jnp.int32), q_seg.astype(jnp.int32), vis.k_pos.astype(jnp.int32),
-            vis.k_seg.astype(jnp.int32), vis.k_valid, row_lengths(vis.k_valid), attention=vis.attention,
-            block_size=vis.block_size, tile_q=tile_q, tile_k=min(tile_k, k.shape[1]), interpret=interpret))
-    return _kernel.combine(results)[:, :l].astype(q_blhd.dtype)
+    return _combine(q_blhd, flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=interpret))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from dlmjax import kernels
@@ -40,8 +42,13 @@ def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_
     pad = -m % tile_m
     x = jnp.pad(x_md, ((0, pad), (0, 0)))
     h_p = None if residual is None else jnp.pad(residual[0].astype(x_md.dtype), ((0, pad), (0, 0)))
-    stats = _kernel.residual_argmax_stats(
-        x, w_dv, None if norm is None else norm[0], h_p, mask_id=mask_id,
-        eps=None if norm is None else float(norm[1]), residual_scale=None if residual is None else float(residual[1]),
-        tile_m=tile_m, tile_v=tile_v, interpret=how == "interpret")
-    return ArgmaxScores(*(a[:m] for a in _kernel.finish(*stats)))
+    call = functools.partial(
+        _kernel.residual_argmax_stats, mask_id=mask_id, eps=None if norm is None else float(norm[1]),
+        residual_scale=None if residual is None else float(residual[1]), tile_m=tile_m, tile_v=tile_v,
+        interpret=how == "interpret")
+    args = (x, w_dv, None if norm is None else norm[0], h_p)
+    error = None if how == "interpret" else kernels.compile_error("residual_argmax", call, *args)
+    if error is not None:
+        kernels.fallback("residual_argmax", error)
+        return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
+    return ArgmaxScores(*(a[:m] for a in _kernel.finish(*call(*args))))

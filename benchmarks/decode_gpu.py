@@ -1,0 +1,299 @@
+"""Decode and prefill on one accelerator, kernels on and off (issue 13), SDAR shapes with random weights.
+
+Sections (each a markdown table; all go to benchmarks/results/decode_gpu/<device>-<shape>.{json,md}):
+1. bandwidth: a device copy (read + write) of --copy-mib MiB, the roofline's bytes/s;
+2. step: one decode-step forward (a block of --block tokens against --prompt-len cached tokens, as
+   benchmarks/exactness.py times it) at each batch, median ms per kernel mode, against the HBM
+   roofline = (weights + KV cache read) / measured bandwidth;
+3. prefill: one forward writing the KV cache of L tokens (batch 1), TFLOP/s and % of --peak-tflops
+   (default: the device's bf16 dense peak when known) per kernel mode; OOM is recorded as such,
+   with the bytes the device reports as its peak use;
+4. argmax: residual_argmax (kernel path) vs the XLA path (full logits, then scoring) at M positions;
+5. decoders: tokens/s of each decoder at each batch (benchmarks/decode_throughput.run_batches);
+6. transformers: the eager forward of the same shape (Qwen3ForCausalLM, random weights) for the
+   same block against the same cache, per-step ms, on the same device (torch CUDA when present).
+
+    PYTHONPATH=. python benchmarks/decode_gpu.py --shape sdar-1.7b          # on a GPU or TPU
+    PYTHONPATH=. python benchmarks/decode_gpu.py --shape sdar-8b --prefill 512 2048 8192 32768
+    PYTHONPATH=. python benchmarks/decode_gpu.py --tiny                     # CPU, seconds: proves the script runs
+
+Set XLA_PYTHON_CLIENT_PREALLOCATE=false when the transformers section shares the GPU. On CPU the
+kernel modes both run the references (dlmjax.kernels), so "auto" and "off" time the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import dlmjax
+from benchmarks.decode_throughput import SHAPES, random_sdar, run_batches
+from benchmarks.exactness import _prefill, step_ms
+from dlmjax import kernels
+from dlmjax.heads.mrp import init_head
+from dlmjax.kernels.residual_argmax import residual_argmax
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "TPU v5e": 197.0, "TPU v5p": 459.0,
+                    "TPU v6e": 918.0}  # dense, by a substring of device_kind
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+def build_model(shape: str):
+    """(model, MRP head, name): random SDAR-shaped weights (bf16), or the tiny CPU shape (fp32)."""
+    if shape != "tiny":
+        model, head = random_sdar(shape)
+        return model, head, f"random {shape} (bf16)"
+    cfg = dlmjax.ModelConfig(family="sdar", head_dim=32, attention="block_causal", block_size=4, qk_norm=True,
+                             mask_token_id=TINY["vocab_size"] - 1, eos_token_ids=(), pad_token_id=0,
+                             max_position_embeddings=4096, **TINY)
+    return dlmjax.init_model(cfg, seed=0), init_head(cfg, num_layers=1, init_std=0.02, seed=0), "random tiny (fp32)"
+
+
+def timed(fn, repeats: int) -> float:
+    """Median wall ms of fn() (its result waited for), after one untimed call (compile)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def bandwidth(mib: int, repeats: int) -> float:
+    """Bytes/s of a device copy (x + 1 reads and writes every byte)."""
+    x = jnp.ones((mib * 2**20 // 2,), jnp.bfloat16)
+    add = jax.jit(lambda a: a + 1)
+    return 2 * x.nbytes / (timed(lambda: add(x), repeats) / 1e3)
+
+
+def weight_bytes(model) -> int:
+    """Bytes one forward reads of the weights: all but the embedding table (of which it reads B x L rows)
+    unless the head is tied to it."""
+    _, state = nnx.split(model)
+    total = sum(x.nbytes for x in jax.tree.leaves(state))
+    return total if model.lm_head is None else total - model.embed[...].nbytes
+
+
+def kv_bytes(cfg, batch: int, length: int) -> int:
+    return 2 * cfg.num_layers * batch * length * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def prefill_flops(cfg, length: int) -> float:
+    """Matmul FLOPs of a block-causal prefill of `length` tokens (no lm_head): projections and MLP
+    2 x params x tokens, attention scores and values 4 x tokens x visible keys x heads x head_dim."""
+    d, f, h, hkv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_layer = 2 * length * (d * (h + 2 * hkv) * hd + h * hd * d + 3 * d * f)
+    visible = length * (length + cfg.block_size) / 2  # block-causal: about half the square
+    return cfg.num_layers * (per_layer + 4 * visible * h * hd)
+
+
+def peak_tflops(device, given: float | None) -> float | None:
+    return given or next((v for k, v in PEAK_BF16_TFLOPS.items() if k.lower() in device.device_kind.lower()), None)
+
+
+def path_of(kernel: str) -> str:
+    """What runs for `kernel` in the current mode: kernel / interpret / reference."""
+    return kernels.choose(kernel) or "reference"
+
+
+def section_step(model, args, bw, modes):
+    cfg = model.config
+    lines = [f"Decode step: {args.block} tokens against {args.prompt_len} cached, median of {args.repeats} "
+             f"(roofline = (weights + KV read) / {bw / 1e9:.0f} GB/s):", "",
+             "| batch | kernels | attention path | ms | roofline ms | % of roofline |", "|---:|---|---|---:|---:|---:|"]
+    records = []
+    for batch in args.batches:
+        roof = 1e3 * (weight_bytes(model) + kv_bytes(cfg, batch, args.prompt_len)) / bw
+        for mode in modes:
+            with kernels.use(mode):
+                ms, path = step_ms(model, batch, args.prompt_len, args.block, args.repeats), path_of("attention")
+            records.append(dict(batch=batch, kernels=mode, path=path, ms=ms, roofline_ms=roof))
+            lines.append(f"| {batch} | {mode} | {path} | {ms:.3f} | {roof:.3f} | {100 * roof / ms:.0f}% |")
+            print(lines[-1], flush=True)
+    return lines, records
+
+
+def section_prefill(model, args, peak, modes):
+    cfg = model.config
+    graphdef, state = nnx.split(model)
+    lines = [f"Prefill (batch 1, one forward writing the KV cache), peak {peak or '?'} TFLOP/s:", "",
+             "| tokens | kernels | attention path | ms | TFLOP/s | % of peak | device peak GiB |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    records = []
+    for length in args.prefill:
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size - 2, (1, length)), jnp.int32)
+        for mode in modes:
+            with kernels.use(mode):
+                path = path_of("attention")
+                try:
+                    ms = timed(lambda: _prefill(graphdef, state, tokens, jnp.zeros(length)), max(1, args.repeats // 4))
+                except Exception as error:  # RESOURCE_EXHAUSTED: out of device memory
+                    ms, status = None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                else:
+                    status = "ok"
+            peak_gib = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
+            tflops = None if ms is None else prefill_flops(cfg, length) / (ms / 1e3) / 1e12
+            records.append(dict(tokens=length, kernels=mode, path=path, ms=ms, tflops=tflops, status=status,
+                                device_peak_gib=peak_gib))
+            if ms is None:
+                lines.append(f"| {length} | {mode} | {path} | {status} | | | {peak_gib:.1f} |")
+            else:
+                share = f"{100 * tflops / peak:.0f}%" if peak else "?"
+                lines.append(f"| {length} | {mode} | {path} | {ms:.1f} | {tflops:.3g} | {share} | {peak_gib:.1f} |")
+            print(lines[-1], flush=True)
+    return lines, records
+
+
+def section_argmax(model, args, modes):
+    cfg = model.config
+    w = model.lm_head_weight()
+    lines = [f"Greedy scores of M positions from hidden states (V = {cfg.vocab_size}): residual_argmax vs "
+             "full logits + scoring:", "", "| positions | kernels | path | ms |", "|---:|---|---|---:|"]
+    records = []
+    for m in args.argmax_positions:
+        x = jax.random.normal(jax.random.key(0), (m, cfg.hidden_size)).astype(cfg.dtype)
+        for mode in modes:
+            with kernels.use(mode):
+                fn = jax.jit(lambda h: residual_argmax(h, w, mask_id=cfg.mask_token_id))
+                ms, path = timed(lambda: fn(x), args.repeats), path_of("residual_argmax")
+            records.append(dict(positions=m, kernels=mode, path=path, ms=ms))
+            lines.append(f"| {m} | {mode} | {path} | {ms:.3f} |")
+            print(lines[-1], flush=True)
+    return lines, records
+
+
+def section_decoders(model, head, args):
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, model.config.vocab_size - 2, args.prompt_len).tolist() for _ in range(args.prompts)]
+    lines = [f"Decoders ({len(prompts)} prompts of {args.prompt_len} tokens, {args.max_new} new tokens, fixed batches, "
+             f"kernels {args.decoder_kernels}):", "", "| decoder | batch | forwards | tokens/s | wall s |",
+             "|---|---:|---:|---:|---:|"]
+    records = []
+    with kernels.use(args.decoder_kernels):
+        for spec in args.decoders:
+            for batch in args.batches:
+                rows, forwards, _, wall = run_batches(model, prompts, batch, decoder=spec, max_new_tokens=args.max_new,
+                                                      head=head)
+                rate = sum(row.num_tokens for row in rows) / wall
+                records.append(dict(decoder=spec, batch=batch, forwards=forwards, tokens_per_s=rate, wall_s=wall))
+                lines.append(f"| `{spec}` | {batch} | {forwards} | {rate:.0f} | {wall:.2f} |")
+                print(lines[-1], flush=True)
+    return lines, records
+
+
+def section_transformers(model, args):
+    """transformers' eager Qwen3 forward of the same shape: `block` tokens against `prompt_len` cached."""
+    import torch
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = model.config
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[str(jnp.dtype(cfg.dtype))]
+    hf = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                     num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_position_embeddings=32768)
+    torch.manual_seed(0)
+    net = Qwen3ForCausalLM(hf).to(device=device, dtype=dtype).eval()
+    lines = [f"transformers {__import__('transformers').__version__} eager forward on {device} "
+             f"({args.block} tokens against {args.prompt_len} cached):", "", "| batch | ms |", "|---:|---:|"]
+    records = []
+    for batch in args.batches:
+        ids = torch.randint(0, cfg.vocab_size - 2, (batch, args.prompt_len + args.block), device=device)
+        with torch.no_grad():
+            cache = DynamicCache()
+            net(ids[:, : args.prompt_len], past_key_values=cache, use_cache=True)
+
+            def step():
+                net(ids[:, args.prompt_len:], past_key_values=cache, use_cache=True)
+                cache.crop(-args.block)  # back to the prompt's cache
+                if device == "cuda":
+                    torch.cuda.synchronize()
+
+            step()
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                step()
+                times.append(1e3 * (time.perf_counter() - start))
+        ms = statistics.median(times)
+        records.append(dict(batch=batch, ms=ms, device=device))
+        lines.append(f"| {batch} | {ms:.2f} |")
+        print(lines[-1], flush=True)
+    del net
+    return lines, records
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="sdar-1.7b")
+    p.add_argument("--tiny", action="store_true", help="a tiny fp32 shape and sizes that run on CPU in seconds")
+    p.add_argument("--block", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8192, 16384, 32768])
+    p.add_argument("--argmax-positions", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--kernels", nargs="+", default=["auto", "off"], choices=kernels.MODES)
+    p.add_argument("--decoders", nargs="+",
+                   default=["static", "threshold:tau=0.9", "psd:policy=threshold,tau=0.9,depth=3", "mrp-spec:drafts=3"])
+    p.add_argument("--decoder-kernels", default="auto", choices=kernels.MODES)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--copy-mib", type=int, default=2048)
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--skip", nargs="*", default=[], choices=["step", "prefill", "argmax", "decoders", "transformers"])
+    p.add_argument("--out", default=None, help="results directory (default benchmarks/results/decode_gpu)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.shape, args.prompt_len, args.batches, args.prefill = "tiny", 32, [1, 2], [64]
+        args.argmax_positions, args.prompts, args.max_new, args.repeats, args.copy_mib = [8], 2, 8, 2, 16
+        args.decoders = args.decoders[1:2]
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    command = " ".join([sys.executable.rsplit("/", 1)[-1], *(sys.argv if argv is None else ["decode_gpu.py", *argv])])
+    model, head, name = build_model(args.shape)
+    peak = peak_tflops(device, args.peak_tflops)
+    header = [f"`{command}`", "", f"jax {jax.__version__}, {device.platform} {device.device_kind}, "
+              f"{platform.processor() or platform.machine()}, model {name}", ""]
+    print("\n".join(header), flush=True)
+    bw = bandwidth(args.copy_mib, args.repeats)
+    lines, results = header + [f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s", ""], dict(bandwidth_bytes_per_s=bw)
+    sections = dict(step=lambda: section_step(model, args, bw, args.kernels),
+                    prefill=lambda: section_prefill(model, args, peak, args.kernels),
+                    argmax=lambda: section_argmax(model, args, args.kernels),
+                    decoders=lambda: section_decoders(model, head, args),
+                    transformers=lambda: section_transformers(model, args))
+    for key, run in sections.items():
+        if key in args.skip:
+            continue
+        section_lines, records = run()
+        lines += section_lines + [""]
+        results[key] = records
+    out = Path(args.out or Path(__file__).parent / "results" / "decode_gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"{device.platform}-{args.shape}"
+    (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
+                                                     device=f"{device.platform} {device.device_kind}", **results),
+                                                indent=2))
+    (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / tag}.json and .md")
+    return results
+
+
+if __name__ == "__main__":
+    main()
