@@ -242,3 +242,20 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
     assert [r["batch"] for r in results["transformers"]] == [1, 2] and all(r["ms"] > 0 for r in results["transformers"])
     saved = json.loads((tmp_path / "cpu-tiny.json").read_text())
     assert saved["step"] == results["step"] and "| batch | ms |" in (tmp_path / "cpu-tiny.md").read_text()
+
+
+def test_flash_attention_memory_is_linear_in_length():
+    """Compiled scratch memory of one attention at L and 2L keys (block-causal self-attention): the
+    XLA einsum's grows 4x (its [H, L, L] scores), the flash kernel's (interpret mode) 2x."""
+    def scratch(length, mode):
+        def f(q, k, v):
+            pos, seg = jnp.broadcast_to(jnp.arange(length), (1, length)), jnp.zeros((1, length), jnp.int32)
+            vis = Visibility(pos, seg, pos, seg, jnp.ones((1, length), bool), attention="block_causal", block_size=4)
+            with kernels.use(mode):
+                return attention_dispatch(q, [(k, v, vis)])
+
+        q, kv = (jax.ShapeDtypeStruct((1, length, h, 16), jnp.float32) for h in (4, 2))
+        return jax.jit(f).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+    assert scratch(1024, "off") / scratch(512, "off") > 3.5
+    assert scratch(1024, "interpret") / scratch(512, "interpret") < 2.2

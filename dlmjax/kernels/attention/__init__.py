@@ -81,7 +81,7 @@ def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K):
 def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
     """(query padding, [(kernel call, its arguments) per part]) of the Pallas path."""
     l = q_blhd.shape[1]
-    tile_q = min(tile_q, max(8, 1 << (l - 1).bit_length()))  # short chunks (decode): one small tile
+    tile_q = min(tile_q, max(16, 1 << (l - 1).bit_length()))  # short chunks (decode): one tile of >= 16 (GPU dots)
     pad = -l % tile_q
     q = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0)))
     calls = []
