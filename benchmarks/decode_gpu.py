@@ -98,6 +98,24 @@ def prefill_flops(cfg, length: int) -> float:
     return cfg.num_layers * (per_layer + 4 * visible * h * hd)
 
 
+def prefill_memory_gib(cfg, length: int) -> dict:
+    """The device memory a batch-1 prefill of `length` tokens needs, computed (GiB): the weights,
+    the KV cache, the largest layer's activations with flash attention (hidden and residual,
+    q/k/v, the MLP's gate, up and product, the kernel's f32 accumulator), and for comparison the
+    f32 scores and exponentials the XLA einsum materialises per layer."""
+    from dlmjax.models import abstract_model
+
+    item = jnp.dtype(cfg.dtype).itemsize
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.split(abstract_model(cfg))[1]))
+    d, f, h, hkv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    activations = length * (2 * d + 3 * f + (h + 2 * hkv) * hd) * item + length * h * hd * 4
+    gib = {"weights": weights, "kv_cache": kv_bytes(cfg, 1, length), "activations_flash": activations}
+    gib = {k: v / 2**30 for k, v in gib.items()}
+    gib["total_flash"] = sum(gib.values())
+    gib["einsum_scores"] = 2 * h * length * length * 4 / 2**30
+    return gib
+
+
 def peak_tflops(device, given: float | None) -> float | None:
     return given or next((v for k, v in PEAK_BF16_TFLOPS.items() if k.lower() in device.device_kind.lower()), None)
 
@@ -127,10 +145,19 @@ def section_step(model, args, bw, modes):
 def section_prefill(model, args, peak, modes):
     cfg = model.config
     graphdef, state = nnx.split(model)
-    lines = [f"Prefill (batch 1, one forward writing the KV cache), peak {peak or '?'} TFLOP/s:", "",
-             "| tokens | kernels | attention path | ms | TFLOP/s | % of peak | device peak GiB |",
-             "|---:|---|---|---:|---:|---:|---:|"]
-    records = []
+    lines = [f"Prefill (batch 1, one forward writing the KV cache), peak {peak or '?'} TFLOP/s; memory budget "
+             "(computed, GiB): weights + KV cache + largest layer's activations with flash attention, and the XLA "
+             "einsum's per-layer scores for comparison:", "",
+             "| tokens | budget GiB (flash) | einsum scores GiB |", "|---:|---:|---:|"]
+    budgets = []
+    for length in args.prefill:
+        budget = prefill_memory_gib(cfg, length)
+        budgets.append(dict(tokens=length, **budget))
+        lines.append(f"| {length} | {budget['total_flash']:.3g} | {budget['einsum_scores']:.3g} |")
+    lines += ["", "| tokens | kernels | attention path | ms | TFLOP/s | % of peak | device peak GiB |",
+              "|---:|---|---|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    records = [dict(budget=b) for b in budgets]
     for length in args.prefill:
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size - 2, (1, length)), jnp.int32)
         for mode in modes:
