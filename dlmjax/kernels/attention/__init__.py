@@ -87,11 +87,32 @@ def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
     calls = []
     for k, v, vis in kv_parts:
         q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
+        k, v, vis = _at_least(MIN_KEYS, k, v, vis)
         call = functools.partial(_kernel.flash_part, attention=vis.attention, block_size=vis.block_size,
-                                 tile_q=tile_q, tile_k=min(tile_k, k.shape[1]), interpret=interpret)
+                                 tile_q=tile_q, tile_k=min(tile_k, _floor_pow2(k.shape[1])), interpret=interpret)
         calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
                              vis.k_valid, row_lengths(vis.k_valid))))
     return pad, calls
+
+
+MIN_KEYS = 16  # GPU dots need >= 16 along every dimension
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _at_least(keys: int, k, v, vis):
+    """A part with fewer than `keys` keys (a decode chunk) padded with hidden keys to that many (a
+    copy of a few keys); key tiles are powers of two at most the key count, the last one shifted
+    left, so longer parts (the cache) are never padded."""
+    pad = keys - k.shape[1]
+    if pad <= 0:
+        return k, v, vis
+    pad_bs = ((0, 0), (0, pad))
+    k, v = (jnp.pad(a, pad_bs + ((0, 0), (0, 0))) for a in (k, v))
+    return k, v, vis.replace(k_pos=jnp.pad(vis.k_pos, pad_bs), k_seg=jnp.pad(vis.k_seg, pad_bs),
+                             k_valid=jnp.pad(vis.k_valid, pad_bs))
 
 
 def _combine(q_blhd, calls):

@@ -21,8 +21,8 @@ def _unsupported(x_md, w_dv, tile_v: int, interpret: bool) -> str | None:
     d, vocab = w_dv.shape
     if vocab < 2:
         return f"vocabulary of {vocab}"
-    if not interpret and (d & (d - 1) or d < 16 or vocab < tile_v):
-        return f"hidden size {d} not a power of two >= 16, or vocabulary {vocab} < the tile {tile_v}"
+    if not interpret and (d & (d - 1) or d < 16 or vocab < 16):
+        return f"hidden size {d} not a power of two >= 16, or vocabulary {vocab} < 16"
     return None
 
 
@@ -38,7 +38,7 @@ def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_
     if how is None:
         return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
     m, vocab = x_md.shape[0], w_dv.shape[1]
-    tile_v = min(tile_v, vocab)
+    tile_v = min(tile_v, 1 << (vocab.bit_length() - 1))  # a power of two (GPU loads); the last tile shifts left
     pad = -m % tile_m
     x = jnp.pad(x_md, ((0, pad), (0, 0)))
     h_p = None if residual is None else jnp.pad(residual[0].astype(x_md.dtype), ((0, pad), (0, 0)))
