@@ -281,11 +281,12 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--skip", nargs="*", default=[], choices=["step", "prefill", "argmax", "decoders", "transformers"])
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results/decode_gpu)")
+    if p.parse_args(argv).tiny:  # tiny defaults; options given explicitly still win
+        p.set_defaults(prompt_len=32, batches=[1, 2], prefill=[64], argmax_positions=[8], prompts=2, max_new=8,
+                       repeats=2, copy_mib=16, decoders=["threshold:tau=0.9"])
     args = p.parse_args(argv)
     if args.tiny:
-        args.shape, args.prompt_len, args.batches, args.prefill = "tiny", 32, [1, 2], [64]
-        args.argmax_positions, args.prompts, args.max_new, args.repeats, args.copy_mib = [8], 2, 8, 2, 16
-        args.decoders = args.decoders[1:2]
+        args.shape = "tiny"
     return args
 
 

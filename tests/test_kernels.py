@@ -26,7 +26,7 @@ def argmax_cases(draw):
     vocab = draw(st.sampled_from([tile_v + 3, 2 * tile_v, 3 * tile_v - 1]))  # mostly not a multiple of the tile
     edges = [0, tile_v - 1, tile_v, vocab - 1, (vocab // tile_v) * tile_v - 1]  # the mask at tile edges
     return dict(
-        rows=draw(st.integers(1, 20)), dim=draw(st.sampled_from([8, 16])), vocab=vocab, tile_v=tile_v,
+        rows=draw(st.sampled_from([1, 5, 16])), dim=draw(st.sampled_from([8, 16])), vocab=vocab, tile_v=tile_v,
         mask_id=draw(st.sampled_from([e for e in edges if 0 <= e < vocab])), norm=draw(st.booleans()),
         residual=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
     )
@@ -55,13 +55,13 @@ def _check_argmax(case, dtype):
                                    err_msg=name)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(argmax_cases())
 def test_residual_argmax_equals_its_reference_fp32(case):
     _check_argmax(case, "float32")
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(argmax_cases())
 def test_residual_argmax_equals_its_reference_bf16(case):
     _check_argmax(case, "bfloat16")
@@ -101,7 +101,7 @@ def test_the_switch_refuses_unknown_modes():
 
 
 @pytest.mark.parametrize("family,spec", [("sdar", "threshold:tau=0.5"), ("llada", "entropy:block=4,cache=dual"),
-                                         ("sdar", "psd:depth=2")])
+                                         ("sdar", "psd:depth=2"), ("sdar", "mrp-spec:drafts=2")])
 def test_decoders_give_the_same_tokens_with_kernels_on_and_off(family, spec):
     """Interpret mode on CPU: the greedy policy decoders score from the hidden state through
     residual_argmax (their forwards keep no logits), the attention goes through its kernels; every
@@ -111,12 +111,15 @@ def test_decoders_give_the_same_tokens_with_kernels_on_and_off(family, spec):
     from dlmjax.decoding.api import generate
     from dlmjax.decoding.spec import parse_decoder
 
+    from dlmjax.heads.mrp import init_head
+
     model = peaky_model(family, seed=3)
+    head = init_head(model.config, num_layers=1, init_std=0.2, seed=3) if spec.startswith("mrp") else None
     with kernels.use("off"):
-        off = generate(model, PROMPTS[:3], decoder=spec, max_new_tokens=MAX_NEW)
+        off = generate(model, PROMPTS[:3], decoder=spec, max_new_tokens=MAX_NEW, head=head)
     with kernels.use("interpret"):
-        assert parse_decoder(spec).scores_from_hidden(model) == (not spec.startswith("psd"))
-        on = generate(model, PROMPTS[:3], decoder=spec, max_new_tokens=MAX_NEW)
+        assert parse_decoder(spec).scores_from_hidden(model) == (spec.split(":")[0] in ("threshold", "entropy"))
+        on = generate(model, PROMPTS[:3], decoder=spec, max_new_tokens=MAX_NEW, head=head)
     assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows]
     assert [r.nfe for r in on.rows] == [r.nfe for r in off.rows]
 
@@ -235,11 +238,11 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
     sys.path.insert(0, str(Path(__file__).parents[1]))
     from benchmarks import decode_gpu
 
-    results = decode_gpu.main(["--tiny", "--skip", "decoders", "prefill", "--out", str(tmp_path)])
-    assert [(r["batch"], r["kernels"]) for r in results["step"]] == [(1, "auto"), (1, "off"), (2, "auto"), (2, "off")]
+    results = decode_gpu.main(["--tiny", "--batches", "1", "--skip", "decoders", "prefill", "--out", str(tmp_path)])
+    assert [(r["batch"], r["kernels"]) for r in results["step"]] == [(1, "auto"), (1, "off")]
     assert all(r["ms"] > 0 and r["roofline_ms"] > 0 and r["path"] == "reference" for r in results["step"])
     assert [r["kernels"] for r in results["argmax"]] == ["auto", "off"]
-    assert [r["batch"] for r in results["transformers"]] == [1, 2] and all(r["ms"] > 0 for r in results["transformers"])
+    assert [r["batch"] for r in results["transformers"]] == [1] and results["transformers"][0]["ms"] > 0
     saved = json.loads((tmp_path / "cpu-tiny.json").read_text())
     assert saved["step"] == results["step"] and "| batch | ms |" in (tmp_path / "cpu-tiny.md").read_text()
 
