@@ -70,18 +70,32 @@ def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K):
         kernels.fallback("attention/cudnn", error)
     calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=how == "interpret")
     if how == "kernel":
-        for call, args in calls[1]:
+        for call, args in calls:
             error = kernels.compile_error("attention", call, *args)
             if error is not None:
                 kernels.fallback("attention", error)
                 return reference(q_blhd, kv_parts)
-    return _combine(q_blhd, calls)
+    return _run(q_blhd, calls)
+
+
+def flash(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
+    """The Pallas path: one flash kernel per part, merged by `kernel.combine`."""
+    return _run(q_blhd, flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=interpret))
+
+
+def _run(q_blhd, calls):
+    return _kernel.combine([call(*args) for call, args in calls])[:, : q_blhd.shape[1]].astype(q_blhd.dtype)
+
+
+MIN_KEYS = 16  # GPU dots need >= 16 along every dimension
 
 
 def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
-    """(query padding, [(kernel call, its arguments) per part]) of the Pallas path."""
+    """[(kernel call, its arguments)] per part: queries padded to a whole number of power-of-two
+    tiles (a decode chunk: one tile of 16), keys tiled by the largest power of two up to `tile_k`
+    that the part holds (the last tile shifted left, so the cache is never padded)."""
     l = q_blhd.shape[1]
-    tile_q = min(tile_q, max(16, 1 << (l - 1).bit_length()))  # short chunks (decode): one tile of >= 16 (GPU dots)
+    tile_q = min(tile_q, max(MIN_KEYS, 1 << (l - 1).bit_length()))
     pad = -l % tile_q
     q = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0)))
     calls = []
@@ -92,10 +106,7 @@ def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
                                  tile_q=tile_q, tile_k=min(tile_k, _floor_pow2(k.shape[1])), interpret=interpret)
         calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
                              vis.k_valid, row_lengths(vis.k_valid))))
-    return pad, calls
-
-
-MIN_KEYS = 16  # GPU dots need >= 16 along every dimension
+    return calls
 
 
 def _floor_pow2(n: int) -> int:
@@ -103,9 +114,7 @@ def _floor_pow2(n: int) -> int:
 
 
 def _at_least(keys: int, k, v, vis):
-    """A part with fewer than `keys` keys (a decode chunk) padded with hidden keys to that many (a
-    copy of a few keys); key tiles are powers of two at most the key count, the last one shifted
-    left, so longer parts (the cache) are never padded."""
+    """A part with fewer than `keys` keys (a decode chunk) padded with hidden keys to that many."""
     pad = keys - k.shape[1]
     if pad <= 0:
         return k, v, vis
@@ -113,13 +122,3 @@ def _at_least(keys: int, k, v, vis):
     k, v = (jnp.pad(a, pad_bs + ((0, 0), (0, 0))) for a in (k, v))
     return k, v, vis.replace(k_pos=jnp.pad(vis.k_pos, pad_bs), k_seg=jnp.pad(vis.k_seg, pad_bs),
                              k_valid=jnp.pad(vis.k_valid, pad_bs))
-
-
-def _combine(q_blhd, calls):
-    _, parts = calls
-    return _kernel.combine([call(*args) for call, args in parts])[:, : q_blhd.shape[1]].astype(q_blhd.dtype)
-
-
-def flash(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
-    """The Pallas path: one flash kernel per part, merged by `kernel.combine`."""
-    return _combine(q_blhd, flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=interpret))
