@@ -9,7 +9,8 @@
     dlmjax export SRC OUT --format torch
     dlmjax lm-eval --model dlmjax --model_args pretrained=DIR_OR_PRESET,... --tasks ...   (lm-eval's flags)
 
-generate, eval, train and traces take --precision {default,highest} and --invariant (dlmjax.numerics).
+generate, eval, train and traces take --precision {default,highest} and --invariant (dlmjax.numerics),
+and --kernels {auto,on,interpret,off} (dlmjax.kernels).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from dlmjax import kernels
 from dlmjax.arithmetic import PRECISIONS, numerics
 from dlmjax.decoding.spec import decoder_names
 from dlmjax.traces import add_parser as add_traces_parser
@@ -203,6 +205,9 @@ def add_numerics_args(parser: argparse.ArgumentParser):
     group.add_argument("--invariant", action="store_true",
                        help="batch-invariant numerics: a row's logits are bitwise the same alone, in any batch and "
                             "as a packed copy, so lossless decoders stay lossless on accelerators (slower)")
+    group.add_argument("--kernels", choices=kernels.MODES, default=None,
+                       help="Pallas kernels (dlmjax.kernels): auto (default: on GPU/TPU, the XLA references on "
+                            "CPU), on, interpret (any device, slow), off")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -295,7 +300,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["lm-eval"]:  # lm-eval's flags go to lm-eval's parser untouched
         return _run("lm-eval", lambda: cmd_lm_eval(argv[1:]))
     args = parse_args(argv)
-    with numerics(precision=getattr(args, "precision", None), invariant=getattr(args, "invariant", None) or None):
+    with numerics(precision=getattr(args, "precision", None), invariant=getattr(args, "invariant", None) or None), \
+            kernels.use(getattr(args, "kernels", None) or kernels.current()):
         return _run(args.command, lambda: args.func(args))
 
 

@@ -262,3 +262,17 @@ def test_flash_attention_memory_is_linear_in_length():
 
     assert scratch(1024, "off") / scratch(512, "off") > 3.5
     assert scratch(1024, "interpret") / scratch(512, "interpret") < 2.2
+
+
+def test_the_cli_sets_the_kernel_mode(monkeypatch):
+    """`--kernels MODE` on generate/eval/train/traces: the command runs under that mode."""
+    from dlmjax import cli
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["generate", "--model", "toy-sdar", "--prompt", "1+1", "--kernels", "fast"])
+    seen = []
+    args = cli.parse_args(["generate", "--model", "toy-sdar", "--prompt", "1+1", "--kernels", "off"])
+    assert args.kernels == "off"
+    monkeypatch.setattr(cli, "parse_args", lambda argv: args)
+    args.func = lambda a: seen.append(kernels.current()) or 0
+    assert cli.main(["generate"]) == 0 and seen == ["off"]
