@@ -46,9 +46,10 @@ PUBLISHED_MOE: dict[str, dict] = {
     "inclusionAI/LLaDA-MoE-7B-A1B-Instruct": dict(family="llada_moe", mask_token_id=156895, eos_token_id=156892,
                                                  block=32, decoder="threshold:tau=0.9,block=32", chat=True),
     "inclusionAI/LLaDA2.0-mini": dict(family="llada2_moe", mask_token_id=156895, eos_token_id=156892, block=32,
-                                      decoder="threshold:tau=0.95", chat=True),
+                                      decoder="llada2", chat=True),  # tau 0.95, steps 32: quota 1 per step
+    # LLaDA2.1's quality mode (model card): M2T threshold 0.7, T2T editing above 0.5, 16 post steps
     "inclusionAI/LLaDA2.1-mini": dict(family="llada2_moe", mask_token_id=156895, eos_token_id=156892, block=32,
-                                      decoder="threshold:tau=0.95", chat=True),
+                                      decoder="llada2:tau=0.7,editing_threshold=0.5,max_post_steps=16", chat=True),
     "JetLM/SDAR-30B-A3B-Chat": dict(family="sdar_moe", mask_token_id=151669, eos_token_id=151643, block=4,
                                     decoder="threshold:tau=0.9", chat=True),
     "Qwen/Qwen3-30B-A3B": dict(family="qwen3_moe", mask_token_id=None, eos_token_id=151645, block=None,

@@ -30,7 +30,8 @@ A round (`decode_round`), per row:
 1. the decoder's `plan` commits from the row's latest logits (the certain commits) and names the
    versions of the block ("copies") the round's forward evaluates: one for the policy decoders,
    the drafts for PSD and MRP spec;
-2. a row whose block is now complete finishes (EOS, or its last block) or moves to its next block;
+2. a row whose block is now complete (no mask left, and the plan does not keep it open for token
+   editing: `Plan.open`) finishes (EOS, or its last block) or moves to its next block;
 3. one forward evaluates every row's copies (a row that moved: its new block, storing the old);
 4. the decoder's `resolve` reads the forward: the accepted copy (PSD, MRP spec), the logits
    that seed the row's next round, and the decoder's next carry. Rows that forwarded copies of
@@ -116,6 +117,9 @@ class Plan:
     copies: jax.Array  # [B, N, K]
     aux: Any = None  # the decoder's own (e.g. PSD's draft commit sets)
     carry: Any = None  # the decoder's per-row state after this round's plan (None: keep DecodeState.carry)
+    # [B] bool: rows that keep working on their block although no mask is left in it (token
+    # editing, dlmjax.decoding.llada2); None: a block is complete when its masks are gone
+    open: Any = None
 
 
 class LayoutError(InputError):
@@ -430,6 +434,8 @@ def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos)
     canvas = fwd.put_block(st.canvas, st.block, plan.tokens)
 
     left = jnp.any(plan.tokens == mask_id, axis=-1) & ~st.done  # rows still denoising this block
+    if plan.open is not None:  # token editing: a block without masks may still be open
+        left = left | (plan.open & ~st.done)
     complete = ~st.done & ~left
     last = st.block + 1 >= fwd.rows.blocks_needed
     finished = complete & (last | _eos_seen(canvas, fwd.rows, fwd.block_start(st.block) + k, eos))
@@ -467,7 +473,7 @@ def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos)
         done=done,
         rounds=st.rounds + jnp.any(masked, axis=-1),
         nfe=st.nfe + need,
-        committed=st.committed + jnp.sum(plan.tokens != tokens, axis=-1)
+        committed=st.committed + jnp.sum((plan.tokens != tokens) & (tokens == mask_id), axis=-1)  # edits: not new
         + jnp.where(left, jnp.sum(resolved != plan.tokens, axis=-1), 0),
         forwards=st.forwards + jnp.any(need),
         carry=rows_where(left, resolved_carry, plan.carry),

@@ -1,0 +1,136 @@
+"""LLaDA2's own decoding procedure (`llada2`), and LLaDA2.1's token editing as its option.
+
+What its authors ship (the `generate()` of the LLaDA2.0 / 2.1 model cards; the same loop is
+SGLang's dLLM `JointThreshold` algorithm and diffusers' block-refinement scheduler), per block
+of a block-causal model, from each forward of the block:
+
+- Mask to token (M2T), at the block's s-th step with masks: a quota q_s spreads the block over
+  `steps` steps (`block // steps` each, the first `block % steps` steps one more; `steps` is
+  first capped at max_new_tokens, as generate() caps it at gen_length). Commit every masked
+  position whose confidence is > `tau`, if there are at least q_s of them; otherwise the q_s most
+  confident masked positions. Block 32 and steps 32 make q_s = 1: threshold decoding that
+  commits at least one token per step.
+- Token to token (T2T, LLaDA2.1; on when `editing_threshold` is set): in the same step, every
+  generated (not prompt), already committed position whose predicted token differs from its
+  current one with confidence > `editing_threshold` takes the predicted token.
+- With editing the block does not end when its last mask is filled: it goes on with forwards of
+  the filled block ("post steps"), each applying T2T, until a step edits nothing or
+  `max_post_steps` post steps have run (a post step that would exceed it runs no forward).
+  Without editing a block ends with its last mask.
+- A row stops after the block that holds its EOS (as every decoder here). generate()'s
+  `eos_early_stop` is not modelled: without editing it changes the forwards, not the tokens.
+
+Engine mapping (engine.decode_round): a round's plan is one step's commit from the latest
+logits; the round's forward is the next step's forward. The plan keeps, per row, its block, the
+count of steps with masks (the quota index) and of post steps, and tells the engine through
+`Plan.open` that a block without masks is still open. Each row's forward count equals the
+reference loop's (tested: tests/test_llada2.py against a plain loop, no cache, full forward per
+step). Confidence is the probability of the proposed token, the mask token excluded, as in
+every decoder here; with sampling, edits read the sampled token (keys folded with the post-step
+count, so post steps draw fresh noise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from dlmjax.decoding import policies
+from dlmjax.decoding.engine import Plan
+from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, PROBABILITY
+
+
+def quota_schedule(block: int, steps: int) -> jax.Array:
+    """[steps] int32: `block` commits spread over `steps` steps, the remainder on the first ones."""
+    base, extra = divmod(block, steps)
+    return base + (jnp.arange(steps) < extra).astype(jnp.int32)
+
+
+def confidence_rank(confidence_bk, eligible_bk):
+    """[B, K] int32: each eligible position's rank by confidence, highest first (the lower index
+    first among equals); ineligible positions rank after every eligible one."""
+    conf = jnp.where(eligible_bk, confidence_bk, -jnp.inf)
+    k = conf.shape[-1]
+    idx = jnp.arange(k)
+    before = (conf[:, None, :] > conf[:, :, None]) | ((conf[:, None, :] == conf[:, :, None]) & (idx[None, :] < idx[:, None]))
+    return jnp.sum(before & eligible_bk[:, None, :], axis=-1).astype(jnp.int32)
+
+
+def quota_commit(scores: policies.Scores, masked_bk, tau: float, quota_b):
+    """LLaDA2's M2T: the masked positions above `tau` if at least quota of them, else the quota
+    most confident ones. Equals (above tau) | (ranked within the quota)."""
+    ranked = confidence_rank(scores.confidence, masked_bk) < quota_b[:, None]
+    return masked_bk & ((scores.confidence > tau) | ranked)
+
+
+@register_decoder
+@dataclass(frozen=True)
+class LLaDA2(DiffusionDecoder):
+    """LLaDA2's decoding (module docstring): tau (confidence threshold, 0.95), steps (per block;
+    the quota's schedule, 32), editing_threshold (LLaDA2.1's T2T editing; unset: off),
+    max_post_steps (editing steps after a block's last mask is filled, 16)."""
+
+    name: ClassVar[str] = "llada2"
+    limits = {"tau": OPEN_UNIT, "steps": AT_LEAST_1, "editing_threshold": PROBABILITY,
+              "max_post_steps": AT_LEAST_0}
+    tau: float = 0.95
+    steps: int = 32
+    editing_threshold: float | None = None
+    max_post_steps: int = 16
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.editing and self.max_post_steps != 16:
+            raise DecoderSpecError(f"llada2: max_post_steps={self.max_post_steps} bounds LLaDA2.1's editing steps; "
+                                   "set editing_threshold too (e.g. editing_threshold=0.5), or drop max_post_steps")
+
+    @property
+    def editing(self) -> bool:
+        return self.editing_threshold is not None
+
+    def scores_from_hidden(self, model) -> bool:
+        """The plan reads greedy scores only, so the kernel path serves it like `threshold`."""
+        from dlmjax import kernels
+
+        return (self.temperature == 0.0 and not model.config.shift_logits
+                and kernels.choose("residual_argmax") is not None)
+
+    def init_carry(self, fwd, batch: int):
+        zeros = jnp.zeros((batch,), jnp.int32)
+        # block -1: the first round starts the row's block afresh
+        return {"block": zeros - 1, "step": zeros, "post": zeros, "closed": jnp.zeros((batch,), bool)}
+
+    def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
+        carry = state.carry
+        fresh = carry["block"] != state.block  # a row that moved starts its counters over
+        step = jnp.where(fresh, 0, carry["step"])
+        post = jnp.where(fresh, 0, carry["post"])
+        closed = ~fresh & carry["closed"]  # block done, waiting for the others (prefix/dual)
+        if keys_b is not None:
+            keys_b = jax.vmap(jax.random.fold_in)(keys_b, post)
+        scores = self.scores(fwd, state, keys_b)
+
+        steps = min(self.steps, fwd.geometry.max_new_tokens)
+        quota = quota_schedule(fwd.geometry.block, steps)[jnp.minimum(step, steps - 1)]
+        m2t = policies.with_progress_guard(quota_commit(scores, masked_bk, self.tau, quota), scores, masked_bk)
+        has_mask = jnp.any(masked_bk, axis=-1)
+        edit = jnp.zeros_like(masked_bk)
+        if self.editing:
+            cols = fwd.block_start(state.block)[:, None] + jnp.arange(tokens_bk.shape[1])[None, :]
+            editable = (cols >= fwd.rows.out_start[:, None]) & ~masked_bk & ~(state.done | closed)[:, None]
+            edit = editable & (scores.confidence > self.editing_threshold) & (scores.tokens != tokens_bk)
+        after = jnp.where(m2t | edit, scores.tokens, tokens_bk)
+
+        filled = ~jnp.any(after == fwd.mask_id, axis=-1)
+        carry = {"block": state.block, "step": step + has_mask, "post": post, "closed": closed | filled}
+        if not self.editing:
+            return Plan(tokens=after, copies=after[:, None], carry=carry)
+        post = post + filled  # the next step is a post step
+        ended = (~has_mask & ~jnp.any(edit, axis=-1)) | (filled & (post > self.max_post_steps))
+        still_open = ~closed & ~ended
+        carry.update(post=post, closed=closed | (filled & ended))
+        return Plan(tokens=after, copies=after[:, None], carry=carry, open=still_open)
