@@ -276,3 +276,27 @@ def test_the_cli_sets_the_kernel_mode(monkeypatch):
     monkeypatch.setattr(cli, "parse_args", lambda argv: args)
     args.func = lambda a: seen.append(kernels.current()) or 0
     assert cli.main(["generate"]) == 0 and seen == ["off"]
+
+
+def test_the_kernels_lower_for_a_gpu_through_triton():
+    """Lowered for CUDA from this CPU (no GPU needed): Pallas' Triton lowering accepts both kernels at
+    SDAR-like shapes (power-of-two loads, the shifted last tile, the dynamic key loop). This is the
+    lowering, not the GPU compile or a run: those are owed to a GPU."""
+    import functools
+
+    from dlmjax.kernels.attention import kernel as attention_kernel
+    from dlmjax.kernels.residual_argmax import kernel as argmax_kernel
+
+    def lowered(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    q, kv = jnp.zeros((1, 16, 4, 128), jnp.bfloat16), jnp.zeros((1, 300, 2, 128), jnp.bfloat16)
+    pos, k_pos = jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 300), jnp.int32)
+    flash_call = functools.partial(attention_kernel.flash_part, attention="block_causal", block_size=4, tile_q=16,
+                                   tile_k=128, interpret=False, triton=True)
+    assert "triton" in lowered(flash_call, q, kv, kv, pos, pos, k_pos, k_pos, jnp.ones((1, 300), bool),
+                               jnp.full((1,), 250, jnp.int32))
+    argmax_call = functools.partial(argmax_kernel.residual_argmax_stats, mask_id=5000, eps=1e-6, residual_scale=1.0,
+                                    tile_m=16, tile_v=2048, interpret=False, triton=True)
+    x = jnp.zeros((16, 256), jnp.bfloat16)
+    assert "triton" in lowered(argmax_call, x, jnp.zeros((256, 5037), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16), x)

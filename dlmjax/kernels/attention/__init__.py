@@ -68,7 +68,8 @@ def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K):
         if error is None:
             return cudnn(q_blhd, k, v)
         kernels.fallback("attention/cudnn", error)
-    calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=how == "interpret")
+    calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=how == "interpret",
+                        triton=how == "kernel" and jax.default_backend() == "gpu")
     if how == "kernel":
         for call, args in calls:
             error = kernels.compile_error("attention", call, *args)
@@ -90,7 +91,7 @@ def _run(q_blhd, calls):
 MIN_KEYS = 16  # GPU dots need >= 16 along every dimension
 
 
-def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
+def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool, triton: bool = False):
     """[(kernel call, its arguments)] per part: queries padded to a whole number of power-of-two
     tiles (a decode chunk: one tile of 16), keys tiled by the largest power of two up to `tile_k`
     that the part holds (the last tile shifted left, so the cache is never padded)."""
@@ -103,7 +104,8 @@ def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
         q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
         k, v, vis = _at_least(MIN_KEYS, k, v, vis)
         call = functools.partial(_kernel.flash_part, attention=vis.attention, block_size=vis.block_size,
-                                 tile_q=tile_q, tile_k=min(tile_k, _floor_pow2(k.shape[1])), interpret=interpret)
+                                 tile_q=tile_q, tile_k=min(tile_k, _floor_pow2(k.shape[1])), interpret=interpret,
+                                 triton=triton)
         calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
                              vis.k_valid, row_lengths(vis.k_valid))))
     return calls

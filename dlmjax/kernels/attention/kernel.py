@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 MASK_VALUE = -1e30  # as layers.MASK_VALUE: a hidden key's score
 
@@ -67,10 +68,13 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
     sum_ref[...] = l[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "interpret", "triton"))
 def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_len_b, *,
-               attention: str, block_size: int | None, tile_q: int, tile_k: int, interpret: bool):
-    """(acc [B, L, H, hd] f32, m [B, H, L], l [B, H, L]) of one part; L % tile_q == 0, S >= tile_k."""
+               attention: str, block_size: int | None, tile_q: int, tile_k: int, interpret: bool,
+               triton: bool = False):
+    """(acc [B, L, H, hd] f32, m [B, H, L], l [B, H, L]) of one part; L % tile_q == 0, S >= tile_k.
+    `triton`: lower with Pallas' Triton backend (GPU): its blocks stay in global memory and the
+    key loop loads one tile at a time (Mosaic GPU would stage whole rows in shared memory)."""
     b, l, h, d = q_blhd.shape
     s, hkv = k_bshd.shape[1], k_bshd.shape[2]
     group = h // hkv
@@ -87,6 +91,7 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
         out_shape=[jax.ShapeDtypeStruct((b, l, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, l), jnp.float32),
                    jax.ShapeDtypeStruct((b, h, l), jnp.float32)],
         interpret=interpret, name="flash_attention",
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2) if triton else None,
     )(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs.astype(jnp.int32),
       kv_len_b.reshape(b, 1))
 

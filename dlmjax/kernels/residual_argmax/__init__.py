@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from dlmjax import kernels
@@ -45,7 +46,7 @@ def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_
     call = functools.partial(
         _kernel.residual_argmax_stats, mask_id=mask_id, eps=None if norm is None else float(norm[1]),
         residual_scale=None if residual is None else float(residual[1]), tile_m=tile_m, tile_v=tile_v,
-        interpret=how == "interpret")
+        interpret=how == "interpret", triton=how == "kernel" and jax.default_backend() == "gpu")
     args = (x, w_dv, None if norm is None else norm[0], h_p)
     error = None if how == "interpret" else kernels.compile_error("residual_argmax", call, *args)
     if error is not None:

@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30  # a hidden column's logit: finite, so exp(NEG - m) * (NEG - m) is 0, not NaN
 
@@ -79,11 +80,15 @@ def _kernel(*refs, vocab: int, tile_v: int, mask_id: int, eps: float | None, res
         ref[...] = value
 
 
-@functools.partial(jax.jit, static_argnames=("mask_id", "eps", "residual_scale", "tile_m", "tile_v", "interpret"))
+@functools.partial(jax.jit, static_argnames=("mask_id", "eps", "residual_scale", "tile_m", "tile_v", "interpret",
+                                             "triton"))
 def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int, eps: float | None,
-                          residual_scale: float | None, tile_m: int, tile_v: int, interpret: bool):
+                          residual_scale: float | None, tile_m: int, tile_v: int, interpret: bool,
+                          triton: bool = False):
     """The six running statistics, each [M, 1] (see the module docstring); M % tile_m == 0 and
-    V >= tile_v (the dispatcher pads rows and picks the tiles)."""
+    V >= tile_v (the dispatcher pads rows and picks the tiles). `triton`: lower with Pallas'
+    Triton backend (GPU), whose blocks stay in global memory (Mosaic GPU would stage the whole
+    lm_head in shared memory)."""
     m, d = x_md.shape
     vocab = w_dv.shape[1]
     rows = pl.BlockSpec((tile_m, d), lambda i: (i, 0))
@@ -103,6 +108,7 @@ def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int
     return pl.pallas_call(
         kernel, grid=(m // tile_m,), in_specs=specs, out_specs=[stat] * 6,
         out_shape=[f32, i32, f32, f32, f32, f32], interpret=interpret, name="residual_argmax",
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2) if triton else None,
     )(*inputs)
 
 
