@@ -154,6 +154,10 @@ FAMILIES: dict[str, Family] = {
         Family("llada_moe", (), "llada_moe", "bidirectional", False, True, "LLaDAMoEModelLM", 156895, ("<|mdm_mask|>",)),
         Family("llada2_moe", ("llada2_moe",), "llada2", "block_causal", False, True, "LLaDA2MoeModelLM", 156895,
                ("<|mask|>",)),
+        # Fast-dLLM v2 (NVlabs; Efficient-Large-Model/Fast_dLLM_v2_7B): Qwen2.5 layers, block-causal
+        # attention in blocks of `bd_size`, logits shifted by one (token shift, as Dream)
+        Family("fast_dllm_v2", ("Fast_dLLM_Qwen",), "hf", "block_causal", True, False, "Fast_dLLM_QwenForCausalLM",
+               151665, ("|<MASK>|",)),
     )
 }
 
@@ -271,11 +275,15 @@ _HF_KEYS = {
     "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters",
     "max_position_embeddings", "tie_word_embeddings", "attention_bias", "block_size", "layer_types",
 }
+_FAMILY_KEYS = {"fast_dllm_v2": {"bd_size"}}  # keys only one family of the hf layout reads
+QWEN2_BIAS_FAMILIES = ("qwen2", "dream", "fast_dllm_v2")  # q/k/v biases always, no o bias, no `attention_bias` key
 
 
 def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
-    unknown = set(raw) - _HF_KEYS - _METADATA_KEYS - set(_HF_FIXED)
+    unknown = set(raw) - _HF_KEYS - _METADATA_KEYS - set(_HF_FIXED) - _FAMILY_KEYS.get(fam.name, set())
     problems = _check_fixed(raw, _HF_FIXED, fam.name)
+    if fam.name == "fast_dllm_v2" and "block_size" in raw:  # its block is `bd_size`; a second key would be ambiguous
+        problems.append(f"`block_size` = {raw['block_size']!r} (Fast-dLLM v2 names its block `bd_size`; use that key)")
     layer_types = raw.get("layer_types")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         problems.append(f"`layer_types` = {sorted(set(map(str, layer_types)))} (only full_attention layers are implemented)")
@@ -283,8 +291,8 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
         problems.append(f"`attention_dropout` = {raw['attention_dropout']} (dlmjax has no dropout; set 0.0)")
     _refuse(fam.name, unknown, problems)
     num_heads = raw["num_attention_heads"]
-    # Qwen2 (and Dream) always carry q/k/v biases and no o bias; Qwen3/Llama/SDAR have `attention_bias`.
-    always_qkv_bias = fam.name in ("qwen2", "dream")
+    # Qwen2 (Dream, Fast-dLLM v2) always carry q/k/v biases and no o bias; Qwen3/Llama/SDAR have `attention_bias`.
+    always_qkv_bias = fam.name in QWEN2_BIAS_FAMILIES
     attention_bias = bool(raw.get("attention_bias", False))
     return ModelConfig(
         family=fam.name,
@@ -300,7 +308,9 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         attention=fam.attention,
         # Real SDAR configs carry no block_size (it is a generation argument); 4 is SDAR's default.
-        block_size=raw.get("block_size", 4) if fam.attention == "block_causal" else None,
+        # Fast-dLLM v2 reads `bd_size` (its modeling code's default: 32).
+        block_size=(raw.get("bd_size", 32) if fam.name == "fast_dllm_v2" else raw.get("block_size", 4))
+        if fam.attention == "block_causal" else None,
         shift_logits=fam.shift_logits,
         qkv_bias=always_qkv_bias or attention_bias,
         o_bias=attention_bias and not always_qkv_bias,
@@ -372,7 +382,7 @@ def _from_llada(raw: dict, fam: Family) -> ModelConfig:
 _RAW_TYPES = {
     **{key: ("int", AT_LEAST_1) for key in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-        "num_key_value_heads", "max_position_embeddings", "block_size", "d_model", "n_heads", "n_kv_heads",
+        "num_key_value_heads", "max_position_embeddings", "block_size", "bd_size", "d_model", "n_heads", "n_kv_heads",
         "n_layers", "mlp_hidden_size", "mlp_ratio", "embedding_size", "max_sequence_length")},
     **{key: ("float", POSITIVE) for key in ("rms_norm_eps", "rope_theta")},
     "layer_types": ("list", None), "rope_parameters": ("dict", None),
@@ -471,7 +481,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "dtype": cfg.dtype,
         **_token_ids(cfg),
     }
-    if cfg.family in ("qwen2", "dream"):
+    if cfg.family in QWEN2_BIAS_FAMILIES:
         if not cfg.qkv_bias or cfg.o_bias:
             raise ConfigError(f"family {cfg.family} always has q/k/v biases and no o bias")
     else:
@@ -482,7 +492,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
             )
         out["attention_bias"] = cfg.qkv_bias
     if cfg.attention == "block_causal":
-        out["block_size"] = cfg.block_size
+        out["bd_size" if cfg.family == "fast_dllm_v2" else "block_size"] = cfg.block_size
     return out
 
 

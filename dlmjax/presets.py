@@ -56,6 +56,16 @@ PUBLISHED_MOE: dict[str, dict] = {
                                decoder="ar", chat=True),
 }
 
+# Published dense block-diffusion checkpoints beside the MoE ones (issue 21). Fast-dLLM v2 decodes
+# with its own generate(): block 32 (bd_size), sub-blocks of 8 decoded in turn, threshold 0.9 with at
+# least the most confident token, each block's first token taken from the previous block's last
+# (shifted) logits. No dlmjax decoder expresses that yet (decoder None: `generate` refuses the
+# family with that reason); the model loads, exports and gives logits.
+PUBLISHED_DENSE: dict[str, dict] = {
+    "Efficient-Large-Model/Fast_dLLM_v2_7B": dict(family="fast_dllm_v2", mask_token_id=151665, eos_token_id=151645,
+                                                  block=32, sub_block=8, tau=0.9, decoder=None, chat=True),
+}
+
 
 SHIPPED_DIR = Path(__file__).parent / "toy" / "checkpoints"
 SHIPPED = ("toy-sdar", "toy-ar")

@@ -125,7 +125,11 @@ def _cache_mode(decoder: DiffusionDecoder, model: Transformer) -> str:
                 f"cache={decoder.cache}: block-causal models always use the exact KV cache; drop the option"
             )
         if cfg.shift_logits:
-            raise DecoderSpecError("block-causal decoding of a shifted-logit model is not supported")
+            raise DecoderSpecError(
+                f"block-causal decoding of a shifted-logit model ({cfg.family}) is not supported yet: Fast-dLLM v2's "
+                "procedure (each block's first token from the previous block's last logits, then threshold 0.9 within "
+                "sub-blocks of 8) needs engine support that is owed (issue 21); the model loads, exports and gives "
+                "logits (`dlmjax.load_model`)")
         return "exact"
     return decoder.cache
 
