@@ -47,7 +47,7 @@ def _check_argmax(case, dtype):
     x, w, kw = _argmax_inputs(case, dtype)
     expected = argmax_reference(x, w, **kw)
     with kernels.use("interpret"):
-        got = residual_argmax(x, w, tile_m=8, tile_v=case["tile_v"], **kw)
+        got = residual_argmax(x, w, tile_m=8, tile_v=case["tile_v"], tile_d=8, split_v=2 * case["tile_v"], **kw)
     np.testing.assert_array_equal(got.tokens, expected.tokens)
     assert not np.any(np.asarray(got.tokens) == case["mask_id"])
     for name in ("confidence", "entropy", "margin"):
@@ -68,12 +68,12 @@ def test_residual_argmax_equals_its_reference_bf16(case):
 
 
 def test_residual_argmax_keeps_the_first_of_tied_columns_across_tiles():
-    """Two columns in different tiles with the same (largest) logit: the first wins, as in jnp.argmax,
-    and the margin is 0."""
+    """Two columns in different tiles and vocabulary slices with the same (largest) logit: the first
+    wins, as in jnp.argmax, and the margin is 0."""
     w = jnp.zeros((8, 40)).at[:, 5].set(1.0).at[:, 37].set(1.0)
     x = jnp.ones((3, 8))
     with kernels.use("interpret"):
-        got = residual_argmax(x, w, mask_id=0, tile_v=16)
+        got = residual_argmax(x, w, mask_id=0, tile_v=16, split_v=32)
     np.testing.assert_array_equal(got.tokens, [5, 5, 5])
     np.testing.assert_array_equal(got.margin, [0.0, 0.0, 0.0])
 
@@ -297,6 +297,6 @@ def test_the_kernels_lower_for_a_gpu_through_triton():
     assert "triton" in lowered(flash_call, q, kv, kv, pos, pos, k_pos, k_pos, jnp.ones((1, 300), bool),
                                jnp.full((1,), 250, jnp.int32))
     argmax_call = functools.partial(argmax_kernel.residual_argmax_stats, mask_id=5000, eps=1e-6, residual_scale=1.0,
-                                    tile_m=16, tile_v=2048, interpret=False, triton=True)
+                                    tile_m=16, tile_v=128, tile_d=128, split_v=1024, interpret=False, triton=True)
     x = jnp.zeros((16, 256), jnp.bfloat16)
     assert "triton" in lowered(argmax_call, x, jnp.zeros((256, 5037), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16), x)

@@ -15,10 +15,14 @@ from dlmjax.kernels.residual_argmax.reference import residual_argmax as referenc
 
 __all__ = ["ArgmaxScores", "logits", "reference", "residual_argmax"]
 
-TILE_M, TILE_V = 16, 2048
+TILE_M, TILE_V, TILE_D, SPLIT_V = 16, 128, 128, 1024  # GPU-sized: 16 x 128 x 128 dots, 1024-column slices
 
 
-def _unsupported(x_md, w_dv, tile_v: int, interpret: bool) -> str | None:
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _unsupported(x_md, w_dv, interpret: bool) -> str | None:
     d, vocab = w_dv.shape
     if vocab < 2:
         return f"vocabulary of {vocab}"
@@ -28,25 +32,29 @@ def _unsupported(x_md, w_dv, tile_v: int, interpret: bool) -> str | None:
 
 
 def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_m: int = TILE_M,
-                    tile_v: int = TILE_V) -> ArgmaxScores:
+                    tile_v: int = TILE_V, tile_d: int = TILE_D, split_v: int = SPLIT_V) -> ArgmaxScores:
     """Per position m: the argmax of lm_head(norm(x_m)) (+ s * lm_head(h_p_m)) over the vocabulary
     without `mask_id`, its probability, the entropy and the top-1 minus top-2 probability.
 
     x_md [M, D] (final-normed already unless `norm` = (scale [D], eps)); w_dv [D, V] the lm_head;
-    residual = (h_p [M, D], s): MRP's residual in logit space. Greedy only (no sampling)."""
-    interpret_only = kernels.current() == "interpret"
-    how = kernels.choose("residual_argmax", _unsupported(x_md, w_dv, tile_v, interpret_only))
+    residual = (h_p [M, D], s): MRP's residual in logit space. Greedy only (no sampling). Tiles:
+    `tile_m` positions x `tile_v` columns, dots over `tile_d` of the hidden size, one program per
+    `split_v` columns (all powers of two on GPU; shrunk to fit small shapes)."""
+    how = kernels.choose("residual_argmax", _unsupported(x_md, w_dv, kernels.current() == "interpret"))
     if how is None:
         return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
-    m, vocab = x_md.shape[0], w_dv.shape[1]
-    tile_v = min(tile_v, 1 << (vocab.bit_length() - 1))  # a power of two (GPU loads); the last tile shifts left
+    (m, d), vocab = x_md.shape, w_dv.shape[1]
+    tile_v = min(tile_v, _floor_pow2(vocab))  # the last tile of a slice shifts left
+    tile_d = min(tile_d, d) if d % min(tile_d, d) == 0 else d
+    split_v = max(split_v // tile_v, 1) * tile_v
     pad = -m % tile_m
     x = jnp.pad(x_md, ((0, pad), (0, 0)))
     h_p = None if residual is None else jnp.pad(residual[0].astype(x_md.dtype), ((0, pad), (0, 0)))
     call = functools.partial(
         _kernel.residual_argmax_stats, mask_id=mask_id, eps=None if norm is None else float(norm[1]),
         residual_scale=None if residual is None else float(residual[1]), tile_m=tile_m, tile_v=tile_v,
-        interpret=how == "interpret", triton=how == "kernel" and jax.default_backend() == "gpu")
+        tile_d=tile_d, split_v=split_v, interpret=how == "interpret",
+        triton=how == "kernel" and jax.default_backend() == "gpu")
     args = (x, w_dv, None if norm is None else norm[0], h_p)
     error = None if how == "interpret" else kernels.compile_error("residual_argmax", call, *args)
     if error is not None:

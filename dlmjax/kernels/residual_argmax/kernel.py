@@ -1,11 +1,12 @@
-"""Pallas `residual_argmax`: per tile of `tile_m` positions, the final norm, then the lm_head one
-vocabulary tile of `tile_v` columns at a time with an online max, log-sum-exp, entropy sum and
-top-2, so that no [M, V] logits are ever written.
+"""Pallas `residual_argmax`: per tile of `tile_m` positions and per slice of `split_v` vocabulary
+columns (one program each, so that a few positions still fill a GPU), the final norm, then the
+lm_head one tile of `tile_v` columns at a time (each a sum of [tile_m, tile_d] x [tile_d, tile_v]
+dots) with an online max, log-sum-exp, entropy sum and top-2, so that no [M, V] logits are
+written. `finish` merges the slices' statistics.
 
-The vocabulary loop runs inside the kernel (a `fori_loop` over column tiles), which serves the
-GPU (each grid program is independent) and TPU alike. A vocabulary that is not a multiple of the
-tile gets a last tile that starts at V - tile_v and ignores the columns already seen: every read
-is in bounds and no weight is padded or copied.
+A slice or vocabulary that is not a multiple of the tile gets a last tile that starts earlier and
+ignores the columns already seen (or past the slice): every read is in bounds and no weight is
+padded or copied.
 
 Running statistics per position (u = logit - m, the running max m):
   s = sum exp(u), t = sum exp(u) * u, top-1 value and index, top-2 value.
@@ -35,33 +36,54 @@ def _tile_stats(logits_mt, valid_t, first_col):
     return l, top1, local + first_col, top2
 
 
-def _kernel(*refs, vocab: int, tile_v: int, mask_id: int, eps: float | None, residual_scale: float | None):
+def _kernel(*refs, vocab: int, split_v: int, tile_v: int, tile_d: int, mask_id: int, eps: float | None,
+            residual_scale: float | None):
     it = iter(refs)
     x_ref = next(it)
     scale_ref = next(it) if eps is not None else None
     r_ref = next(it) if residual_scale is not None else None
     w_ref = next(it)
     top1_ref, index_ref, top2_ref, max_ref, sum_ref, usum_ref = it
+    rows, dim = x_ref.shape
+    chunks = dim // tile_d
 
-    x = x_ref[...]
-    if eps is not None:  # the model's RMSNorm, as layers.rms_norm computes it
-        x32 = x.astype(jnp.float32)
-        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-        x = scale_ref[...] * normed
-    r = r_ref[...] if r_ref is not None else None
-    rows = x.shape[0]
+    inv_rms = None
+    if eps is not None:  # the model's RMSNorm (layers.rms_norm): statistics in f32 over the whole row
+        def squares(c, acc):
+            x32 = x_ref[:, pl.ds(c * tile_d, tile_d)].astype(jnp.float32)
+            return acc + jnp.sum(x32 * x32, axis=-1, keepdims=True)
+
+        inv_rms = jax.lax.rsqrt(jax.lax.fori_loop(0, chunks, squares, jnp.zeros((rows, 1), jnp.float32)) / dim + eps)
+
+    def hidden_chunk(c):
+        x = x_ref[:, pl.ds(c * tile_d, tile_d)]
+        if inv_rms is None:
+            return x
+        return scale_ref[:, pl.ds(c * tile_d, tile_d)] * (x.astype(jnp.float32) * inv_rms).astype(x.dtype)
+
+    def tile_logits(start):
+        def chunk(c, acc):
+            w = w_ref[pl.ds(c * tile_d, tile_d), pl.ds(start, tile_v)]
+            base, res = acc
+            base = base + jnp.dot(hidden_chunk(c), w, preferred_element_type=jnp.float32)
+            if r_ref is not None:
+                res = res + jnp.dot(r_ref[:, pl.ds(c * tile_d, tile_d)], w, preferred_element_type=jnp.float32)
+            return base, res
+
+        zero = jnp.zeros((rows, tile_v), jnp.float32)
+        base, res = jax.lax.fori_loop(0, chunks, chunk, (zero, zero))
+        return base if r_ref is None else base + residual_scale * res
+
+    first = pl.program_id(1) * split_v
+    end = jnp.minimum(first + split_v, vocab)
 
     def body(j, carry):
         top1, index, top2, m, s, t = carry
-        seen = j * tile_v
+        seen = first + j * tile_v
         start = jnp.minimum(seen, vocab - tile_v)
-        w = w_ref[:, pl.ds(start, tile_v)]
-        logits = jnp.dot(x, w, preferred_element_type=jnp.float32)
-        if r is not None:
-            logits = logits + residual_scale * jnp.dot(r, w, preferred_element_type=jnp.float32)
         cols = start + jax.lax.broadcasted_iota(jnp.int32, (tile_v,), 0)
-        valid = (cols >= seen) & (cols != mask_id)
-        l, t1, i1, t2 = _tile_stats(logits, valid, start)
+        valid = (cols >= seen) & (cols < end) & (cols != mask_id)
+        l, t1, i1, t2 = _tile_stats(tile_logits(start), valid, start)
         m_new = jnp.maximum(m, t1)
         a = jnp.exp(m - m_new)
         e = jnp.where(valid[None, :], jnp.exp(l - m_new), 0.0)
@@ -75,46 +97,57 @@ def _kernel(*refs, vocab: int, tile_v: int, mask_id: int, eps: float | None, res
     neg = jnp.full((rows, 1), NEG, jnp.float32)
     zero = jnp.zeros((rows, 1), jnp.float32)
     init = (neg, jnp.zeros((rows, 1), jnp.int32), neg, neg, zero, zero)
-    out = jax.lax.fori_loop(0, pl.cdiv(vocab, tile_v), body, init)
+    out = jax.lax.fori_loop(0, pl.cdiv(end - first, tile_v), body, init)
     for ref, value in zip((top1_ref, index_ref, top2_ref, max_ref, sum_ref, usum_ref), out):
         ref[...] = value
 
 
-@functools.partial(jax.jit, static_argnames=("mask_id", "eps", "residual_scale", "tile_m", "tile_v", "interpret",
-                                             "triton"))
+@functools.partial(jax.jit, static_argnames=("mask_id", "eps", "residual_scale", "tile_m", "tile_v", "tile_d",
+                                             "split_v", "interpret", "triton"))
 def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int, eps: float | None,
-                          residual_scale: float | None, tile_m: int, tile_v: int, interpret: bool,
-                          triton: bool = False):
-    """The six running statistics, each [M, 1] (see the module docstring); M % tile_m == 0 and
-    V >= tile_v (the dispatcher pads rows and picks the tiles). `triton`: lower with Pallas'
-    Triton backend (GPU), whose blocks stay in global memory (Mosaic GPU would stage the whole
-    lm_head in shared memory)."""
+                          residual_scale: float | None, tile_m: int, tile_v: int, tile_d: int, split_v: int,
+                          interpret: bool, triton: bool = False):
+    """The six running statistics of each vocabulary slice, each [M, slices] (see the module
+    docstring); M % tile_m == 0, V >= tile_v, D % tile_d == 0, split_v % tile_v == 0 (the dispatcher
+    pads rows and picks the tiles). `triton`: lower with Pallas' Triton backend (GPU), whose blocks
+    stay in global memory (Mosaic GPU would stage the whole lm_head in shared memory)."""
     m, d = x_md.shape
     vocab = w_dv.shape[1]
-    rows = pl.BlockSpec((tile_m, d), lambda i: (i, 0))
+    slices = pl.cdiv(vocab, split_v)
+    rows = pl.BlockSpec((tile_m, d), lambda i, j: (i, 0))
     inputs, specs = [x_md], [rows]
     if eps is not None:
         inputs.append(scale_d.reshape(1, d))
-        specs.append(pl.BlockSpec((1, d), lambda i: (0, 0)))
+        specs.append(pl.BlockSpec((1, d), lambda i, j: (0, 0)))
     if residual_scale is not None:
         inputs.append(h_p_md)
         specs.append(rows)
     inputs.append(w_dv)
-    specs.append(pl.BlockSpec((d, vocab), lambda i: (0, 0)))
-    stat = pl.BlockSpec((tile_m, 1), lambda i: (i, 0))
-    f32, i32 = jax.ShapeDtypeStruct((m, 1), jnp.float32), jax.ShapeDtypeStruct((m, 1), jnp.int32)
-    kernel = functools.partial(_kernel, vocab=vocab, tile_v=tile_v, mask_id=mask_id, eps=eps,
-                               residual_scale=residual_scale)
+    specs.append(pl.BlockSpec((d, vocab), lambda i, j: (0, 0)))
+    stat = pl.BlockSpec((tile_m, 1), lambda i, j: (i, j))
+    f32, i32 = jax.ShapeDtypeStruct((m, slices), jnp.float32), jax.ShapeDtypeStruct((m, slices), jnp.int32)
+    kernel = functools.partial(_kernel, vocab=vocab, split_v=split_v, tile_v=tile_v, tile_d=tile_d, mask_id=mask_id,
+                               eps=eps, residual_scale=residual_scale)
     return pl.pallas_call(
-        kernel, grid=(m // tile_m,), in_specs=specs, out_specs=[stat] * 6,
+        kernel, grid=(m // tile_m, slices), in_specs=specs, out_specs=[stat] * 6,
         out_shape=[f32, i32, f32, f32, f32, f32], interpret=interpret, name="residual_argmax",
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2) if triton else None,
     )(*inputs)
 
 
 def finish(top1, index, top2, m, s, t):
-    """(tokens, confidence, entropy, margin), each [M], from the running statistics."""
-    log_s = jnp.log(s)
-    lse = m + log_s
-    confidence = jnp.exp(top1 - lse)
-    return (index[:, 0], confidence[:, 0], (log_s - t / s)[:, 0], (confidence - jnp.exp(top2 - lse))[:, 0])
+    """(tokens, confidence, entropy, margin), each [M], from the slices' statistics [M, slices]:
+    merged as the kernel merges tiles (the first slice keeps a tie)."""
+    top = jnp.max(m, axis=-1, keepdims=True)
+    a = jnp.exp(m - top)
+    total = jnp.sum(a * s, axis=-1)
+    u_sum = jnp.sum(a * (t + (m - top) * s), axis=-1)
+    best = jnp.argmax(top1, axis=-1)[:, None]
+    v1 = jnp.take_along_axis(top1, best, axis=-1)[:, 0]
+    others = jnp.where(jnp.arange(top1.shape[1])[None, :] == best, NEG, top1)
+    v2 = jnp.maximum(jnp.max(others, axis=-1), jnp.take_along_axis(top2, best, axis=-1)[:, 0])
+    log_s = jnp.log(total)
+    lse = top[:, 0] + log_s
+    confidence = jnp.exp(v1 - lse)
+    tokens = jnp.take_along_axis(index, best, axis=-1)[:, 0]
+    return tokens, confidence, log_s - u_sum / total, confidence - jnp.exp(v2 - lse)
