@@ -233,11 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="accuracy and speed of decoders on tasks (default: toy-sdar, both toy tasks)")
     ev.add_argument("--model", default="toy-sdar", help="checkpoint directory or preset (default toy-sdar)")
-    ev.add_argument("--task", action="append", help="toy-arith, toy-constraint, gsm8k, humaneval; repeat for several")
+    ev.add_argument("--task", action="append", help="toy-arith, toy-constraint, gsm8k, humaneval, mbpp, math500; repeat for several")
     ev.add_argument("--decoder", action="append", help="decoder SPEC as in `dlmjax generate`; repeat (default: a set)")
     ev.add_argument("--limit", type=positive_int, default=None,
                     help="first N prompts per task (toy tasks: N generated; default 128)")
-    ev.add_argument("--data", default=None, help="gsm8k/humaneval source: local .jsonl(.gz)/.json, a directory or a HF dataset name")
+    ev.add_argument("--data", default=None, help="gsm8k/humaneval/mbpp/math500 source: local .jsonl(.gz)/.json, a directory or a HF dataset name")
     ev.add_argument("--strict-data", action="store_true",
                     help="refuse a --data file with unreadable rows (default: report their line numbers and skip them)")
     ev.add_argument("--out", default="eval-results", help="output directory (default eval-results)")

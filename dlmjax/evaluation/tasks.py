@@ -1,8 +1,8 @@
-"""Evaluation tasks: toy-arith, toy-constraint, gsm8k, humaneval.
+"""Evaluation tasks: toy-arith, toy-constraint, gsm8k, humaneval, mbpp, math500.
 
 Each loads into an `EvalSet`: the prompts, how many tokens to generate, a scorer, and the rows of
 the source that could not be used (reported with their line numbers and skipped; with
-`strict=True`, CLI `--strict-data`, refused instead). GSM8K and HumanEval read a local
+`strict=True`, CLI `--strict-data`, refused instead). GSM8K, HumanEval, MBPP and MATH-500 read a local
 file (`.jsonl`, `.jsonl.gz`, `.json`), a directory holding one, or a Hugging Face dataset name
 (needs the `datasets` package and a reachable hub or cache).
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dlmjax.evaluation.math_answer import math_correct
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.toy.tasks import get_task, gsm8k_correct
 from dlmjax.validation import InputError, positive_int, read_json_file
@@ -27,6 +28,9 @@ TOY_SEED = 1234  # the held-out toy prompts: the same for every evaluation and t
 TOY_MAX_NEW_TOKENS = {"toy-arith": 48, "toy-constraint": 16}
 TOY_DEFAULT_N = 128
 GSM8K_TEST = Path(__file__).parent / "data" / "gsm8k" / "test.jsonl"  # shipped, MIT (data/gsm8k/SOURCE.md)
+MBPP_TEST = Path(__file__).parent / "data" / "mbpp" / "test.jsonl"  # shipped, CC BY 4.0 (data/mbpp/SOURCE.md)
+MBPP_TEST_IDS = range(11, 511)  # MBPP's test split; 1-10 are its few-shot prompts, 511-974 train/validation
+MATH500_TEST = Path(__file__).parent / "data" / "math500" / "test.jsonl"  # shipped, MIT (data/math500/SOURCE.md)
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
 
@@ -200,20 +204,97 @@ def _humaneval(data, timeout_s: float = 10.0, strict: bool = False) -> EvalSet:
     items = [EvalItem(number - 1, row["prompt"], row) for number, row in usable]
 
     def scorer(batch, completions):
-        programs = [humaneval_program(item.reference, text) for item, text in zip(batch, completions)]
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            return [r.passed for r in pool.map(lambda p: run_python(p, timeout_s=timeout_s), programs)]
+        return _run_programs([humaneval_program(item.reference, text) for item, text in zip(batch, completions)],
+                             timeout_s)
 
     return EvalSet("humaneval", items, 512, scorer, skipped)
 
 
-EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "humaneval")
+def _shipped(data, path: Path, task: str):
+    """`data`, or the copy of `task`'s test split shipped with dlmjax when `data` is None."""
+    if data is not None:
+        return data
+    if not path.is_file():
+        raise DatasetError(f"the shipped {task} test split is missing from {path}; reinstall dlmjax or pass "
+                           "--data PATH_OR_HF_NAME")
+    return path
+
+
+def _run_programs(programs: list[str], timeout_s: float) -> list[bool]:
+    """Whether each program exits cleanly in the sandbox (4 at a time)."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return [r.passed for r in pool.map(lambda p: run_python(p, timeout_s=timeout_s), programs)]
+
+
+def mbpp_prompt(row: dict) -> str:
+    """The zero-shot MBPP instruction (the wording of the MBPP paper's prompt, without its 3 shots)."""
+    tests = "\n".join(row["test_list"])
+    return (f"You are an expert Python programmer, and here is your task: {row['text'].strip()} "
+            f"Your code should pass these tests:\n\n{tests}\n")
+
+
+def extract_code(completion: str) -> str:
+    """The first fenced code block of a completion (```python ... ```, unclosed: to the end), else
+    the completion up to an `[DONE]` marker."""
+    opened = completion.find("```")
+    if opened >= 0:
+        body = completion[completion.find("\n", opened) + 1:] if "\n" in completion[opened:] else ""
+        closed = body.find("```")
+        return body[:closed] if closed >= 0 else body
+    return completion.split("[DONE]")[0]
+
+
+def mbpp_program(row: dict, completion: str) -> str:
+    return f"{extract_code(completion)}\n\n{row.get('test_setup_code') or ''}\n" + "\n".join(row["test_list"]) + "\n"
+
+
+def _mbpp_row_problem(row) -> str | None:
+    tests = row.get("test_list")
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
+        return "'test_list' must be a non-empty list of assert strings"
+    if not isinstance(row.get("test_setup_code", ""), (str, type(None))):
+        return "'test_setup_code' must be a string"
+    task_id = row.get("task_id")
+    if isinstance(task_id, int) and not isinstance(task_id, bool) and task_id not in MBPP_TEST_IDS:
+        return f"task id {task_id} is not in MBPP's test split (11-510)"
+    return None
+
+
+def _mbpp(data, timeout_s: float = 10.0, strict: bool = False) -> EvalSet:
+    data = _shipped(data, MBPP_TEST, "MBPP")
+    usable, skipped = _usable_rows(read_rows(data, config="full"), ("text",), check=_mbpp_row_problem, source=data,
+                                   strict=strict)
+    items = [EvalItem(number - 1, mbpp_prompt(row), row) for number, row in usable]
+
+    def scorer(batch, completions):
+        return _run_programs([mbpp_program(item.reference, text) for item, text in zip(batch, completions)], timeout_s)
+
+    return EvalSet("mbpp", items, 512, scorer, skipped)
+
+
+def math500_prompt(problem: str) -> str:
+    """The zero-shot instruction the seeds' MATH evaluations use."""
+    return f"{problem.strip()}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+def _math500(data, strict: bool = False) -> EvalSet:
+    data = _shipped(data, MATH500_TEST, "MATH-500")
+    usable, skipped = _usable_rows(read_rows(data), ("problem", "answer"), source=data, strict=strict)
+    items = [EvalItem(number - 1, math500_prompt(row["problem"]), row["answer"]) for number, row in usable]
+
+    def scorer(batch, completions):
+        return [math_correct(text, item.reference) for item, text in zip(batch, completions)]
+
+    return EvalSet("math500", items, 512, scorer, skipped)
+
+
+EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "humaneval", "mbpp", "math500")
 
 
 def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tokens: int | None = None,
                   strict: bool = False) -> EvalSet:
     """The named task's first `limit` prompts and its scorer. `data`: file, directory or HF name
-    (gsm8k, humaneval); `max_new_tokens` replaces the task's generation budget (any number >= 1);
+    (gsm8k, humaneval, mbpp, math500); `max_new_tokens` replaces the task's generation budget (any number >= 1);
     `strict`: refuse a source with unusable rows instead of skipping them."""
     for option, value in (("limit", limit), ("max_new_tokens", max_new_tokens)):
         if value is not None:
@@ -226,6 +307,10 @@ def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tok
         loaded = _gsm8k(data, strict=strict)
     elif name == "humaneval":
         loaded = _humaneval(data, strict=strict)
+    elif name == "mbpp":
+        loaded = _mbpp(data, strict=strict)
+    elif name == "math500":
+        loaded = _math500(data, strict=strict)
     else:
         raise DatasetError(f"unknown task {name!r}; tasks: {', '.join(EVAL_TASKS)}")
     loaded.items = loaded.items[:limit] if limit else loaded.items

@@ -1,0 +1,136 @@
+"""MATH-style answers: the last \\boxed{...} of a completion, and equivalence of common LaTeX forms.
+
+`normalize` rewrites an answer into one spelling: no `$`, spaces, `\\left`/`\\right`, thin
+spaces, `\\displaystyle`; `\\dfrac`/`\\tfrac` -> `\\frac`; `\\frac12` -> `\\frac{1}{2}`;
+`\\sqrt2` -> `\\sqrt{2}`; trailing units in `\\text{...}`/`\\mbox{...}`, degrees (`^\\circ`,
+`^{\\circ}`, `degrees`), `\\%`, a leading `\\$`, a leading `x =`, thousands separators
+(`1,000`, `1{,}000`) and a trailing period dropped; `\\text{(C)}` -> `(C)`. `equivalent`
+compares the normal forms, and else compares numbers exactly as fractions (`0.5`, `1/2`,
+`\\frac{1}{2}` and `\\frac12` are all one half; `50\\%` is 50, as MATH writes percentages),
+element by element for comma-separated tuples and intervals. It does no algebra: `2\\sqrt{2}`
+and `\\sqrt{8}` are different answers here.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+
+
+def _braced(text: str, start: int) -> tuple[str, int] | None:
+    """The contents of the {...} group opening at `start`, and the index after it."""
+    if start >= len(text) or text[start] != "{":
+        return None
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1:i], i + 1
+    return None  # unbalanced: a truncated completion
+
+
+def last_boxed(text: str) -> str | None:
+    """The argument of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`."""
+    found = None
+    for match in _BOX.finditer(text):
+        group = _braced(text, match.end())
+        if group is not None:
+            found = group[0]
+        elif text[match.end():match.end() + 1] != "{":  # `\boxed 5`; an unclosed `{` is no answer
+            bare = re.match(r"[^\s$]+", text[match.end():])
+            found = bare.group().rstrip(".") if bare else found
+    return found
+
+
+def _unwrap(answer: str, command: str) -> str:
+    """`\\command{x}` -> `x` everywhere (braces matched)."""
+    out, i = [], 0
+    needle = "\\" + command + "{"
+    while (j := answer.find(needle, i)) >= 0:
+        group = _braced(answer, j + len(needle) - 1)
+        if group is None:
+            break
+        out.append(answer[i:j] + group[0])
+        i = group[1]
+    return "".join(out) + answer[i:]
+
+
+def _short_args(answer: str) -> str:
+    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{x}` -> `\\frac{1}{x}`, `\\sqrt3` -> `\\sqrt{3}`."""
+    answer = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", answer)
+    answer = re.sub(r"\\frac(\d)(?=\{)", r"\\frac{\1}", answer)
+    answer = re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", answer)
+    return re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", answer)
+
+
+def normalize(answer: str) -> str:
+    """One spelling for the common ways of writing the same answer (see the module docstring)."""
+    a = answer.strip().rstrip(".").strip().strip("$").strip().replace("{,}", ",")
+    a = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", a)
+    a = re.sub(r"\\(?:displaystyle|!|,|;|:| )|~", "", a)
+    a = a.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("^{\\circ}", "").replace("^\\circ", "")
+    a = a.replace("\\%", "").replace("%", "").replace("\\$", "")
+    a = re.sub(r"(?<=\S)\s*\\(?:text|mbox|textbf)\{\s*[a-zA-Z][a-zA-Z .^0-9]*\}$", "", a)  # trailing unit
+    for command in ("text", "textbf", "mbox", "mathrm"):
+        a = _unwrap(a, command)
+    a = re.sub(r"\s*(?:degrees?|units?)$", "", a)
+    a = re.sub(r"^[a-zA-Z]\s*=\s*(?=\S)", "", a)  # "x = 5" -> "5"
+    a = re.sub(r"\s+", "", a)
+    a = _short_args(a)
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", a):
+        a = a.replace(",", "")
+    return a.rstrip(".")
+
+
+def _number(text: str) -> Fraction | None:
+    """An integer, decimal, `a/b` or `\\frac{a}{b}` (signed) as an exact fraction, else None."""
+    sign = -1 if text.startswith("-") else 1
+    text = text[1:] if text[:1] in "-+" else text
+    frac = re.fullmatch(r"\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", text) or re.fullmatch(r"(-?[\d.]+)/(-?[\d.]+)", text)
+    try:
+        if frac:
+            return sign * Fraction(frac.group(1)) / Fraction(frac.group(2))
+        if re.fullmatch(r"\d*\.?\d+", text):
+            return sign * Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def _split_top(text: str) -> list[str]:
+    """`(1,\\frac{1}{2})` -> ["(", "1", "\\frac{1}{2}", ")"]: the brackets and top-level parts."""
+    opening, closing = text[:1], text[-1:]
+    inner = text[1:-1] if opening in "([{" and closing in ")]}" else text
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(inner):
+        depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
+        if ch == "," and depth == 0:
+            parts.append(inner[start:i])
+            start = i + 1
+    parts.append(inner[start:])
+    return [opening, *parts, closing] if inner is not text else parts
+
+
+def _same(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    x, y = _number(a), _number(b)
+    return x is not None and x == y
+
+
+def equivalent(predicted: str | None, reference: str) -> bool:
+    """Whether two answers are the same after `normalize` (numbers compared exactly)."""
+    if predicted is None:
+        return False
+    a, b = normalize(predicted), normalize(reference)
+    if _same(a, b):
+        return True
+    pa, pb = _split_top(a), _split_top(b)
+    return len(pa) == len(pb) > 1 and all(_same(x, y) for x, y in zip(pa, pb))
+
+
+def math_correct(completion: str, reference: str) -> bool:
+    """A completion is right when its last boxed answer is equivalent to the reference answer."""
+    return equivalent(last_boxed(completion), reference)

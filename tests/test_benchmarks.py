@@ -1,0 +1,165 @@
+"""The seeds' benchmark tasks mbpp and math500: shipped data, scorers on hand-made right and wrong
+answers (real sandboxed execution for MBPP), malformed rows reported with line numbers."""
+
+import json
+
+import pytest
+
+from dlmjax.evaluation.math_answer import equivalent, last_boxed, math_correct, normalize
+from dlmjax.evaluation.sandbox import run_python
+from dlmjax.evaluation.tasks import (
+    DatasetError, MATH500_TEST, MBPP_TEST, extract_code, load_eval_set, mbpp_program,
+)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ MBPP
+
+
+def test_the_shipped_mbpp_test_split_is_task_ids_11_to_510():
+    rows = [json.loads(line) for line in MBPP_TEST.read_text().splitlines()]
+    assert [r["task_id"] for r in rows] == list(range(11, 511))
+    loaded = load_eval_set("mbpp")
+    assert len(loaded.items) == 500 and not loaded.skipped
+    first = loaded.items[0]
+    assert "remove first and last occurrence" in first.prompt and 'assert remove_Occ("hello","l") == "heo"' in first.prompt
+
+
+def test_mbpp_reference_solutions_pass_and_wrong_code_fails():
+    loaded = load_eval_set("mbpp")
+    sample = loaded.items[::25]  # 20 problems across the split
+    right = [f"Here is the code:\n```python\n{item.reference['code']}\n```\nDone." for item in sample]
+    assert loaded.score(sample, right) == [True] * len(sample)
+    item = loaded.items[0]  # remove_Occ
+    wrong = [
+        "```python\ndef remove_Occ(s, ch):\n    return s\n```",  # wrong result
+        "def remove_Occ(s, ch):\n    raise ValueError('no')\n",  # raises
+        "def remove_Occ(s, ch) return s",  # syntax error
+        "```python\n```",  # nothing
+    ]
+    assert loaded.score([item] * len(wrong), wrong) == [False] * len(wrong)
+
+
+def test_mbpp_code_that_loops_is_killed_and_fails():
+    item = load_eval_set("mbpp", limit=1).items[0]
+    program = mbpp_program(item.reference, "def remove_Occ(s, ch):\n    while True:\n        pass\n")
+    result = run_python(program, timeout_s=1.0)
+    assert result.status == "timeout" and not result.passed
+
+
+def test_mbpp_setup_code_runs_before_the_asserts():
+    row = {"text": "t", "test_setup_code": "K = 3", "test_list": ["assert triple(2) == 6"]}
+    assert run_python(mbpp_program(row, "def triple(x):\n    return K * x\n"), timeout_s=5).passed
+    assert not run_python(mbpp_program(row, "def triple(x):\n    return 2 * x\n"), timeout_s=5).passed
+
+
+def test_code_is_taken_from_the_first_fence_or_the_text_before_done():
+    assert extract_code("Sure:\n```python\nx = 1\n```\n```python\ny = 2\n```") == "x = 1\n"
+    assert extract_code("```\nx = 1\n") == "x = 1\n"  # unclosed fence: to the end
+    assert extract_code("x = 1\n[DONE] trailing words") == "x = 1\n"
+
+
+def test_malformed_mbpp_rows_are_reported_with_line_numbers_and_skipped(tmp_path):
+    good = {"text": "Add one.", "task_id": 11, "test_setup_code": "", "test_list": ["assert f(1) == 2"]}
+    path = _write_jsonl(tmp_path / "mbpp.jsonl", [
+        good,
+        "{not json",
+        {"text": "x", "task_id": 12, "test_list": []},
+        {"text": "x", "task_id": 13, "test_list": ["assert True", 5]},
+        {"task_id": 14, "test_list": ["assert True"]},
+        {"text": "x", "task_id": 3, "test_list": ["assert True"]},
+        [1, 2],
+    ])
+    loaded = load_eval_set("mbpp", data=str(path))
+    assert [item.index for item in loaded.items] == [0]
+    reasons = dict(line.split(": ", 1) for line in loaded.skipped)
+    assert set(reasons) == {"row 2", "row 3", "row 4", "row 5", "row 6", "row 7"}
+    assert "invalid JSON" in reasons["row 2"] and "test_list" in reasons["row 3"] and "test_list" in reasons["row 4"]
+    assert "'text'" in reasons["row 5"] and "11-510" in reasons["row 6"] and "not a JSON object" in reasons["row 7"]
+    assert loaded.score(loaded.items, ["def f(x):\n    return x + 1\n"]) == [True]
+    with pytest.raises(DatasetError, match="6 unusable rows"):
+        load_eval_set("mbpp", data=str(path), strict=True)
+
+
+# --------------------------------------------------------------------------------------------- MATH-500
+
+
+def test_the_shipped_math500_loads_and_every_solutions_boxed_answer_matches_its_answer():
+    rows = [json.loads(line) for line in MATH500_TEST.read_text().splitlines()]
+    assert len(rows) == 500 and len({r["unique_id"] for r in rows}) == 500
+    assert all(math_correct(r["solution"], r["answer"]) for r in rows)
+    loaded = load_eval_set("math500")
+    assert len(loaded.items) == 500 and not loaded.skipped
+    assert loaded.items[0].prompt.endswith("put your final answer within \\boxed{}.")
+
+
+@pytest.mark.parametrize("predicted, reference", [
+    ("\\frac{1}{2}", "0.5"),
+    ("\\dfrac{1}{2}", "\\frac12"),
+    ("\\tfrac12", "1/2"),
+    ("-\\frac{3}{4}", "-0.75"),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})"),
+    ("(1, 0.5)", "\\left(1,\\frac{1}{2}\\right)"),
+    ("90^\\circ", "90"),
+    ("90^{\\circ}", "90"),
+    ("90 degrees", "90"),
+    ("12 \\text{ cm}", "12"),
+    ("5\\mbox{ inches}", "5"),
+    ("x = 7", "7"),
+    ("10{,}000", "10000"),
+    ("1,000", "1000"),
+    ("25\\%", "25"),
+    ("\\$18.90", "18.90"),
+    ("\\text{(C)}", "(C)"),
+    ("\\textbf{(C)}", "\\text{(C)}"),
+    ("2\\sqrt2", "2\\sqrt{2}"),
+    ("\\displaystyle \\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt{3}}{2}"),
+    ("$4$.", "4"),
+])
+def test_math_answers_equal_in_common_latex_forms(predicted, reference):
+    assert equivalent(predicted, reference)
+    assert math_correct(f"so the answer is $\\boxed{{{predicted}}}$", reference)
+
+
+@pytest.mark.parametrize("predicted, reference", [
+    ("\\frac{1}{3}", "0.33"),  # numbers compare exactly
+    ("3", "2"),
+    ("(1,2)", "(2,1)"),
+    ("[1,2)", "(1,2)"),
+    ("-2", "2"),
+    ("2\\sqrt{2}", "\\sqrt{8}"),  # no algebra: documented
+    ("1,2", "1,2,3"),
+])
+def test_different_math_answers_are_not_equal(predicted, reference):
+    assert not equivalent(predicted, reference)
+
+
+def test_the_last_boxed_answer_is_scored():
+    assert last_boxed("first \\boxed{1}, then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert last_boxed("nested \\boxed{\\frac{a}{b^{2}}} end") == "\\frac{a}{b^{2}}"
+    assert last_boxed("\\boxed 7.") == "7"
+    assert last_boxed("truncated \\boxed{\\frac{1}{2") is None  # an unclosed box is no answer
+    assert last_boxed("no box: the answer is 4") is None
+    assert not math_correct("the answer is 4", "4")
+    assert math_correct("\\fbox{4}", "4")
+    assert normalize(" \\left[ 1 , 2 \\right] ") == "[1,2]"
+
+
+def test_malformed_math500_rows_are_reported_with_line_numbers_and_skipped(tmp_path):
+    path = _write_jsonl(tmp_path / "test.jsonl", [
+        {"problem": "1+1?", "answer": "2"},
+        {"problem": "no answer"},
+        {"problem": "", "answer": "3"},
+        "[",
+        {"problem": "2+2?", "answer": "4"},
+    ])
+    loaded = load_eval_set("math500", data=str(path))
+    assert [item.index for item in loaded.items] == [0, 4]
+    assert [line.split(":")[0] for line in loaded.skipped] == ["row 2", "row 3", "row 4"]
+    assert loaded.score(loaded.items, ["\\boxed{2}", "\\boxed{5}"]) == [True, False]
+    with pytest.raises(DatasetError, match="3 unusable rows"):
+        load_eval_set("math500", data=str(path), strict=True)
