@@ -57,13 +57,11 @@ PUBLISHED_MOE: dict[str, dict] = {
 }
 
 # Published dense block-diffusion checkpoints beside the MoE ones (issue 21). Fast-dLLM v2 decodes
-# with its own generate(): block 32 (bd_size), sub-blocks of 8 decoded in turn, threshold 0.9 with at
-# least the most confident token, each block's first token taken from the previous block's last
-# (shifted) logits. No dlmjax decoder expresses that yet (decoder None: `generate` refuses the
-# family with that reason); the model loads, exports and gives logits.
+# with its own generate(): block 32 (bd_size), each block's first token from the previous block's
+# last (shifted) logits, then sub-blocks of 8 in turn under threshold 0.9 (dlmjax.decoding.fast_dllm).
 PUBLISHED_DENSE: dict[str, dict] = {
     "Efficient-Large-Model/Fast_dLLM_v2_7B": dict(family="fast_dllm_v2", mask_token_id=151665, eos_token_id=151645,
-                                                  block=32, sub_block=8, tau=0.9, decoder=None, chat=True),
+                                                  block=32, decoder="fast-dllm-v2", chat=True),
 }
 
 
@@ -113,11 +111,13 @@ def resolve_model(name_or_dir: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(name_or_dir: str | os.PathLike, *, dtype: str | None = None,
-                    head_from: str | os.PathLike | None = None) -> tuple[Path, Transformer, Tokenizer, MRPHead | None]:
+                    head_from: str | os.PathLike | None = None,
+                    mesh=None) -> tuple[Path, Transformer, Tokenizer, MRPHead | None]:
     """(checkpoint dir, model, tokenizer, MRP head or None) for a path or preset name. The head
-    comes from `head_from` (a path or preset), else from the model's own directory if it holds one."""
+    comes from `head_from` (a path or preset), else from the model's own directory if it holds one.
+    `mesh`: the model's params are placed on it as they load (tensor-parallel over 'model')."""
     path = resolve_model(name_or_dir)
-    model = load_model(path, dtype=dtype)
+    model = load_model(path, dtype=dtype, mesh=mesh)
     head_dir = resolve_model(head_from) if head_from else path
     head = load_head(head_dir, model.config) if head_from or has_head(path) else None
     return path, model, load_tokenizer(path, model.config), head

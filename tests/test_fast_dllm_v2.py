@@ -115,15 +115,95 @@ def test_published_7b_config_translates():
         from_hf_config({**raw, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
 
 
-def test_decoding_is_refused_with_the_reason(qwen2_and_checkpoint):
+def peaked_fast_dllm(seed: int, block: int = 8):
+    """A tiny random Fast-dLLM v2 model (block-causal, shifted logits, q/k/v biases) with weights
+    scaled up so that its distributions are peaked (no near-ties between cached and full forwards)."""
+    import jax
+    from flax import nnx
+
+    cfg = dlmjax.ModelConfig(
+        family="fast_dllm_v2", vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, attention="block_causal", block_size=block, shift_logits=True, qkv_bias=True,
+        mask_token_id=MASK, eos_token_ids=(EOS,), pad_token_id=0, max_position_embeddings=128)
+    graphdef, state = nnx.split(dlmjax.init_model(cfg, seed=seed))
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: x * 4.0 if x.ndim == 2 else x, state))
+    head = model.embed if model.lm_head is None else model.lm_head.kernel
+    head[...] = head[...] * 4.0
+    return model
+
+
+MASK, EOS = 39, 38
+PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13], [3], [5, 9, 14, 2, 2, 7, 30, 8, 1, 2], [20, 21]]
+
+
+def reference_fast_dllm_v2(model, prompt, *, block, sub_block, tau, max_new):
+    """The procedure of Fast-dLLM v2's generate(), one full forward of the canvas per step (no cache;
+    block-causal, so later blocks do not matter): a block's masked first position is the argmax of
+    the logits at the column before it (generate(): from the forward that stored the previous
+    block), then sub-blocks in turn, each step committing the masked positions of the current
+    sub-block with confidence > tau, and always its most confident one."""
+    import jax
+
+    start = (len(prompt) // block) * block
+    num_blocks = -(-(len(prompt) - start + max_new) // block)
+    seq = list(prompt) + [MASK] * (start + num_blocks * block - len(prompt))
+    for b in range(num_blocks):
+        cols = list(range(start + b * block, start + (b + 1) * block))
+        while any(seq[c] == MASK for c in cols):
+            logits = jnp.asarray(model(jnp.asarray([seq], jnp.int32)).logits[0]).at[:, MASK].set(-jnp.inf)
+            probs = np.asarray(jax.nn.softmax(logits, axis=-1))  # position p: the logits computed at p - 1
+            if seq[cols[0]] == MASK:
+                seq[cols[0]] = int(probs[cols[0]].argmax())
+                continue
+            sub = next(cols[i : i + sub_block] for i in range(0, block, sub_block)
+                       if any(seq[c] == MASK for c in cols[i : i + sub_block]))
+            masked = [c for c in sub if seq[c] == MASK]
+            best = max(masked, key=lambda c: (probs[c].max(), -c))
+            for c in sorted({best, *[c for c in masked if probs[c].max() > tau]}):
+                seq[c] = int(probs[c].argmax())
+        if EOS in seq[len(prompt) : cols[-1] + 1]:
+            break
+    out = seq[len(prompt) : len(prompt) + max_new]
+    return out[: out.index(EOS) + 1] if EOS in out else out
+
+
+@pytest.mark.parametrize("spec,sub_block,tau", [("fast-dllm-v2:sub_block=4,tau=0.3", 4, 0.3),
+                                                ("fast-dllm-v2:sub_block=8,tau=0.5", 8, 0.5)])
+def test_decoding_matches_reference_loop(spec, sub_block, tau):
+    from dlmjax.decoding.api import generate
+
+    model = peaked_fast_dllm(seed=5)
+    max_new = 14
+    together = generate(model, PROMPTS, decoder=spec, max_new_tokens=max_new)
+    for i, prompt in enumerate(PROMPTS):
+        expected = reference_fast_dllm_v2(model, prompt, block=8, sub_block=sub_block, tau=tau, max_new=max_new)
+        assert together.rows[i].tokens == expected, (spec, i)
+    alone = generate(model, [PROMPTS[1]], decoder=spec, max_new_tokens=max_new).rows[0]  # block-aligned prompt
+    assert (alone.tokens, alone.nfe) == (together.rows[1].tokens, together.rows[1].nfe)
+    assert together.tpf > 1.0, "no step committed two tokens: the test is vacuous"
+
+
+def test_other_decoders_are_refused_with_the_fix(qwen2_and_checkpoint):
     from dlmjax.config import FAMILIES
     from dlmjax.decoding.api import generate
-    from dlmjax.decoding.spec import DecoderSpecError
+    from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
     from dlmjax.presets import PUBLISHED_DENSE
 
     ours = dlmjax.load_model(qwen2_and_checkpoint[1])
-    with pytest.raises(DecoderSpecError, match=r"sub-blocks of 8\) needs engine support"):
+    with pytest.raises(DecoderSpecError, match="use --decoder fast-dllm-v2"):
         generate(ours, [[1, 2, 3]], decoder="threshold:tau=0.9", max_new_tokens=4)
+    with pytest.raises(DecoderSpecError, match="sub_block=3 does not divide the block 4"):
+        generate(ours, [[1, 2, 3]], decoder="fast-dllm-v2:sub_block=3", max_new_tokens=4)
     settings = PUBLISHED_DENSE["Efficient-Large-Model/Fast_dLLM_v2_7B"]
     assert settings["mask_token_id"] == FAMILIES[settings["family"]].default_mask_token_id
-    assert (settings["block"], settings["sub_block"], settings["tau"], settings["decoder"]) == (32, 8, 0.9, None)
+    assert parse_decoder(settings["decoder"]) == parse_decoder("fast-dllm-v2:tau=0.9,sub_block=8")
+
+
+def test_its_decoder_is_the_default_for_the_family():
+    from dlmjax.decoding.api import generate
+    from dlmjax.evaluation.runner import default_decoders
+
+    model = peaked_fast_dllm(seed=1)
+    assert default_decoders(model) == ["fast-dllm-v2"]
+    out = generate(model, [PROMPTS[0]], decoder=default_decoders(model)[0], max_new_tokens=8).rows[0]
+    assert out.tokens == reference_fast_dllm_v2(model, PROMPTS[0], block=8, sub_block=8, tau=0.9, max_new=8)

@@ -124,12 +124,12 @@ def _cache_mode(decoder: DiffusionDecoder, model: Transformer) -> str:
             raise DecoderSpecError(
                 f"cache={decoder.cache}: block-causal models always use the exact KV cache; drop the option"
             )
-        if cfg.shift_logits:
+        if cfg.shift_logits and decoder.name != "fast-dllm-v2":
+            # engine.BlockForwards.shifted_blocks: only the forward that starts a block scores its position 0
             raise DecoderSpecError(
-                f"block-causal decoding of a shifted-logit model ({cfg.family}) is not supported yet: Fast-dLLM v2's "
-                "procedure (each block's first token from the previous block's last logits, then threshold 0.9 within "
-                "sub-blocks of 8) needs engine support that is owed (issue 21); the model loads, exports and gives "
-                "logits (`dlmjax.load_model`)")
+                f"decoder {decoder.name!r} does not fit a block-causal shifted-logit model ({cfg.family}): it must "
+                "take each block's first token in the block's first step, as Fast-dLLM v2 does; use --decoder "
+                "fast-dllm-v2 (block 32, sub-blocks of 8, tau 0.9; options tau, sub_block)")
         return "exact"
     return decoder.cache
 

@@ -216,6 +216,19 @@ class BlockForwards:
             return jnp.zeros((*hidden_bld.shape[:-1], 0), jnp.float32)
         return self.model.lm_logits(hidden_bld)
 
+    @property
+    def shifted_blocks(self) -> bool:
+        """Shifted logits on a block-causal model (Fast-dLLM v2): position p of a block is scored from
+        the hidden state at p - 1. The forward that starts a block (prefill, or the one storing the
+        previous block) scores its position 0 from the previous column; later forwards of the block do
+        not see that column and leave position 0 its own logits, so a decoder for these models commits
+        position 0 in the block's first round (`fast-dllm-v2`; api refuses the others)."""
+        return self.cache_mode == "exact" and self.model.config.shift_logits
+
+    def _shifted_logits(self, hidden_bnkd, lead_bnd):
+        """Logits [B, N, K, V] of each copy shifted right by one, position 0 from `lead` [B, N, D]."""
+        return self.model.lm_logits(jnp.concatenate([lead_bnd[:, :, None], hidden_bnkd[:, :, :-1]], axis=2))
+
     def greedy_scores(self, hidden_bkd):
         """policies.Scores of each row's block from its final-normed hidden state [B, K, D], through
         `kernels.residual_argmax` (no [B, K, V] logits on the kernel path)."""
@@ -244,6 +257,9 @@ class BlockForwards:
         if c:
             cache, head_cache = self._store(cache, head_cache, canvas[:, :c], out.hidden[:, :c],
                                             [(kk[:, :c], vv[:, :c]) for kk, vv in out.chunk_kv], zeros, c)
+        if self.shifted_blocks:  # position p of the block reads the hidden state at p - 1 (the prompt's last at 0)
+            lead = out.hidden[:, c - 1] if c else out.hidden[:, c]
+            return self._shifted_logits(out.hidden[:, None, c:], lead[:, None])[:, 0], out.hidden[:, c:], cache, head_cache
         return self._logits(out.hidden[:, c:]), out.hidden[:, c:], cache, head_cache
 
     def _store(self, cache, head_cache, tokens_bl, hidden_bld, chunk_kv, start_b, width, write_b=None):
@@ -306,6 +322,8 @@ class BlockForwards:
         cache, head_cache = self._store(cache, head_cache, tokens[:, :k], out.hidden[:, :k],
                                         [(kk[:, :k], vv[:, :k]) for kk, vv in out.chunk_kv], start - k, k, store_b)
         hidden = out.hidden[:, k:].reshape(b, n, k, -1)
+        if self.shifted_blocks:  # each copy's position 0 reads the stored block's last hidden state
+            return self._shifted_logits(hidden, jnp.repeat(out.hidden[:, None, k - 1], n, axis=1)), hidden, cache, head_cache
         return self._logits(hidden), hidden, cache, head_cache
 
     def _window(self, block_b):
@@ -354,7 +372,7 @@ class BlockForwards:
         out = self.model(
             copies.reshape(b, n * width), jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, width),
             valid_bl=jnp.tile(valid, (1, n)), cache=self._visible_cache(cache, start), chunk_parts=copy_parts(n, width),
-            compute_logits=not self.scores_from_hidden,
+            compute_logits=not (self.scores_from_hidden or self.shifted_blocks),
         )
 
         def block_part(x_bld):
@@ -362,6 +380,8 @@ class BlockForwards:
             return take_rows(x, offset, k).swapaxes(1, 2)
 
         hidden = block_part(out.hidden)
+        if self.shifted_blocks:  # shifted within each copy; position 0 keeps its own (`shifted_blocks`)
+            return self._shifted_logits(hidden, hidden[:, :, 0]), hidden
         return (self._logits(hidden) if out.logits is None else block_part(out.logits)), hidden
 
     def step(self, canvas, cache, block_b):
