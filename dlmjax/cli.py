@@ -65,19 +65,33 @@ def _with_controller(specs, model_dir, controller):
     return filled
 
 
+def _cli_mesh(spec: str | None):
+    """The mesh `--mesh` names, or None without the option."""
+    from dlmjax.sharding import parse_mesh
+
+    return None if spec is None else parse_mesh(spec)
+
+
 def cmd_generate(args) -> int:
     from dlmjax.decoding.api import generate
+    from dlmjax.evaluation.runner import default_decoders, replicate_on
     from dlmjax.presets import load_checkpoint
 
-    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head)
-    decoder = args.decoder or ("ar" if model.config.attention == "causal" else "static")
+    mesh = _cli_mesh(args.mesh)
+    if mesh is not None and len(args.prompt) % mesh.shape["data"]:
+        raise InputError(f"--mesh data={mesh.shape['data']} splits the prompts over {mesh.shape['data']} devices: give "
+                         f"a multiple of {mesh.shape['data']} prompts (got {len(args.prompt)}) or a smaller data axis")
+    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh)
+    decoder = args.decoder or default_decoders(model)[0]
     decoder = _with_controller([decoder], path, args.tspd_controller)[0]
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     prompts = args.prompt
     if args.chat:
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    result = generate(model, prompts, tokenizer=tokenizer, decoder=decoder,
-                      max_new_tokens=args.max_new_tokens, seed=args.seed, head=head, drafter=drafter)
+    if mesh is not None:
+        model, head, drafter = (replicate_on(m, mesh) for m in (model, head, drafter))
+    result = generate(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=args.max_new_tokens,
+                      seed=args.seed, head=head, drafter=drafter, mesh=mesh)
     for row in result.rows:
         if args.json:
             print(json.dumps({**row.to_json(), "batch_forwards": result.forwards, "batch_tpf": result.batch_tpf}))
@@ -129,7 +143,8 @@ def cmd_eval(args) -> int:
     from dlmjax.presets import load_checkpoint
     from dlmjax.sharding import make_mesh
 
-    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head)
+    mesh = _cli_mesh(args.mesh) or make_mesh(model=1)
+    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh)
     drafter = _drafter_for(path, model, args.decoder, args.drafter, args.dtype)
     tasks = args.task or ["toy-arith", "toy-constraint"]
     if args.data is not None and len(tasks) != 1:
@@ -145,7 +160,7 @@ def cmd_eval(args) -> int:
     decoders = _with_controller(decoders, path, args.tspd_controller)
     records, outputs = run_eval(
         model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
-        mesh=make_mesh(model=1), seed=args.seed, chat=args.chat, progress=not args.no_progress, head=head,
+        mesh=mesh, seed=args.seed, chat=args.chat, progress=not args.no_progress, head=head,
         drafter=drafter,
     )
     if args.compare_to is not None:
@@ -182,6 +197,8 @@ DRAFTER_HELP = ("DFlash drafter directory for the `drafter` decoder of a causal 
                 "drafter/ subdirectory when it has one")
 CONTROLLER_HELP = ("TSPD controller (tspd_controller.safetensors, or a directory or preset holding one) for the tspd "
                    "and tspd+ce decoders that name none; default: the model's own, when it has one")
+MESH_HELP = ("device mesh AXIS=N,...: prompts split over 'data', the model's weights tensor-parallel over 'model' "
+             "(e.g. data=2,model=4; default: data = all devices, model=1)")
 MRP_HEAD_HELP = ("checkpoint directory holding the MRP head (mrp_modules.* tensors) for the mrp-* decoders; "
                  "default: the model's own directory when it has one")
 
@@ -229,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     gen.add_argument("--tspd-controller", default=None, help=CONTROLLER_HELP)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, tokens, nfe, tpf, ...")
+    gen.add_argument("--mesh", default=None, help=MESH_HELP + "; the number of prompts must divide by data")
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="accuracy and speed of decoders on tasks (default: toy-sdar, both toy tasks)")
@@ -243,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
     ev.add_argument("--save-outputs", action="store_true", help="also write outputs.jsonl (one line per decoder and prompt)")
     ev.add_argument("--batch-size", type=positive_int, default=64)
+    ev.add_argument("--mesh", default=None, help=MESH_HELP + " (--batch-size is rounded up to a multiple of data)")
     ev.add_argument("--max-new-tokens", type=positive_int, default=None, help="override the task's generation budget")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)

@@ -38,6 +38,20 @@ def make_mesh(model: int = 1, data: int | None = None, devices=None, expert: int
                          devices=devices[: data * expert * model])
 
 
+def parse_mesh(spec: str, devices=None) -> Mesh:
+    """`--mesh data=2,model=4` (axes from MESH_AXES, any subset, each once) -> `make_mesh`. An axis
+    left out is 1, except 'data', which takes the devices the others leave."""
+    sizes = {}
+    for part in spec.split(","):
+        name, eq, value = part.strip().partition("=")
+        if not eq or name not in MESH_AXES or name in sizes or not value.strip().isdigit() or int(value) < 1:
+            raise InputError(f"--mesh {spec!r}: write comma-separated AXIS=N with N >= 1, each axis once, axes "
+                             f"{', '.join(MESH_AXES)} (e.g. --mesh data=2,model=4)")
+        sizes[name] = int(value)
+    return make_mesh(model=sizes.get("model", 1), data=sizes.get("data"), expert=sizes.get("expert", 1),
+                     devices=devices)
+
+
 @dataclass(frozen=True)
 class ShardingRules:
     """Logical axis -> mesh axis (or None for replicated)."""

@@ -47,12 +47,15 @@ class RunRecord:
 
 
 def default_decoders(model, head=None, drafter=None) -> list[str]:
-    """AR for causal models, and `drafter` beside it when a drafter is given; for diffusion models
+    """AR for causal models, and `drafter` beside it when a drafter is given; fast-dllm-v2 for its
+    family; for other diffusion models
     one token per step, the whole block at once, two confidence thresholds and PSD; with an MRP
     head also mrp-spec, mrp-direct, and mrp-remask beside threshold decoding at the same low tau
     (where threshold loses accuracy)."""
     if model.config.attention == "causal":
         return ["ar"] + (["drafter"] if drafter is not None else [])
+    if model.config.attention == "block_causal" and model.config.shift_logits:
+        return ["fast-dllm-v2"]  # the only decoder for Fast-dLLM v2 (decoding/api._cache_mode)
     block = model.config.block_size or 32
     decoders = ["static", f"static:k={block}", "threshold:tau=0.9", "threshold:tau=0.7",
                 "psd:policy=threshold,tau=0.9,depth=4"]
@@ -62,11 +65,19 @@ def default_decoders(model, head=None, drafter=None) -> list[str]:
 
 
 def replicate_on(model, mesh):
-    """Put the model's (or head's) params on every device of `mesh` (data-parallel decoding)."""
+    """Put the model's (or head's) params on every device of `mesh` (data-parallel decoding).
+    Arrays already placed on `mesh` keep their sharding: a model loaded with `load_model(...,
+    mesh=mesh)` stays split tensor-parallel over 'model'."""
     if model is None:
         return None
     graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, P())))
+    replicated = NamedSharding(mesh, P())
+
+    def place(x):
+        on_mesh = isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh
+        return x if on_mesh else jax.device_put(x, replicated)
+
+    return nnx.merge(graphdef, jax.tree.map(place, state))
 
 
 def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model_name: str, batch_size: int,
