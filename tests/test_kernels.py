@@ -180,7 +180,8 @@ def _seen(parts):
 def test_flash_attention_equals_the_xla_einsum(case):
     q, parts = _attention_inputs(case)
     expected = np.asarray(attention_reference(q, parts))
-    got = np.asarray(flash(q, parts, tile_q=case["tile_q"], tile_k=case["tile_k"], interpret=True))
+    got = np.asarray(flash(q, parts, tile_q=case["tile_q"], tile_k=case["tile_k"], split_k=2 * case["tile_k"],
+                           interpret=True))
     seen = _seen(parts)
     np.testing.assert_allclose(got[seen], expected[seen], rtol=0, atol=1e-5)
     assert np.all(np.isfinite(got))
@@ -293,7 +294,7 @@ def test_the_kernels_lower_for_a_gpu_through_triton():
     q, kv = jnp.zeros((1, 16, 4, 128), jnp.bfloat16), jnp.zeros((1, 300, 2, 128), jnp.bfloat16)
     pos, k_pos = jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 300), jnp.int32)
     flash_call = functools.partial(attention_kernel.flash_part, attention="block_causal", block_size=4, tile_q=16,
-                                   tile_k=128, interpret=False, triton=True)
+                                   tile_k=128, split_k=128, interpret=False, triton=True)
     assert "triton" in lowered(flash_call, q, kv, kv, pos, pos, k_pos, k_pos, jnp.ones((1, 300), bool),
                                jnp.full((1,), 250, jnp.int32))
     argmax_call = functools.partial(argmax_kernel.residual_argmax_stats, mask_id=5000, eps=1e-6, residual_scale=1.0,

@@ -23,7 +23,7 @@ from dlmjax.kernels.attention.reference import attention as reference
 
 __all__ = ["attention", "reference"]
 
-TILE_Q, TILE_K = 64, 128
+TILE_Q, TILE_K, SPLIT_K = 64, 128, 512  # SPLIT_K: keys per program when the queries fit one tile
 
 
 def _is_pow2(n: int) -> bool:
@@ -55,7 +55,7 @@ def dot_product_attention(implementation: str):
     return functools.partial(jax.nn.dot_product_attention, implementation=implementation)
 
 
-def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K):
+def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K, split_k: int = SPLIT_K):
     """Grouped-query attention of q [B, L, H, hd] over parts [(k [B, S, Hkv, hd], v, visible), ...]
     with one joint softmax; see the module docstring for which path runs."""
     how = kernels.choose("attention", _unsupported(q_blhd, kv_parts, kernels.current() == "interpret"))
@@ -68,7 +68,7 @@ def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K):
         if error is None:
             return cudnn(q_blhd, k, v)
         kernels.fallback("attention/cudnn", error)
-    calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=how == "interpret",
+    calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, split_k=split_k, interpret=how == "interpret",
                         triton=how == "kernel" and jax.default_backend() == "gpu")
     if how == "kernel":
         for call, args in calls:
@@ -79,9 +79,10 @@ def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K):
     return _run(q_blhd, calls)
 
 
-def flash(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
+def flash(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int = SPLIT_K, interpret: bool):
     """The Pallas path: one flash kernel per part, merged by `kernel.combine`."""
-    return _run(q_blhd, flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=interpret))
+    return _run(q_blhd, flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, split_k=split_k,
+                                    interpret=interpret))
 
 
 def _run(q_blhd, calls):
@@ -91,10 +92,11 @@ def _run(q_blhd, calls):
 MIN_KEYS = 16  # GPU dots need >= 16 along every dimension
 
 
-def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool, triton: bool = False):
+def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int, interpret: bool, triton: bool = False):
     """[(kernel call, its arguments)] per part: queries padded to a whole number of power-of-two
     tiles (a decode chunk: one tile of 16), keys tiled by the largest power of two up to `tile_k`
-    that the part holds (the last tile shifted left, so the cache is never padded)."""
+    that the part holds (the last tile shifted left, so the cache is never padded). Queries that fit
+    one tile split the keys into slices of `split_k` over programs; more queries keep one slice."""
     l = q_blhd.shape[1]
     tile_q = min(tile_q, max(MIN_KEYS, 1 << (l - 1).bit_length()))
     pad = -l % tile_q
@@ -103,9 +105,11 @@ def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool, 
     for k, v, vis in kv_parts:
         q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
         k, v, vis = _at_least(MIN_KEYS, k, v, vis)
+        keys = k.shape[1]
+        tile = min(tile_k, _floor_pow2(keys))
+        split = max(split_k // tile, 1) * tile if q.shape[1] == tile_q else -(-keys // tile) * tile
         call = functools.partial(_kernel.flash_part, attention=vis.attention, block_size=vis.block_size,
-                                 tile_q=tile_q, tile_k=min(tile_k, _floor_pow2(k.shape[1])), interpret=interpret,
-                                 triton=triton)
+                                 tile_q=tile_q, tile_k=tile, split_k=split, interpret=interpret, triton=triton)
         calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
                              vis.k_valid, row_lengths(vis.k_valid))))
     return calls

@@ -2,15 +2,17 @@
 computed per tile from positions, segments and validity (never a [L, S] mask or score matrix in
 memory), and per row only the key tiles below that row's written length read.
 
-One program per (row, query head, tile of `tile_q` queries) loops over the row's key tiles
-[0, ceil(kv_len_b / tile_k)). A key count that is not a multiple of the tile gets a last tile
-that starts at S - tile_k and hides the keys already seen: every read is in bounds and the cache
-is never padded or copied. Grouped-query heads read their shared key/value head in place.
+One program per (row, query head, tile of `tile_q` queries, slice of `split_k` keys) loops over
+the key tiles of its slice below the row's length kv_len_b (a decode step's few queries split the
+keys over programs, flash-decoding style; a prefill has one slice). A key count that is not a
+multiple of the tile gets a last tile that starts at S - tile_k and hides the keys already seen:
+every read is in bounds and the cache is never padded or copied. Grouped-query heads read their
+shared key/value head in place.
 
-It returns the part's unnormalised accumulators (sum_s e_s v_s [B, L, H, hd] and the max m and
-sum l = sum_s e_s [B, H, L], e_s = exp(score_s - m)); `combine` merges parts with one joint
-softmax, where a part with every key hidden adds exact zeros (the row-asynchronous engine's store
-part, see layers._attention).
+It returns each slice's unnormalised accumulators (sum_s e_s v_s [slices, B, L, H, hd] and the max
+m and sum l = sum_s e_s [slices, B, H, L], e_s = exp(score_s - m)); `combine` merges slices and
+parts with one joint softmax, where a part (or slice) with every key hidden adds exact zeros (the
+row-asynchronous engine's store part, see layers._attention).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ def topology(q_pos, k_pos, attention: str, block_size: int | None):
 
 
 def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref, kv_len_ref,
-            acc_ref, max_ref, sum_ref, *, tile_k: int, attention: str, block_size: int | None):
+            acc_ref, max_ref, sum_ref, *, tile_k: int, split_k: int, attention: str, block_size: int | None):
     keys = k_ref.shape[0]
+    first = pl.program_id(3) * split_k
+    end = jnp.minimum(first + split_k, kv_len_ref[0])
     q = q_ref[...]
     tile_q, head_dim = q.shape
     q_pos, q_seg = q_pos_ref[...][:, None], q_seg_ref[...][:, None]
@@ -44,10 +48,11 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
 
     def body(j, carry):
         m, l, acc = carry
-        seen = j * tile_k
+        seen = first + j * tile_k
         start = jnp.minimum(seen, keys - tile_k)
         k, v = k_ref[pl.ds(start, tile_k), :], v_ref[pl.ds(start, tile_k), :]
         k_pos, k_seg = k_pos_ref[pl.ds(start, tile_k)][None, :], k_seg_ref[pl.ds(start, tile_k)][None, :]
+        # keys not seen yet (a slice is whole tiles, so no tile reaches into the next slice)
         fresh = (start + jax.lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)) >= seen
         visible = (topology(q_pos, k_pos, attention, block_size) & ((k_seg == 0) | (k_seg == q_seg))
                    & (k_valid_ref[pl.ds(start, tile_k)][None, :] != 0))
@@ -62,34 +67,40 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
 
     init = (jnp.full((tile_q, 1), MASK_VALUE, jnp.float32), jnp.zeros((tile_q, 1), jnp.float32),
             jnp.zeros((tile_q, head_dim), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(kv_len_ref[0], tile_k), body, init)
+    m, l, acc = jax.lax.fori_loop(0, pl.cdiv(jnp.maximum(end - first, 0), tile_k), body, init)
     acc_ref[...] = acc
     max_ref[...] = m[:, 0]
     sum_ref[...] = l[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "interpret", "triton"))
+@functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "split_k", "interpret",
+                                             "triton"))
 def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_len_b, *,
-               attention: str, block_size: int | None, tile_q: int, tile_k: int, interpret: bool,
+               attention: str, block_size: int | None, tile_q: int, tile_k: int, split_k: int, interpret: bool,
                triton: bool = False):
-    """(acc [B, L, H, hd] f32, m [B, H, L], l [B, H, L]) of one part; L % tile_q == 0, S >= tile_k.
+    """(acc [slices, B, L, H, hd] f32, m [slices, B, H, L], l [slices, B, H, L]) of one part;
+    L % tile_q == 0, S >= tile_k, split_k % tile_k == 0.
     `triton`: lower with Pallas' Triton backend (GPU): its blocks stay in global memory and the
     key loop loads one tile at a time (Mosaic GPU would stage whole rows in shared memory)."""
     b, l, h, d = q_blhd.shape
     s, hkv = k_bshd.shape[1], k_bshd.shape[2]
     group = h // hkv
-    q_spec = pl.BlockSpec((None, tile_q, None, d), lambda r, hd, i: (r, i, hd, 0))
-    kv_spec = pl.BlockSpec((None, s, None, d), lambda r, hd, i: (r, 0, hd // group, 0))
-    q_vec = pl.BlockSpec((None, tile_q), lambda r, hd, i: (r, i))
-    k_vec = pl.BlockSpec((None, s), lambda r, hd, i: (r, 0))
-    stat = pl.BlockSpec((None, None, tile_q), lambda r, hd, i: (r, hd, i))
-    kernel = functools.partial(_kernel, tile_k=tile_k, attention=attention, block_size=block_size)
+    slices = pl.cdiv(s, split_k)
+    q_spec = pl.BlockSpec((None, tile_q, None, d), lambda r, hd, i, j: (r, i, hd, 0))
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda r, hd, i, j: (r, 0, hd // group, 0))
+    q_vec = pl.BlockSpec((None, tile_q), lambda r, hd, i, j: (r, i))
+    k_vec = pl.BlockSpec((None, s), lambda r, hd, i, j: (r, 0))
+    acc_spec = pl.BlockSpec((None, None, tile_q, None, d), lambda r, hd, i, j: (j, r, i, hd, 0))
+    stat = pl.BlockSpec((None, None, None, tile_q), lambda r, hd, i, j: (j, r, hd, i))
+    kernel = functools.partial(_kernel, tile_k=tile_k, split_k=split_k, attention=attention, block_size=block_size)
     return pl.pallas_call(
-        kernel, grid=(b, h, l // tile_q),
-        in_specs=[q_spec, kv_spec, kv_spec, q_vec, q_vec, k_vec, k_vec, k_vec, pl.BlockSpec((None, 1), lambda r, hd, i: (r, 0))],
-        out_specs=[q_spec, stat, stat],
-        out_shape=[jax.ShapeDtypeStruct((b, l, h, d), jnp.float32), jax.ShapeDtypeStruct((b, h, l), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h, l), jnp.float32)],
+        kernel, grid=(b, h, l // tile_q, slices),
+        in_specs=[q_spec, kv_spec, kv_spec, q_vec, q_vec, k_vec, k_vec, k_vec,
+                  pl.BlockSpec((None, 1), lambda r, hd, i, j: (r, 0))],
+        out_specs=[acc_spec, stat, stat],
+        out_shape=[jax.ShapeDtypeStruct((slices, b, l, h, d), jnp.float32),
+                   jax.ShapeDtypeStruct((slices, b, h, l), jnp.float32),
+                   jax.ShapeDtypeStruct((slices, b, h, l), jnp.float32)],
         interpret=interpret, name="flash_attention",
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2) if triton else None,
     )(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs.astype(jnp.int32),
@@ -97,12 +108,13 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
 
 
 def combine(parts):
-    """Output [B, L, H, hd] f32 of parts' (acc, m, l) under one joint softmax."""
-    top = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
+    """Output [B, L, H, hd] f32 of parts' (acc, m, l) (each with a leading axis of key slices)
+    under one joint softmax."""
+    top = functools.reduce(jnp.maximum, [m.max(axis=0) for _, m, _ in parts])
     acc, total = 0.0, 0.0
     for a, m, l in parts:
-        w = jnp.exp(m - top)  # [B, H, L]; 0 exactly for a part with every key hidden
-        total = total + w * l
-        acc = acc + w.transpose(0, 2, 1)[..., None] * a
+        w = jnp.exp(m - top)  # [slices, B, H, L]; 0 exactly for a slice with every key hidden
+        total = total + jnp.sum(w * l, axis=0)
+        acc = acc + jnp.sum(w.transpose(0, 1, 3, 2)[..., None] * a, axis=0)
     total = total.transpose(0, 2, 1)[..., None]
     return acc / jnp.where(total == 0, 1.0, total)
