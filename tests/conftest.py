@@ -6,6 +6,7 @@ numerics (DLMJAX_INVARIANT=1), the settings under which parity and lossless equa
 there. Tests marked `devices(n)` skip, with their reason, where fewer devices exist.
 """
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -47,6 +48,16 @@ def persistent_compilation_cache(tmp_path_factory):
     for name, value in saved.items():
         jax.config.update(name, value)
     jax_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Each worker runs hundreds of tests; jax keeps every compiled program (and the arrays its
+    caches hold) until told otherwise, so without this a worker's memory only grows. Tests in
+    one module share shapes; across modules they rarely do."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_configure(config):
