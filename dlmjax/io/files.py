@@ -7,17 +7,26 @@ renames at the end, so a kill while writing leaves the previous directory as it 
 window left, between the two renames, leaves the previous directory whole under its backup name;
 the next `staged_dir` of the same target puts it back first.
 (Training checkpoints are Orbax's, which stages them the same way.)
+
+Staging names carry the host and the process id (`.NAME.partial-HOST-PID`): leftovers of killed
+processes are removed by the next write on the same host, and never those of another host, whose
+processes this one cannot see (a filesystem shared between machines).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 
-PARTIAL = ".partial-"  # staging names: `.NAME.partial-PID` beside the target (hidden)
+from dlmjax.validation import InputError
+
+PARTIAL = ".partial-"  # staging names: `.NAME.partial-HOST-PID` beside the target (hidden)
 PREVIOUS = ".previous"  # the target's old version while it is swapped: `.NAME.previous`
+_ACTIVE: set[Path] = set()  # this process's open staging directories (a staged_dir into one writes there)
 
 
 def _alive(pid: int) -> bool:
@@ -30,17 +39,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "localhost"
+
+
+def _staging_name(name: str) -> str:
+    return f".{name}{PARTIAL}{_host()}-{os.getpid()}"
+
+
 def is_staging_name(name: str) -> bool:
     """Names `staged_dir` and `atomic_file` use beside their targets (skipped by directory checks)."""
     return name.startswith(".") and (PARTIAL in name or name.endswith(PREVIOUS))
 
 
 def _remove_stale(parent: Path) -> None:
-    """Staging leftovers in `parent` of processes that were killed (nested ones included)."""
+    """Staging leftovers in `parent` of this host's processes that were killed (nested ones included);
+    another host's are kept (its processes may be alive), and so are names without a host."""
+    own = f"{PARTIAL}{_host()}"
     for leftover in parent.glob(f".*{PARTIAL}*"):
-        pid = leftover.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        head, _, pid = leftover.name.rpartition("-")
+        if head.endswith(own) and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(leftover) if leftover.is_dir() and not leftover.is_symlink() else leftover.unlink()
 
 
 @contextmanager
@@ -49,7 +68,7 @@ def atomic_file(path: str | os.PathLike):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(path.parent)
-    tmp = path.parent / f".{path.name}{PARTIAL}{os.getpid()}"
+    tmp = path.parent / _staging_name(path.name)
     try:
         yield tmp
         os.replace(tmp, path)
@@ -69,29 +88,81 @@ def restore_interrupted(target: Path) -> None:
         os.rename(previous, target)
 
 
+def _check_target(target: str | os.PathLike) -> Path:
+    """`target` as an absolute path, refused where it cannot be renamed away safely: the filesystem
+    root, a mount point, or the current directory (or one holding it)."""
+    path = Path(os.path.abspath(target))
+    real = path.resolve()
+    fix = f"write into a subdirectory of it instead (e.g. {path / 'model'})"
+    if real.parent == real:
+        raise InputError(f"{target} is the filesystem root, which cannot be replaced; {fix}")
+    if os.path.ismount(real):
+        raise InputError(f"{target} is a mount point, which cannot be replaced; {fix}")
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the current directory was removed: nothing to replace under the process
+        cwd = None
+    if cwd is not None and (real == cwd or real in cwd.parents):
+        what = "the current directory" if real == cwd else "a directory holding the current directory"
+        raise InputError(f"{target} is {what}, which would be replaced under the running process; {fix}")
+    return path
+
+
+def _link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    try:
+        os.link(src, dst)  # same filesystem (the staging directory is beside the target): no bytes copied
+    except OSError:
+        shutil.copy2(src, dst)  # filesystems without hard links
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Bring into `new` each entry of `old` that `new` lacks, as hard links (nothing big is copied).
+    Called once the block has written everything, so no linked file is written through."""
+    for entry in old.iterdir():
+        dest = new / entry.name
+        if dest.exists() or dest.is_symlink() or is_staging_name(entry.name):
+            continue  # written by the block: its version wins, directories included (not merged)
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), dest)
+        elif entry.is_dir():
+            shutil.copytree(entry, dest, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, dest)
+
+
 @contextmanager
 def staged_dir(target: str | os.PathLike, *, keep_existing: bool = False):
-    """Yield a fresh staging directory beside `target`; when the block ends without an error, it
-    replaces `target` (the old directory is removed only after the new one is in place). With
-    `keep_existing`, the staging directory starts as a copy of `target`'s current files. On an
-    error the staging directory is removed and `target` is left as it was."""
-    target = Path(target)
+    """Yield a fresh, empty staging directory beside `target`; when the block ends without an
+    error, it replaces `target` (the old directory is removed only after the new one is in place).
+    With `keep_existing`, the entries of `target` the block did not write are carried into the new
+    directory (hard links, made after the block, so the old files are never written through). On an
+    error the staging directory is removed and `target` is left as it was.
+
+    Refused (InputError): the filesystem root, a mount point, the current directory or one holding
+    it -- none can be renamed away; write into a subdirectory. A target that is an open staging
+    directory of this process (an export into `dlmjax export`'s stage) is yielded as it is: one
+    staged write, not two nested ones."""
+    if Path(os.path.abspath(target)) in _ACTIVE:
+        yield Path(os.path.abspath(target))  # the enclosing staged_dir swaps it in
+        return
+    target = _check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     restore_interrupted(target)
     _remove_stale(target.parent)
-    staging = target.parent / f".{target.name}{PARTIAL}{os.getpid()}"
+    staging = target.parent / _staging_name(target.name)
     previous = target.parent / f".{target.name}{PREVIOUS}"
     shutil.rmtree(staging, ignore_errors=True)
-    if keep_existing and target.is_dir():
-        shutil.copytree(target, staging, symlinks=True)
-    else:
-        staging.mkdir()
+    staging.mkdir()
+    _ACTIVE.add(staging)
     try:
         yield staging
+        if keep_existing and target.is_dir():
+            _carry_over(target, staging)
         shutil.rmtree(previous, ignore_errors=True)
         if target.exists():
             os.rename(target, previous)
         os.rename(staging, target)
         shutil.rmtree(previous, ignore_errors=True)
     finally:
+        _ACTIVE.discard(staging)
         shutil.rmtree(staging, ignore_errors=True)
