@@ -516,9 +516,28 @@ def _family_of(raw: dict) -> Family:
     return family_for_model_type(raw.get("model_type"))
 
 
-def _moe_int(raw: dict, key: str, default=None, low=AT_LEAST_1):
+def _moe_int(raw: dict, key: str, default=None, low=AT_LEAST_1, *, nullable: bool = False):
+    """config.json's integer `key` (`default` when absent). A `null` is refused, naming the key,
+    unless `nullable` (keys whose null means "none", as `default`); `true`/`false` are not integers."""
+    if key in raw and raw[key] is None:
+        if not nullable:
+            raise ConfigError(f"config.json `{key}` is null; set it to an integer"
+                              + (f" (or remove it for the default, {default})" if default is not None else ""))
+        return default
     value = raw.get(key, default)
     return value if value is None else check_value(f"config.json `{key}`", value, "int", low, error=ConfigError)
+
+
+def _moe_float(raw: dict, key: str, default: float) -> float:
+    """config.json's positive number `key` (`default` when absent); null and true/false are refused."""
+    value = raw.get(key, default)
+    return float(check_value(f"config.json `{key}`", value, "float", POSITIVE, error=ConfigError))
+
+
+def _moe_bool(raw: dict, key: str, default: bool) -> bool:
+    """config.json's true/false `key` (`default` when absent or null)."""
+    value = raw.get(key)
+    return default if value is None else check_value(f"config.json `{key}`", value, "bool", error=ConfigError)
 
 
 def _moe_layer_list(raw: dict, key: str, num_layers: int) -> list:
@@ -537,8 +556,10 @@ def _from_qwen3_moe(raw: dict, fam: Family) -> ModelConfig:
     """Qwen3-MoE (and SDAR-MoE): published configs say `num_experts`, transformers 5 writes
     `num_local_experts`; either is read (both must agree)."""
     cfg = _from_hf_layout({k: v for k, v in raw.items() if k not in _QWEN3_MOE_KEYS}, fam)
-    experts = {key: _moe_int(raw, key, low=AT_LEAST_0) for key in ("num_experts", "num_local_experts")
+    experts = {key: _moe_int(raw, key, low=AT_LEAST_0, nullable=True) for key in ("num_experts", "num_local_experts")
                if raw.get(key) is not None}
+    if not experts and any(key in raw for key in ("num_experts", "num_local_experts")):
+        raise ConfigError("config.json `num_experts` is null; set it to the number of experts (an integer)")
     if len(set(experts.values())) > 1:
         raise ConfigError(f"config.json says num_experts={experts['num_experts']} and num_local_experts="
                           f"{experts['num_local_experts']}; keep one of them")
@@ -599,18 +620,18 @@ def _from_llada_moe(raw: dict, fam: Family) -> ModelConfig:
         raise ConfigError(f"config.json `moe_layer_freq` = {freq!r} must list one 0 (dense) or 1 (MoE) per layer "
                           f"({num_layers} layers)")
     num_experts = _moe_int(raw, "num_experts", 64)
-    attention_bias = bool(raw.get("attention_bias", False))
+    attention_bias = _moe_bool(raw, "attention_bias", False)
     return ModelConfig(
         family=fam.name, vocab_size=raw["vocab_size"], hidden_size=d,
         intermediate_size=_moe_int(raw, "dense_intermediate_size", 8192), num_layers=num_layers, num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(raw.get("rope_theta", 50000.0)),
         max_position_embeddings=raw.get("max_position_embeddings", 8192), attention=fam.attention,
-        qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=bool(raw.get("qk_layernorm", True)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), rotary_dim=_rotary_dim(raw, head_dim),
+        qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=_moe_bool(raw, "qk_layernorm", True),
+        tie_word_embeddings=_moe_bool(raw, "tie_word_embeddings", False), rotary_dim=_rotary_dim(raw, head_dim),
         num_experts=num_experts, num_experts_per_tok=_moe_int(raw, "num_experts_per_tok", 8),
         moe_intermediate_size=_moe_int(raw, "expert_intermediate_size", 1024),
-        shared_expert_intermediate_size=_moe_int(raw, "shared_expert_intermediate_size") or 0,
+        shared_expert_intermediate_size=_moe_int(raw, "shared_expert_intermediate_size", nullable=True) or 0,
         moe_layers=tuple(i for i, f in enumerate(freq) if f), router="softmax", norm_topk_prob=False,
         **_dtype_and_special_ids(raw, fam),
     )
@@ -646,24 +667,25 @@ def _from_llada2(raw: dict, fam: Family) -> ModelConfig:
     num_experts = _moe_int(raw, "num_experts", 0, low=AT_LEAST_0)
     top_k = _moe_int(raw, "num_experts_per_tok", 2)
     first_dense = _moe_int(raw, "first_k_dense_replace", 0, low=AT_LEAST_0)
-    groups = _moe_int(raw, "n_group") or 1
-    shared = _moe_int(raw, "num_shared_experts", 0, low=AT_LEAST_0) or 0
+    groups = _moe_int(raw, "n_group", 1, nullable=True)
+    shared = _moe_int(raw, "num_shared_experts", 0, low=AT_LEAST_0, nullable=True)
     moe_width = _moe_int(raw, "moe_intermediate_size") or 0
     return ModelConfig(
         family=fam.name, vocab_size=raw["vocab_size"], hidden_size=d, intermediate_size=raw["intermediate_size"],
         num_layers=num_layers, num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=head_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=_rope_theta(raw),
         max_position_embeddings=raw.get("max_position_embeddings", 16384), attention=fam.attention,
-        block_size=_moe_int(raw, "block_size", 32), qkv_bias=bool(raw.get("use_qkv_bias", False)),
-        o_bias=bool(raw.get("use_bias", True)), qk_norm=True,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), rotary_dim=_rotary_dim(
+        block_size=_moe_int(raw, "block_size", 32), qkv_bias=_moe_bool(raw, "use_qkv_bias", False),
+        o_bias=_moe_bool(raw, "use_bias", True), qk_norm=True,
+        tie_word_embeddings=_moe_bool(raw, "tie_word_embeddings", False), rotary_dim=_rotary_dim(
             {"partial_rotary_factor": 0.5, **raw}, head_dim),
         num_experts=num_experts, num_experts_per_tok=top_k if num_experts else 0, moe_intermediate_size=moe_width,
         shared_expert_intermediate_size=moe_width * shared,
         moe_layers=tuple(range(first_dense, num_layers)) if num_experts else (), router="sigmoid",
         # the gate renormalises whenever it picks more than one expert (`norm_topk_prob` is not read)
-        norm_topk_prob=top_k > 1, routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
-        router_groups=groups, router_topk_groups=_moe_int(raw, "topk_group") or 1, router_expert_bias=True,
+        norm_topk_prob=top_k > 1, routed_scaling_factor=_moe_float(raw, "routed_scaling_factor", 2.5),
+        router_groups=groups, router_topk_groups=_moe_int(raw, "topk_group", 1, nullable=True),
+        router_expert_bias=True,
         **_dtype_and_special_ids(raw, fam),
     )
 

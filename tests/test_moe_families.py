@@ -112,6 +112,44 @@ def test_qwen3_moe_config_translation_is_strict(change, message):
         from_hf_config({**qwen3_moe_config_json(True), **change})
 
 
+def _moe_raw_configs() -> dict:
+    return {"qwen3_moe": qwen3_moe_config_json(True), "llada_moe": llada_moe_config_json(LLADA_MOE),
+            "llada2_moe": llada2_config_json(LLADA2)}
+
+
+@pytest.mark.parametrize("family, key", [
+    ("qwen3_moe", "num_experts"), ("qwen3_moe", "num_experts_per_tok"), ("qwen3_moe", "moe_intermediate_size"),
+    ("qwen3_moe", "decoder_sparse_step"), ("llada_moe", "num_experts"), ("llada_moe", "num_experts_per_tok"),
+    ("llada_moe", "expert_intermediate_size"), ("llada_moe", "dense_intermediate_size"),
+    ("llada2_moe", "num_experts"), ("llada2_moe", "num_experts_per_tok"), ("llada2_moe", "moe_intermediate_size"),
+    ("llada2_moe", "first_k_dense_replace"), ("llada2_moe", "intermediate_size"),
+    ("llada2_moe", "routed_scaling_factor"),
+])
+def test_moe_config_nulls_and_bools_are_refused_by_name(family, key):
+    """A null count or width is not taken as a default (nor crashes), and `true` is not the integer 1."""
+    raw = _moe_raw_configs()[family]
+    assert key in raw or key in ("decoder_sparse_step", "first_k_dense_replace", "routed_scaling_factor")
+    with pytest.raises(ConfigError, match=f"config.json `{key}`"):
+        from_hf_config({**raw, key: None})
+    with pytest.raises(ConfigError, match=f"config.json `{key}`=True must be"):
+        from_hf_config({**raw, key: True})
+
+
+def test_moe_config_bools_must_be_true_or_false():
+    for family, key in [("llada_moe", "attention_bias"), ("llada_moe", "qk_layernorm"), ("llada2_moe", "use_qkv_bias"),
+                        ("llada2_moe", "use_bias")]:
+        with pytest.raises(ConfigError, match=f"config.json `{key}`=2 must be true or false"):
+            from_hf_config({**_moe_raw_configs()[family], key: 2})
+
+
+def test_moe_config_nulls_that_mean_none_are_read_so():
+    cfg = from_hf_config({**llada2_config_json(LLADA2), "num_shared_experts": None, "n_group": None,
+                          "topk_group": None})
+    assert (cfg.shared_expert_intermediate_size, cfg.router_groups, cfg.router_topk_groups) == (0, 1, 1)
+    qwen = qwen3_moe_config_json(True)
+    assert from_hf_config({**qwen, "num_local_experts": None}) == from_hf_config(qwen)
+
+
 def test_a_missing_expert_tensor_is_named(qwen3_moe, tmp_path):
     _, _, published = qwen3_moe
     tensors = {name: SafetensorsFile(published / "model.safetensors").get(name)
