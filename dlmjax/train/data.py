@@ -1,6 +1,13 @@
 """Training batches from the toy tasks: a pure function of (seed, step), so a resumed run sees
 exactly the batches it would have seen.
 
+Multi-process runs: each process encodes only the rows of the global batch that its devices hold
+(`process_rows`) and `global_batch` assembles the global [B, ...] arrays, batch split over the
+mesh's 'data' axis, from those process-local rows (no process ever holds another's rows on
+device). The rows' padded width is the global batch's (the largest over processes), so the
+global batch is the one a single process would build. The toy sampler draws a step's examples
+in sequence from one RNG, so every process draws all of them (microseconds) and keeps its own.
+
 One row is `prompt + target + EOS`, then for block-diffusion models EOS again up to the end of the
 block holding the first EOS (the engine stops a row once a finished block contains EOS, so that
 block must be learnt whole), then padding that no token attends to. Positions count from 0 at the
@@ -14,7 +21,9 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dlmjax.toy.tasks import get_task
 from dlmjax.validation import InputError
@@ -66,7 +75,8 @@ def encode_row(prompt_ids, target_ids, *, eos_id: int, pad_id: int, seq_len: int
 
 def make_batch(examples, tokenizer, *, seq_len: int, block: int | None, pad_id: int, bucket: int = 8) -> Batch:
     """Rows padded to the longest row rounded up to `bucket` (at most `seq_len`): few distinct
-    shapes to compile, little padding."""
+    shapes to compile, little padding. In a multi-process run, `pad_batch` then widens each
+    process's rows to the global batch's width."""
     rows = [
         encode_row(tokenizer.encode(ex.prompt), tokenizer.encode(ex.target), eos_id=tokenizer.eos_id,
                    pad_id=pad_id, seq_len=seq_len, block=block)
@@ -75,3 +85,53 @@ def make_batch(examples, tokenizer, *, seq_len: int, block: int | None, pad_id: 
     tokens, valid, target = (np.stack(parts) for parts in zip(*rows))
     width = min(seq_len, -(-int(valid.sum(axis=1).max()) // bucket) * bucket)
     return Batch(tokens=tokens[:, :width], valid=valid[:, :width], target=target[:, :width])
+
+
+def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
+    """The rows of a [batch_size, ...] global batch (split over 'data') that this process's devices
+    hold, ascending; all of them on one process."""
+    if batch_size % mesh.shape["data"]:
+        raise InputError(f"train.batch_size={batch_size} must be a multiple of the {mesh.shape['data']} "
+                         "data-parallel devices (the mesh's data axis)")
+    rows = set()
+    for index in NamedSharding(mesh, P("data")).addressable_devices_indices_map((batch_size,)).values():
+        rows.update(range(batch_size)[index[0]])
+    return np.asarray(sorted(rows), np.int64)
+
+
+def pad_batch(batch: Batch, width: int, pad_id: int) -> Batch:
+    """`batch` widened to `width` columns of padding (not valid, not target)."""
+    extra = width - batch.tokens.shape[1]
+    if extra <= 0:
+        return batch
+    pad = lambda a, value: np.pad(a, ((0, 0), (0, extra)), constant_values=value)  # noqa: E731
+    return Batch(tokens=pad(batch.tokens, pad_id), valid=pad(batch.valid, False), target=pad(batch.target, False))
+
+
+def global_width(local_width: int) -> int:
+    """The widest process's batch width (this process's own on one process)."""
+    if jax.process_count() == 1:
+        return local_width
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.int32(local_width))))
+
+
+def global_batch(local: dict, rows: np.ndarray, mesh: Mesh, batch_size: int) -> dict:
+    """Global jax.Arrays [batch_size, ...] split over 'data' from this process's `rows` of them
+    (`local[name][i]` is global row `rows[i]`); each device gets its slice of the local rows."""
+
+    def assemble(array):
+        array = np.asarray(array)
+        if array.shape[0] != len(rows):
+            raise ValueError(f"{array.shape[0]} local rows for the {len(rows)} rows this process holds")
+        sharding = NamedSharding(mesh, P("data", *(None,) * (array.ndim - 1)))
+        shape = (batch_size,) + array.shape[1:]
+
+        def shard(index):
+            wanted = np.arange(batch_size)[index[0]]
+            return array[np.searchsorted(rows, wanted)][(slice(None),) + tuple(index[1:])]
+
+        return jax.make_array_from_callback(shape, sharding, shard)
+
+    return {name: assemble(array) for name, array in local.items()}

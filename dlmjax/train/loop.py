@@ -24,10 +24,12 @@ import optax
 import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from dlmjax.config import ModelConfig
+from dlmjax.distributed import is_main, sync
 from dlmjax.evaluation.toy import toy_accuracy
 from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
 from dlmjax.io.files import is_staging_name, staged_dir
@@ -35,11 +37,11 @@ from dlmjax.io.hf import export_model, load_config, load_model
 from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.models.transformer import Transformer, abstract_model, init_model
 from dlmjax.presets import resolve_model
-from dlmjax.sharding import make_mesh, shard_batch
-from dlmjax.toy.tokenizer import char_tokenizer, save_char_tokenizer
+from dlmjax.sharding import make_mesh, param_sharding, put_array
+from dlmjax.toy.tokenizer import EOS, MASK, PAD, char_tokenizer, save_char_tokenizer
 from dlmjax.train import objectives
-from dlmjax.train.config import RunConfig, RunConfigError, from_dict, read_yaml
-from dlmjax.train.data import make_batch, sample_examples
+from dlmjax.train.config import OptimConfig, RunConfig, RunConfigError, from_dict, read_yaml
+from dlmjax.train.data import global_batch, global_width, make_batch, pad_batch, process_rows, sample_examples
 from dlmjax.train.mrp import mrp_loss
 from dlmjax.train.metrics import MetricsLog
 from dlmjax.validation import InputError
@@ -136,8 +138,14 @@ class Trainee:
 
 
 def backbone_trainee(run: RunConfig, run_dir: Path) -> Trainee:
-    """A toy backbone from `run.model`, with the toy character tokenizer saved in `run_dir/tokenizer`."""
-    ids = save_char_tokenizer(run_dir / "tokenizer")
+    """A toy backbone from `run.model`, with the toy character tokenizer saved in `run_dir/tokenizer`
+    (by process 0; the others read it)."""
+    if is_main():
+        save_char_tokenizer(run_dir / "tokenizer")
+    sync("dlmjax-train-tokenizer")
+    tok = char_tokenizer()
+    ids = {"pad": tok.token_to_id(PAD), "eos": tok.token_to_id(EOS), "mask": tok.token_to_id(MASK),
+           "vocab_size": tok.get_vocab_size()}
     model_cfg = model_config(run, ids)
     tokenizer = load_tokenizer(run_dir / "tokenizer", model_cfg)
     loss = make_loss(run, model_cfg)
@@ -248,9 +256,9 @@ def check_run_dir(run_dir: Path) -> None:
             "run; pass a new or empty directory (or the directory of the run to resume)")
 
 
-def _write_config(run_dir: Path, run: RunConfig) -> None:
-    """Write the resolved config; a resumed run must use the same one (fields added to the config
-    since the run began compare at their defaults)."""
+def _write_config(run_dir: Path, run: RunConfig, write: bool = True) -> None:
+    """Write the resolved config (`write` False: only check it); a resumed run must use the same
+    one (fields added to the config since the run began compare at their defaults)."""
     path = run_dir / "config.yaml"
     if path.exists():
         stored = from_dict(read_yaml(path)).to_dict()
@@ -260,15 +268,83 @@ def _write_config(run_dir: Path, run: RunConfig) -> None:
                 f"{run_dir} holds a run with a different config (sections {differing}); "
                 "use a new --out directory or the same config to resume"
             )
-    path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
+    if write:
+        path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
 
 
-def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True) -> TrainResult:
-    """Train (or resume) the run in `run_dir`; `stop_at` ends early after that step (as a kill would)."""
+def state_shardings(trainee: Trainee, tx, mesh: Mesh):
+    """(graphdef, abstract {params, opt_state} whose leaves carry their shardings on `mesh`): a
+    trained backbone's weights tensor-parallel over 'model' (dlmjax.sharding's rules; replicated
+    where a dimension does not divide), heads and everything else replicated; the optimiser's
+    moments sharded as their params. Fresh starts are placed, and checkpoints restored, with
+    these shardings, so a checkpoint restores onto any mesh shape."""
+    graphdef, shapes = nnx.split(trainee.abstract)
+    replicated = NamedSharding(mesh, P())
+
+    def sharding(path, leaf):
+        if isinstance(trainee.abstract, Transformer):
+            keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+            name = ".".join(str(k) for k in keys if k is not None)  # (a Variable's `.value` has none)
+            try:
+                return param_sharding(name, leaf.shape, trainee.abstract.config, mesh)
+            except KeyError:
+                pass
+        return replicated
+
+    param_sh = jax.tree_util.tree_map_with_path(sharding, shapes)
+    opt_shapes = jax.eval_shape(tx.init, shapes)
+    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    attach = lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)  # noqa: E731
+    return graphdef, {"params": jax.tree.map(attach, shapes, param_sh),
+                      "opt_state": jax.tree.map(attach, opt_shapes, opt_sh)}
+
+
+def restore_state(run_dir: str | Path, step: int, trainee: Trainee, tx, mesh: Mesh):
+    """(graphdef, {params, opt_state}) of the checkpoint of `step` in `run_dir`, placed on `mesh`
+    (whatever mesh it was saved from: Orbax reads each device's slice of the target sharding)."""
+    graphdef, abstract = state_shardings(trainee, tx, mesh)
+    manager = _checkpoint_manager(Path(run_dir), OptimConfig())
+    try:
+        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    finally:
+        manager.close()
+    return graphdef, restored
+
+
+def _place(tree, shardings):
+    """Host values (the same on every process) placed with `shardings`: each process copies only
+    its devices' slices (multi-process safe, unlike device_put of a process-local array)."""
+    return jax.tree.map(lambda x, sh: put_array(np.asarray(x), sh), tree, shardings)
+
+
+def _gathered(params, mesh: Mesh):
+    """`params` as process-local arrays (for evaluation and export by process 0); on one process
+    they are used as they are."""
+    if jax.process_count() == 1:
+        return params
+    replicated = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))(params)  # every process calls this
+    return jax.device_put(jax.device_get(replicated), jax.local_devices()[0])
+
+
+def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True,
+          mesh: Mesh | None = None) -> TrainResult:
+    """Train (or resume) the run in `run_dir`; `stop_at` ends early after that step (as a kill would).
+
+    `mesh` (default: every device on 'data') may have a 'model' axis: a trained backbone is then
+    tensor-parallel over it. A run resumes on any mesh shape. In a multi-process run every process
+    calls this with the same arguments and its own slice of each batch (dlmjax.train.data);
+    process 0 writes the run's files, logs and shows progress, Orbax writes each checkpoint once."""
     run_dir = Path(run_dir)
+    main = is_main()
     check_run_dir(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _write_config(run_dir, run)
+    if run_dir.is_dir():
+        _write_config(run_dir, run, write=False)  # every process refuses a different config
+    sync("dlmjax-train-checked")  # before process 0 writes into run_dir
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_config(run_dir, run)
+    sync("dlmjax-train-config")
     cfg = run.train
     if run.objective == "drafter":
         from dlmjax.train.drafter import drafter_trainee  # imports this module's Trainee
@@ -281,64 +357,68 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     else:
         trainee = mrp_trainee(run, run_dir) if run.objective == "mrp" else backbone_trainee(run, run_dir)
 
-    mesh = make_mesh(model=1)
-    data_size = mesh.shape["data"]
-    if cfg.batch_size % data_size:
-        raise InputError(f"train.batch_size={cfg.batch_size} must be a multiple of the {data_size} data-parallel devices")
+    mesh = mesh if mesh is not None else make_mesh(model=1)
+    rows = process_rows(mesh, cfg.batch_size)  # this process's rows of every global batch
     replicated = NamedSharding(mesh, P())
 
     tx, schedule = make_optimizer(cfg)
     manager = _checkpoint_manager(run_dir, cfg)
     start = manager.latest_step() or 0
+    graphdef, abstract = state_shardings(trainee, tx, mesh)
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
     if start:  # resume: restore into the abstract structure (no init, `init_from` not read again)
-        graphdef, shapes = nnx.split(trainee.abstract)
-        abstract = {"params": shapes, "opt_state": jax.eval_shape(tx.init, shapes)}
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
         restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         params, opt_state = restored["params"], restored["opt_state"]
     else:
-        graphdef, params = nnx.split(trainee.build())
-        params = jax.device_put(params, replicated)
-        opt_state = jax.device_put(tx.init(params), replicated)
+        _, params = nnx.split(trainee.build())
+        params = _place(params, shardings["params"])
+        opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
     frozen_graphdef, frozen = None, None
     if trainee.frozen is not None:
         frozen_graphdef, frozen = nnx.split(trainee.frozen)
-        frozen = jax.device_put(frozen, replicated)
+        frozen = _place(frozen, jax.tree.map(lambda _: replicated, frozen))
 
     train_step = make_train_step(graphdef, frozen_graphdef, trainee.loss, tx, schedule)
     base_key = jax.random.key(cfg.seed)
-    log = MetricsLog(run_dir, resume_step=start)
+    log = MetricsLog(run_dir, resume_step=start) if main else None
     last = min(cfg.steps, stop_at if stop_at is not None else cfg.steps)
     losses: dict[int, float] = {}
-    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}", disable=not (progress and main),
+               dynamic_ncols=True)
     tokens_seen, window_start, done = 0, time.perf_counter(), start
     try:
         for step in range(start + 1, last + 1):
             if trainee.batch_at is not None:
-                arrays = shard_batch(trainee.batch_at(step), mesh)
+                local = {k: np.asarray(v)[rows] for k, v in trainee.batch_at(step).items()}
             else:
                 examples = sample_examples(run.data.tasks, cfg.batch_size, run.data.seed, step)
-                batch = make_batch(examples, trainee.tokenizer, seq_len=run.data.seq_len, block=trainee.block,
-                                   pad_id=trainee.pad_id)
-                arrays = shard_batch(dict(vars(batch)), mesh)
+                batch = make_batch([examples[i] for i in rows], trainee.tokenizer, seq_len=run.data.seq_len,
+                                   block=trainee.block, pad_id=trainee.pad_id)
+                batch = pad_batch(batch, global_width(batch.tokens.shape[1]), trainee.pad_id)
+                local = dict(vars(batch))
+            arrays = global_batch(local, rows, mesh, cfg.batch_size)
             key = jax.random.fold_in(base_key, step)
             params, opt_state, metrics = train_step(params, opt_state, frozen, arrays, key, jnp.int32(step))
             done = step
-            tokens_seen += cfg.batch_size if trainee.batch_at is not None else int(batch.valid.sum())
+            # this process's rows, times the processes (exact on one process)
+            tokens_seen += len(rows) if trainee.batch_at is not None else int(batch.valid.sum())
             bar.update(1)
             if step % cfg.log_every == 0 or step == last:
                 metrics = jax.device_get(metrics)
                 losses[step] = float(metrics["loss"])
                 elapsed = time.perf_counter() - window_start
-                rates = {"tokens_per_s": tokens_seen / elapsed}
-                log.write(step, {**metrics, **rates})
+                rates = {"tokens_per_s": tokens_seen * jax.process_count() / elapsed}
+                if log is not None:
+                    log.write(step, {**metrics, **rates})
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{rates['tokens_per_s']:.0f}")
                 tokens_seen, window_start = 0, time.perf_counter()
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 eval_start = time.perf_counter()
-                scores = trainee.evaluate(nnx.merge(graphdef, params), trainee.frozen)
-                log.write(step, scores)
-                bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+                local_params = _gathered(params, mesh)
+                if main:  # on process 0's devices, while the others go on to the next step's collectives
+                    scores = trainee.evaluate(nnx.merge(graphdef, local_params), trainee.frozen)
+                    log.write(step, scores)
+                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
                 window_start += time.perf_counter() - eval_start  # tokens/s measures training only
             if step % cfg.checkpoint_every == 0:
                 manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
@@ -346,13 +426,24 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         if done > start and manager.latest_step() != done:
             manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
         manager.wait_until_finished()
+        manager.close()
         bar.close()
-        log.close()
+        if log is not None:
+            log.close()
 
     model_dir = None
     if done == cfg.steps:
-        model_dir = trainee.export(nnx.merge(graphdef, params), run_dir)
+        local_params = _gathered(params, mesh)
+        if main:
+            model_dir = trainee.export(nnx.merge(graphdef, local_params), run_dir)
+        sync("dlmjax-train-export")
+        model_dir = model_dir or _export_dir(run_dir, run)
     return TrainResult(run_dir=run_dir, step=done, losses=losses, model_dir=model_dir)
+
+
+def _export_dir(run_dir: Path, run: RunConfig) -> Path:
+    """Where process 0 exported the run (other processes report the same path)."""
+    return run_dir / ("drafter" if run.objective == "drafter" else "model")
 
 
 def export_run(model, run_dir: Path) -> Path:
