@@ -29,7 +29,7 @@ from flax import nnx
 
 from dlmjax.decoding.ar import generate_ar
 from dlmjax.decoding.speculative import generate_with_drafter
-from dlmjax.evaluation.tasks import gsm8k_prompt
+from dlmjax.evaluation.tasks import GSM8K_TEST, gsm8k_prompt
 from dlmjax.heads.drafter import DrafterConfig, init_drafter
 from dlmjax.io.dflash import load_drafter, save_drafter
 from dlmjax.io.gguf import convert_gguf
@@ -38,7 +38,7 @@ from dlmjax.presets import load_checkpoint
 from dlmjax.train.drafter import DrafterTrainSpec, drafter_train_loss
 from dlmjax.train.loop import make_optimizer, make_train_step
 
-GSM8K = Path(__file__).resolve().parents[1] / "../shared/data/gsm8k"
+GSM8K = GSM8K_TEST.parent  # shipped with dlmjax: test.jsonl and train.jsonl (MIT, data/gsm8k/SOURCE.md)
 MASK_ID = 16  # <empty_output>: a special token SmolLM2-Instruct does not emit in chat answers
 LAYER_IDS = (1, 9, 18, 26)
 

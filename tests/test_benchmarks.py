@@ -163,3 +163,23 @@ def test_malformed_math500_rows_are_reported_with_line_numbers_and_skipped(tmp_p
     assert loaded.score(loaded.items, ["\\boxed{2}", "\\boxed{5}"]) == [True, False]
     with pytest.raises(DatasetError, match="3 unusable rows"):
         load_eval_set("math500", data=str(path), strict=True)
+
+
+# ------------------------------------------------------------------------------------------------ GSM8K
+
+
+def test_the_drafter_benchmark_reads_the_shipped_gsm8k():
+    """benchmarks/drafter_smollm2.py takes its questions from dlmjax's own GSM8K files (a clone
+    without ../shared runs it)."""
+    import importlib.util
+    from pathlib import Path
+
+    from dlmjax.evaluation.tasks import GSM8K_TEST
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "drafter_smollm2.py"
+    spec = importlib.util.spec_from_file_location("drafter_smollm2", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.GSM8K.resolve() == GSM8K_TEST.parent.resolve()
+    assert bench.questions("train", 2)[0].startswith("Natalia sold clips to 48 of her friends")
+    assert len(bench.questions("test", 3)) == 3
