@@ -28,9 +28,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from dlmjax import arithmetic
 from dlmjax.config import ModelConfig
+from dlmjax.sharding import DEFAULT_RULES
 
 _INIT_STD = 0.02
 
@@ -86,20 +88,26 @@ def _swiglu(h_m2f):
     return jax.nn.silu(gate) * up
 
 
-def grouped_expert_outputs(x_td, experts_tk, gate_up_ed2f, down_efd):
-    """Each assignment's expert output [T, k, D] (unweighted): the T*k rows sorted by expert, one
-    ragged_dot per projection over the experts' row groups, then put back in assignment order."""
-    t, k = experts_tk.shape
+def grouped_rows(x_md, expert_m, gate_up_ed2f, down_efd):
+    """Each row's output [M, D] through its own expert (unweighted), rows kept in their order: the
+    rows sorted by expert, one ragged_dot per projection over the experts' row groups, then put
+    back. A row whose expert id is E (one past the last) is padding: it sorts last, falls in no
+    group and gives zeros."""
     num_experts = gate_up_ed2f.shape[0]
-    flat_m = experts_tk.reshape(-1)
-    order_m = jnp.argsort(flat_m, stable=True)  # sorted row -> assignment
-    x_md = x_td[order_m // k]
-    sizes_e = jnp.bincount(flat_m, length=num_experts).astype(jnp.int32)
-    h_m2f = jax.lax.ragged_dot(x_md, gate_up_ed2f, sizes_e, preferred_element_type=jnp.float32)
-    y_md = jax.lax.ragged_dot(_swiglu(h_m2f).astype(x_td.dtype), down_efd, sizes_e,
+    order_m = jnp.argsort(expert_m, stable=True)  # sorted row -> row
+    sizes_e = jnp.bincount(expert_m, length=num_experts).astype(jnp.int32)
+    h_m2f = jax.lax.ragged_dot(x_md[order_m], gate_up_ed2f, sizes_e, preferred_element_type=jnp.float32)
+    y_md = jax.lax.ragged_dot(_swiglu(h_m2f).astype(x_md.dtype), down_efd, sizes_e,
                               preferred_element_type=jnp.float32)
-    y_md = jnp.zeros_like(y_md).at[order_m].set(y_md)  # back to assignment order
-    return y_md.reshape(t, k, -1).astype(x_td.dtype)
+    return jnp.zeros_like(y_md).at[order_m].set(y_md).astype(x_md.dtype)  # back to row order
+
+
+def grouped_expert_outputs(x_td, experts_tk, gate_up_ed2f, down_efd):
+    """Each assignment's expert output [T, k, D] (unweighted): the T*k assignments' rows through
+    `grouped_rows`."""
+    t, k = experts_tk.shape
+    y_md = grouped_rows(jnp.repeat(x_td, k, axis=0), experts_tk.reshape(-1), gate_up_ed2f, down_efd)
+    return y_md.reshape(t, k, -1)
 
 
 def dense_expert_outputs(x_td, experts_tk, gate_up_ed2f, down_efd):
@@ -121,16 +129,154 @@ def combine(y_tkd, weights_tk):
     return out.astype(y_tkd.dtype)
 
 
-def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfig, implementation: str = "grouped"):
-    """The routed experts' contribution [T, D] for tokens x [T, D] (no shared expert)."""
-    experts_fn = EXPERT_IMPLEMENTATIONS[implementation]
-
-    def routed(rows_td):
+def _routed(rows_td, router_de, bias_e, experts_fn):
+    """rows -> router (float32) -> experts_fn(rows, experts, weights) [T, k, D] -> combined [T, D]."""
+    def fn(cfg, *experts):
         logits_te = arithmetic.matmul(rows_td.astype(jnp.float32), router_de.astype(jnp.float32))
         weights_tk, experts_tk = route(cfg, logits_te, bias_e)
-        return combine(experts_fn(rows_td, experts_tk, gate_up_ed2f, down_efd), weights_tk)
+        return combine(experts_fn(rows_td, experts_tk, *experts), weights_tk)
+    return fn
 
-    return arithmetic.rowwise(routed, x_td)  # invariant mode: fixed tiles of rows, one shape whatever T
+
+def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfig, implementation: str = "grouped",
+                dispatch: str = "auto"):
+    """The routed experts' contribution [T, D] for tokens x [T, D] (no shared expert).
+
+    dispatch (only matters where the experts' mesh has an 'expert' axis > 1; see `resolve_dispatch`):
+    "all_to_all", "gather", "xla" or "auto"."""
+    experts_fn = EXPERT_IMPLEMENTATIONS[implementation]
+    mesh = _expert_mesh(gate_up_ed2f)
+    mode = resolve_dispatch(dispatch, x_td.shape[0], cfg, mesh)
+    if mode in ("local", "xla"):
+        def routed(rows_td):
+            return _routed(rows_td, router_de, bias_e, experts_fn)(cfg, gate_up_ed2f, down_efd)
+
+        return arithmetic.rowwise(routed, x_td)  # invariant mode: fixed tiles of rows, one shape whatever T
+    return _shard_mapped(mode, x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, mesh, experts_fn)
+
+
+# ----------------------------------------------------------------------------------------------
+# Expert parallelism: how tokens meet experts split over the mesh's 'expert' axis
+
+EXPERT_DISPATCH = ("auto", "all_to_all", "gather", "xla")
+EXPERT_AXIS = "expert"
+# "auto" sends tokens all-to-all when a device's token slice (tokens over the batch axes, then over
+# the other axes) is at most this many tokens, and all-gathers the experts above it: see
+# `resolve_dispatch` and benchmarks/moe_ep_cpu.py.
+AUTO_ALL_TO_ALL_MAX_TOKENS = 64
+
+
+def _expert_mesh(experts):
+    """The (abstract) mesh the experts live on: the active one (`jax.set_mesh`), else the one their
+    sharding names; None without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        sharding = getattr(jax.typeof(experts), "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return None
+    return mesh
+
+
+def _sizes(mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def _token_axes(num_tokens: int, mesh):
+    """(batch axes the tokens arrive split over, the other axes (size > 1) each slice is split over
+    inside the layer)."""
+    sizes = _sizes(mesh)
+    batch = DEFAULT_RULES.spec(("batch", None), (num_tokens, 1), sizes)[0]
+    batch = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
+    split = tuple(a for a in mesh.axis_names if sizes[a] > 1 and a not in batch)
+    return batch, split
+
+
+def resolve_dispatch(dispatch: str, num_tokens: int, cfg: ModelConfig, mesh) -> str:
+    """The path for `num_tokens` tokens: "local" without an expert axis > 1 (or experts that do not
+    divide over it: they are then replicated); else the setting, "auto" being "all_to_all" for at
+    most AUTO_ALL_TO_ALL_MAX_TOKENS tokens per device slice and "gather" above."""
+    if dispatch not in EXPERT_DISPATCH:
+        raise ValueError(f"expert_dispatch {dispatch!r}: choose one of {', '.join(EXPERT_DISPATCH)}")
+    n = 1 if mesh is None else _sizes(mesh)[EXPERT_AXIS]
+    if n == 1:
+        return "local"
+    if cfg.num_experts % n:
+        if dispatch in ("auto", "xla", "gather"):
+            return "local"  # the experts are replicated (load_model splits only what divides)
+        raise ValueError(f"expert_dispatch 'all_to_all' needs the {cfg.num_experts} experts to divide over the "
+                         f"{n} devices of the 'expert' axis; choose an expert axis size that divides them")
+    if dispatch != "auto":
+        return dispatch
+    sizes = _sizes(mesh)
+    batch, split = _token_axes(num_tokens, mesh)
+    slice_tokens = -(-num_tokens // math.prod(sizes[a] for a in batch + split))
+    return "all_to_all" if slice_tokens <= AUTO_ALL_TO_ALL_MAX_TOKENS else "gather"
+
+
+def _shard_mapped(mode, x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, mesh, experts_fn):
+    """Tokens stay split over the batch axes; each device then takes its slice of its tokens (over
+    the other axes: 'expert', 'model', ...), routes it, and either
+    - "all_to_all": sends each assignment's row to the device holding its expert
+      (`_all_to_all_expert_outputs`), which computes its local experts with ragged_dot and sends the
+      outputs back; or
+    - "gather": computes all experts itself on weights all-gathered over 'expert';
+    then the slices are all-gathered, so the layer's output is laid out as its input."""
+    batch, split = _token_axes(x_td.shape[0], mesh)
+    split_size = math.prod(_sizes(mesh)[a] for a in split)
+    token_spec = P(batch if len(batch) > 1 else (batch[0] if batch else None), None)
+    expert_spec = P(EXPERT_AXIS, None, None) if mode == "all_to_all" else P(None, None, None)
+    args = (x_td, router_de, gate_up_ed2f, down_efd) + (() if bias_e is None else (bias_e,))
+
+    if mode == "all_to_all":
+        n = _sizes(mesh)[EXPERT_AXIS]
+
+        def experts_fn_local(rows_sd, experts_sk, gate_up, down):
+            return _all_to_all_expert_outputs(rows_sd, experts_sk, gate_up, down, n)
+    else:
+        experts_fn_local = experts_fn
+
+    def body(x_local, router, gate_up, down, *bias):
+        t = x_local.shape[0]
+        s = -(-t // split_size)
+        padded = jnp.pad(x_local, ((0, s * split_size - t), (0, 0)))
+        mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(split) * s, s)
+        y = arithmetic.rowwise(lambda rows: _routed(rows, router, bias[0] if bias else None,
+                                                    experts_fn_local)(cfg, gate_up, down), mine)
+        return jax.lax.all_gather(y, split, tiled=True)[:t]
+
+    in_specs = (token_spec, P(None, None), expert_spec, expert_spec) + (() if bias_e is None else (P(None),))
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=token_spec,
+                         check_vma=False)(*args)  # all_gather leaves the output the same on the split axes
+
+
+def _all_to_all_expert_outputs(x_sd, experts_sk, gate_up_ld2f, down_lfd, n: int):
+    """Each assignment's expert output [S, k, D] (unweighted), inside shard_map, for this device's S
+    tokens, with this device's L = E / n experts (device j holds experts j*L .. j*L+L-1).
+
+    Dropless with fixed shapes: a token's k experts are distinct, so it sends at most min(k, L) rows
+    to one device, and a buffer of C = S * min(k, L) rows per destination holds every assignment
+    whatever the routing (all S tokens to one expert included). Assignments sorted by expert fill
+    each destination's buffer from slot 0; one all_to_all over 'expert' moves rows and their local
+    expert ids (L marks an empty slot), the receiver runs `grouped_rows` over everything it got,
+    and the reverse all_to_all brings each output back to the slot it left from."""
+    s, k = experts_sk.shape
+    local = gate_up_ld2f.shape[0]
+    cap = s * min(k, local)
+    flat_m = experts_sk.reshape(-1)
+    order_m = jnp.argsort(flat_m, stable=True)  # sorted position -> assignment
+    expert_m = flat_m[order_m]
+    dest_m = expert_m // local
+    count_n = jnp.bincount(dest_m, length=n)
+    slot_m = jnp.arange(s * k, dtype=jnp.int32) - (jnp.cumsum(count_n) - count_n)[dest_m]
+    send_ncd = jnp.zeros((n, cap, x_sd.shape[-1]), x_sd.dtype).at[dest_m, slot_m].set(x_sd[order_m // k])
+    send_ids_nc = jnp.full((n, cap), local, jnp.int32).at[dest_m, slot_m].set(expert_m % local)
+    recv_ncd = jax.lax.all_to_all(send_ncd, EXPERT_AXIS, 0, 0, tiled=True)  # [source, slot, D]
+    recv_ids_nc = jax.lax.all_to_all(send_ids_nc, EXPERT_AXIS, 0, 0, tiled=True)
+    out_ncd = grouped_rows(recv_ncd.reshape(n * cap, -1), recv_ids_nc.reshape(-1), gate_up_ld2f, down_lfd)
+    back_ncd = jax.lax.all_to_all(out_ncd.reshape(n, cap, -1), EXPERT_AXIS, 0, 0, tiled=True)  # [dest, slot, D]
+    y_md = jnp.zeros((s * k, x_sd.shape[-1]), x_sd.dtype).at[order_m].set(back_ncd[dest_m, slot_m])
+    return y_md.reshape(s, k, -1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,11 +287,23 @@ def _normal(rngs: nnx.Rngs, shape, dtype):
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD).astype(dtype)
 
 
+def set_expert_dispatch(model: nnx.Module, dispatch: str) -> nnx.Module:
+    """Set every MoE layer's `expert_dispatch` ("auto", "all_to_all", "gather" or "xla") in place;
+    returns the model."""
+    if dispatch not in EXPERT_DISPATCH:
+        raise ValueError(f"expert_dispatch {dispatch!r}: choose one of {', '.join(EXPERT_DISPATCH)}")
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, MoE):
+            module.expert_dispatch = dispatch
+    return model
+
+
 class MoE(nnx.Module):
     """Router [D, E] and expert bias [E] (float32, as the families keep them), stacked experts
     gate_up [E, D, 2F] (gate columns first) and down [E, F, D], and `shared` (an MLP or None)."""
 
     implementation = "grouped"  # or "dense": every expert on every token (tests, benchmarks)
+    expert_dispatch = "auto"  # with experts split over a mesh 'expert' axis: see `resolve_dispatch`
 
     def __init__(self, cfg: ModelConfig, *, shared: nnx.Module | None, rngs: nnx.Rngs):
         d, e, f, dt = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.dtype
@@ -161,5 +319,5 @@ class MoE(nnx.Module):
         x_td = x.reshape(math.prod(lead), d)
         bias = None if self.expert_bias is None else self.expert_bias[...]
         y = moe_forward(x_td, self.router[...], bias, self.experts_gate_up[...], self.experts_down[...],
-                        self.config, self.implementation).reshape(x.shape)
+                        self.config, self.implementation, self.expert_dispatch).reshape(x.shape)
         return y if self.shared is None else y + self.shared(x)
