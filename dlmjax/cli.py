@@ -319,9 +319,13 @@ def main(argv=None) -> int:
     if argv[:1] == ["lm-eval"]:  # lm-eval's flags go to lm-eval's parser untouched
         return _run("lm-eval", lambda: cmd_lm_eval(argv[1:]))
     args = parse_args(argv)
-    with numerics(precision=getattr(args, "precision", None), invariant=getattr(args, "invariant", None) or None), \
-            kernels.use(getattr(args, "kernels", None) or kernels.current()):
-        return _run(args.command, lambda: args.func(args))
+
+    def run():  # inside _run: a bad DLMJAX_KERNELS is a one-line error too
+        with numerics(precision=getattr(args, "precision", None), invariant=getattr(args, "invariant", None) or None), \
+                kernels.use(getattr(args, "kernels", None) or kernels.current()):
+            return args.func(args)
+
+    return _run(args.command, run)
 
 
 def _run(command: str, run) -> int:

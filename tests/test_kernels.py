@@ -100,6 +100,31 @@ def test_the_switch_refuses_unknown_modes():
             pass
 
 
+def test_a_bad_DLMJAX_KERNELS_is_an_input_error_when_read_not_at_import(monkeypatch, capsys):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dlmjax.cli import main
+
+    monkeypatch.setenv("DLMJAX_KERNELS", "fast")
+    with pytest.raises(dlmjax.validation.InputError,
+                       match=r"DLMJAX_KERNELS='fast' is not a kernel mode; set it to one of auto, on, interpret, off"):
+        kernels.current()
+    assert main(["generate", "--model", "toy-sdar", "--prompt", "1+1"]) == 2  # one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("dlmjax generate: error: DLMJAX_KERNELS='fast'") and "Traceback" not in err
+    with kernels.use("off"):  # a mode given explicitly does not read the variable
+        assert kernels.current() == "off"
+    monkeypatch.setenv("DLMJAX_KERNELS", " Interpret ")
+    assert kernels.current() == "interpret"
+    env = {**os.environ, "DLMJAX_KERNELS": "fast", "PYTHONPATH": str(Path(__file__).parents[1])}
+    help_run = subprocess.run([sys.executable, "-m", "dlmjax.cli", "--help"], capture_output=True, text=True, env=env,
+                              timeout=120)
+    assert help_run.returncode == 0 and "generate" in help_run.stdout, help_run.stderr
+
+
 @pytest.mark.parametrize("family,spec", [("sdar", "threshold:tau=0.5"), ("llada", "entropy:block=4,cache=dual"),
                                          ("sdar", "psd:depth=2"), ("sdar", "mrp-spec:drafts=2")])
 def test_decoders_give_the_same_tokens_with_kernels_on_and_off(family, spec):

@@ -20,7 +20,8 @@ device, the numerics or the shapes rule the kernel out. In the batch-invariant n
 invariance tests prove.
 
 The mode is read when a function is traced; `dlmjax.arithmetic.jit` keys its compiled programs by
-it, so switching never reuses a program traced under another mode.
+it, so switching never reuses a program traced under another mode. DLMJAX_KERNELS is read then too
+(not at import): a value outside MODES is an InputError naming them, and `dlmjax --help` still runs.
 """
 
 from __future__ import annotations
@@ -37,18 +38,25 @@ log = logging.getLogger("dlmjax.kernels")
 
 
 def _env_mode() -> str:
-    mode = os.environ.get("DLMJAX_KERNELS", "auto").strip().lower() or "auto"
+    raw = os.environ.get("DLMJAX_KERNELS", "auto")
+    mode = raw.strip().lower() or "auto"
     if mode not in MODES:
-        raise ValueError(f"DLMJAX_KERNELS={mode!r}; choose one of {', '.join(MODES)}")
+        from dlmjax.validation import InputError
+
+        raise InputError(f"DLMJAX_KERNELS={raw!r} is not a kernel mode; set it to one of {', '.join(MODES)} "
+                         "(or unset it: auto)")
     return mode
 
 
-_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("dlmjax_kernels", default=_env_mode())
+# The mode set by `use`; None outside any `use`: DLMJAX_KERNELS (default "auto") decides.
+_MODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("dlmjax_kernels", default=None)
 
 
 def current() -> str:
-    """The kernel mode in force ("auto", "on", "interpret" or "off")."""
-    return _MODE.get()
+    """The kernel mode in force ("auto", "on", "interpret" or "off"): the innermost `use`, else
+    DLMJAX_KERNELS."""
+    mode = _MODE.get()
+    return _env_mode() if mode is None else mode
 
 
 @contextlib.contextmanager
