@@ -182,11 +182,25 @@ def cmd_lm_eval(argv: list[str]) -> int:
     return run_cli(argv)
 
 
+def _train_mesh_overrides(args) -> list[str]:
+    """--mesh and --device-memory of `dlmjax train` as overrides of the config's mesh section
+    (--mesh replaces its axes: an axis left out is 1, data takes the devices left)."""
+    from dlmjax.sharding import MESH_AXES, parse_mesh_sizes
+
+    out = []
+    if getattr(args, "mesh", None) is not None:
+        sizes = parse_mesh_sizes(args.mesh)
+        out += [f"mesh.{axis}={sizes.get(axis, 'null' if axis == 'data' else 1)}" for axis in MESH_AXES]
+    if getattr(args, "device_memory", None) is not None:
+        out.append(f"mesh.device_memory={args.device_memory}")
+    return out
+
+
 def cmd_train(args) -> int:
     from dlmjax.train.config import load_run_config
     from dlmjax.train.loop import train
 
-    run = load_run_config(args.config, args.overrides)
+    run = load_run_config(args.config, args.overrides + _train_mesh_overrides(args))
     result = train(run, args.out, progress=not args.no_progress)
     if result.model_dir is not None:
         print(f"trained {result.step} steps; model written to {result.model_dir}")
@@ -280,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
     tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics, exported model)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--mesh", default=None,
+                    help="device mesh AXIS=N,... (axes data, fsdp, expert, model): the batch split over data x fsdp, "
+                         "a backbone's weights tensor-parallel over model and sharded over fsdp, trained heads "
+                         "replicated; replaces the config's mesh section (e.g. data=2,fsdp=2,model=2)")
+    tr.add_argument("--device-memory", default=None, metavar="SIZE",
+                    help="per-device memory the run's estimate is checked against, e.g. 16GiB (default: what the "
+                         "device reports; none on CPU, where no run is refused)")
     tr.set_defaults(func=cmd_train)
 
     add_traces_parser(sub)

@@ -1,4 +1,4 @@
-"""Device mesh with ('data', 'model') axes and logical-axis rules for params and activations.
+"""Device mesh with ('data', 'fsdp', 'expert', 'model') axes and logical-axis rules for params and activations.
 
 Params and activations name their dimensions with logical axes ('batch', 'vocab', 'heads',
 'kv_heads', 'mlp', 'embed', ...); `ShardingRules` maps each to a mesh axis or None. The
@@ -6,6 +6,12 @@ forward runs under plain `jax.jit`: params placed with `NamedSharding` give tens
 over 'model', inputs sharded on 'batch' give data parallelism over 'data', and XLA inserts the
 collectives. A dimension whose size does not divide the mesh axis (e.g. 3 KV heads on 4
 devices) is replicated instead, never split unevenly.
+
+'fsdp' is data parallelism with sharded weights (ZeRO-3 style): the batch is split over
+('data', 'fsdp') together, and every param's largest dimension that no logical rule already
+shards (and that divides) is split over 'fsdp'; XLA all-gathers a weight where a matmul uses it
+and reduce-scatters its gradient. A frozen backbone can thus be tensor-parallel ('model'),
+fsdp, or both, while a small trained head stays replicated (plain data parallelism).
 """
 
 from __future__ import annotations
@@ -19,28 +25,29 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dlmjax.validation import InputError
 
-MESH_AXES = ("data", "expert", "model")
+MESH_AXES = ("data", "fsdp", "expert", "model")
 
 
-def make_mesh(model: int = 1, data: int | None = None, devices=None, expert: int = 1) -> Mesh:
-    """A (data, expert, model) mesh over `devices` (default: all). `data` defaults to what is left.
-    'expert' holds MoE experts (expert parallelism); dense weights are replicated over it."""
+def make_mesh(model: int = 1, data: int | None = None, devices=None, expert: int = 1, fsdp: int = 1) -> Mesh:
+    """A (data, fsdp, expert, model) mesh over `devices` (default: all). `data` defaults to what is left.
+    'expert' holds MoE experts (expert parallelism); dense weights are replicated over it. 'fsdp'
+    splits the batch like 'data' and, in addition, every param's largest free dimension."""
     devices = list(devices if devices is not None else jax.devices())
-    if model < 1 or expert < 1 or len(devices) % (model * expert):
-        raise InputError(f"model={model} x expert={expert} must divide the number of devices ({len(devices)}); "
-                         "choose axis sizes whose product divides it")
-    data = data or len(devices) // (model * expert)
-    if data * expert * model > len(devices):
-        raise InputError(f"mesh {data} x {expert} x {model} needs {data * expert * model} devices; only "
-                         f"{len(devices)} available: make data x expert x model at most that")
+    others = model * expert * fsdp
+    if model < 1 or expert < 1 or fsdp < 1 or len(devices) % others:
+        raise InputError(f"fsdp={fsdp} x expert={expert} x model={model} must divide the number of devices "
+                         f"({len(devices)}); choose axis sizes whose product divides it")
+    data = data or len(devices) // others
+    if data * others > len(devices):
+        raise InputError(f"mesh data={data} x fsdp={fsdp} x expert={expert} x model={model} needs {data * others} "
+                         f"devices; only {len(devices)} available: make the product of the axes at most that")
     auto = jax.sharding.AxisType.Auto
-    return jax.make_mesh((data, expert, model), MESH_AXES, axis_types=(auto,) * 3,
-                         devices=devices[: data * expert * model])
+    return jax.make_mesh((data, fsdp, expert, model), MESH_AXES, axis_types=(auto,) * 4,
+                         devices=devices[: data * others])
 
 
-def parse_mesh(spec: str, devices=None) -> Mesh:
-    """`--mesh data=2,model=4` (axes from MESH_AXES, any subset, each once) -> `make_mesh`. An axis
-    left out is 1, except 'data', which takes the devices the others leave."""
+def parse_mesh_sizes(spec: str) -> dict[str, int]:
+    """`data=2,fsdp=2,model=4` -> {axis: size} (axes from MESH_AXES, any subset, each once)."""
     sizes = {}
     for part in spec.split(","):
         name, eq, value = part.strip().partition("=")
@@ -48,15 +55,29 @@ def parse_mesh(spec: str, devices=None) -> Mesh:
             raise InputError(f"--mesh {spec!r}: write comma-separated AXIS=N with N >= 1, each axis once, axes "
                              f"{', '.join(MESH_AXES)} (e.g. --mesh data=2,model=4)")
         sizes[name] = int(value)
+    return sizes
+
+
+def parse_mesh(spec: str, devices=None) -> Mesh:
+    """`--mesh data=2,model=4` (axes from MESH_AXES, any subset, each once) -> `make_mesh`. An axis
+    left out is 1, except 'data', which takes the devices the others leave."""
+    sizes = parse_mesh_sizes(spec)
     return make_mesh(model=sizes.get("model", 1), data=sizes.get("data"), expert=sizes.get("expert", 1),
-                     devices=devices)
+                     fsdp=sizes.get("fsdp", 1), devices=devices)
+
+
+def mesh_sizes(mesh) -> dict[str, int]:
+    """{axis name: size} of a mesh (concrete or abstract)."""
+    return dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes") else mesh.devices.shape))
 
 
 @dataclass(frozen=True)
 class ShardingRules:
-    """Logical axis -> mesh axis (or None for replicated)."""
+    """Logical axis -> mesh axis, a tuple of mesh axes (split over their product), or None
+    (replicated). `fsdp`: the mesh axis over which each param's largest free dimension is split
+    (None: no fsdp sharding of params)."""
 
-    batch: str | None = "data"
+    batch: str | tuple[str, ...] | None = ("data", "fsdp")
     vocab: str | None = "model"
     heads: str | None = "model"
     kv_heads: str | None = "model"
@@ -64,28 +85,49 @@ class ShardingRules:
     embed: str | None = None
     head_dim: str | None = None
     expert: str | None = "expert"  # the stacked experts of an MoE layer
+    fsdp: str | None = "fsdp"
 
     def __post_init__(self):
         for f in fields(self):
             axis = getattr(self, f.name)
-            if axis is not None and axis not in MESH_AXES:
+            names = axis if isinstance(axis, tuple) else (axis,)
+            if axis is not None and not all(a in MESH_AXES for a in names):
                 raise ValueError(f"sharding rule {f.name}={axis!r}: mesh axes are {MESH_AXES} or None")
 
     def spec(self, logical_axes: tuple[str | None, ...], dims=None, mesh_sizes=None) -> P:
         """PartitionSpec for `logical_axes`; a dim whose unit count (from `dims`) is not divisible
-        by its mesh axis size is replicated. Two dims on one mesh axis is an error."""
+        by its mesh axis size is replicated. A tuple of mesh axes keeps, given `mesh_sizes`, the
+        members the mesh has with size > 1, then drops trailing ones until the dim divides.
+        Two dims on one mesh axis is an error."""
         out, used = [], set()
         for i, name in enumerate(logical_axes):
             axis = None if name is None else getattr(self, name)
-            if axis is not None and mesh_sizes is not None and axis not in mesh_sizes:
-                axis = None  # a mesh without this axis (e.g. one built before 'expert' existed)
-            if axis is not None and dims is not None and mesh_sizes is not None and dims[i] % mesh_sizes[axis]:
-                axis = None
-            if axis is not None and axis in used:
-                raise ValueError(f"logical axes {logical_axes} map two dimensions onto mesh axis {axis!r}")
-            used.add(axis)
+            if isinstance(axis, tuple):
+                axis = self._tuple_axis(axis, None if dims is None else dims[i], mesh_sizes)
+            else:
+                if axis is not None and mesh_sizes is not None and axis not in mesh_sizes:
+                    axis = None  # a mesh without this axis (e.g. one built before 'expert' existed)
+                if axis is not None and dims is not None and mesh_sizes is not None and dims[i] % mesh_sizes[axis]:
+                    axis = None
+            members = axis if isinstance(axis, tuple) else (axis,)
+            for member in members:
+                if member is not None and member in used:
+                    raise ValueError(f"logical axes {logical_axes} map two dimensions onto mesh axis {member!r}")
+                used.add(member)
             out.append(axis)
         return P(*out)
+
+    @staticmethod
+    def _tuple_axis(axes: tuple[str, ...], dim, mesh_sizes):
+        if mesh_sizes is None:
+            return axes
+        kept = [a for a in axes if mesh_sizes.get(a, 1) > 1]
+        while kept and dim is not None and dim % int(np.prod([mesh_sizes[a] for a in kept])):
+            kept.pop()
+        if not kept:
+            present = [a for a in axes if a in mesh_sizes]
+            return present[0] if present and (dim is None or dim % mesh_sizes[present[0]] == 0) else None
+        return kept[0] if len(kept) == 1 else tuple(kept)
 
 
 DEFAULT_RULES = ShardingRules()
@@ -125,10 +167,29 @@ def _units(logical_axes, shape, cfg) -> list[int]:
     return [per_axis.get(name, size) for name, size in zip(logical_axes, shape)]
 
 
+def with_fsdp(spec: P, shape, sizes: dict[str, int], axis: str | None = "fsdp") -> P:
+    """`spec` with the largest dimension it leaves unsharded split over `axis` (fsdp), if that
+    axis is in the mesh with size > 1 and the dimension divides by it (the first of equal ones);
+    `spec` unchanged otherwise."""
+    n = sizes.get(axis, 1) if axis is not None else 1
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    if n <= 1 or any(axis == e or (isinstance(e, tuple) and axis in e) for e in entries):
+        return spec
+    free = [i for i, e in enumerate(entries) if e is None and shape[i] % n == 0 and shape[i] >= n]
+    if not free:
+        return spec
+    best = max(free, key=lambda i: (shape[i], -i))
+    entries[best] = axis
+    return P(*entries)
+
+
 def param_sharding(path: str, shape, cfg, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> NamedSharding:
+    """Where the backbone param `path` lives: its logical rule (tensor parallel over 'model',
+    experts over 'expert'), then its largest free dimension over 'fsdp'."""
     axes = param_logical_axes(path)
-    mesh_sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    return NamedSharding(mesh, rules.spec(axes, _units(axes, shape, cfg), mesh_sizes))
+    sizes = mesh_sizes(mesh)
+    spec = rules.spec(axes, _units(axes, shape, cfg), sizes)
+    return NamedSharding(mesh, with_fsdp(spec, shape, sizes, rules.fsdp))
 
 
 def put_array(array: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
@@ -138,19 +199,31 @@ def put_array(array: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def batch_sharding(mesh: Mesh, ndim: int, rules: ShardingRules = DEFAULT_RULES) -> NamedSharding:
-    """Sharding for a [B, ...] input: batch over 'data', the rest replicated."""
-    return NamedSharding(mesh, rules.spec(("batch",) + (None,) * (ndim - 1)))
+def batch_sharding(mesh: Mesh, ndim: int, rules: ShardingRules = DEFAULT_RULES, rows: int | None = None) -> NamedSharding:
+    """Sharding for a [B, ...] input: batch over 'data' (and 'fsdp'), the rest replicated. With
+    `rows`, axes it does not divide are left out (as `ShardingRules.spec` does)."""
+    dims = None if rows is None else (rows,) + (1,) * (ndim - 1)
+    return NamedSharding(mesh, rules.spec(("batch",) + (None,) * (ndim - 1), dims, mesh_sizes(mesh)))
+
+
+def data_parallel_size(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> int:
+    """How many ways the batch splits: the product of the mesh axes of the 'batch' rule."""
+    axes = rules.batch if isinstance(rules.batch, tuple) else (rules.batch,)
+    sizes = mesh_sizes(mesh)
+    return int(np.prod([sizes.get(a, 1) for a in axes if a is not None]))
 
 
 def shard_batch(tree, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
     """Place every [B, ...] host array of `tree` with its batch split over 'data'."""
-    data = dict(zip(mesh.axis_names, mesh.devices.shape)).get(rules.batch or "", 1)
+    first = (rules.batch[0] if isinstance(rules.batch, tuple) else rules.batch) or ""
+    data = mesh_sizes(mesh).get(first, 1)
     leaves = jax.tree.leaves(tree)
     if leaves and leaves[0].shape[0] % data:
         raise ValueError(f"batch of {leaves[0].shape[0]} rows does not split over {data} data-parallel devices; "
                          f"pad it to a multiple of {data}")
-    return jax.tree.map(lambda a: put_array(np.asarray(a), batch_sharding(mesh, np.ndim(a), rules)), tree)
+    # over 'fsdp' as well where the rows divide by data x fsdp (training checks that they do)
+    return jax.tree.map(lambda a: put_array(np.asarray(a), batch_sharding(mesh, np.ndim(a), rules, np.shape(a)[0])),
+                        tree)
 
 
 def constrain(x, logical_axes, rules: ShardingRules = DEFAULT_RULES):
@@ -158,5 +231,31 @@ def constrain(x, logical_axes, rules: ShardingRules = DEFAULT_RULES):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    mesh_sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    return jax.lax.with_sharding_constraint(x, rules.spec(logical_axes, x.shape, mesh_sizes))
+    return jax.lax.with_sharding_constraint(x, rules.spec(logical_axes, x.shape, mesh_sizes(mesh)))
+
+
+def _path_name(path) -> str:
+    """'layers.0.attn.q.kernel' for a pytree key path of an nnx.State (the Variable's `.value` left out)."""
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+    return ".".join(parts)
+
+
+def placement(state, mesh: Mesh, cfg=None, rules: ShardingRules = DEFAULT_RULES):
+    """A tree shaped like `state` (an nnx.State of arrays or ShapeDtypeStructs) of NamedShardings.
+    With the backbone's `cfg`: each param that has a rule in PARAM_AXES is placed by it
+    (`param_sharding`: tensor parallel, experts, fsdp), anything else replicated. Without `cfg`
+    (a trained head, drafter or controller): everything replicated (data parallel)."""
+    replicated = NamedSharding(mesh, P())
+
+    def place(path, leaf):
+        name = _path_name(path)
+        if cfg is None or not any(re.fullmatch(pattern, name) for pattern, _ in PARAM_AXES):
+            return replicated
+        return param_sharding(name, leaf.shape, cfg, mesh, rules)
+
+    return jax.tree_util.tree_map_with_path(place, state)

@@ -11,6 +11,11 @@ An MRP head (a residual head on a frozen backbone) names its backbone instead of
     backbone: toy-sdar                # a preset or a checkpoint directory (block-causal)
     mrp: {num_layers: 1, loss: kd_diff, gt_topk: 1, chain_steps: 1, ...}
 
+Where it runs (not part of the run's identity: a resumed run may change it):
+
+    mesh: {data: 2, fsdp: 2, model: 2}   # dlmjax.sharding axes; data defaults to the devices left
+    mesh: {device_memory: 16GiB}         # capacity the memory estimate is checked against (CPU: none)
+
 Override values are parsed as YAML (`train.lr=1e-3`, `data.tasks={toy-arith: 1}`). Unknown
 keys are errors that list the known ones.
 
@@ -174,6 +179,39 @@ class TSPDSection:
 
 
 @dataclass(frozen=True)
+class MeshSection:
+    """The device mesh of a run (dlmjax.sharding): the batch splits over data x fsdp, a backbone's
+    weights tensor-parallel over model, fsdp-sharded over fsdp, MoE experts over expert; trained
+    heads stay replicated. `device_memory` (e.g. 16GiB): the per-device capacity the memory
+    estimate is checked against where the device reports none (CPU) or to override it."""
+
+    data: int | None = None  # None: the devices the other axes leave
+    fsdp: int = 1
+    expert: int = 1
+    model: int = 1
+    device_memory: str | float | None = None
+    limits = {"data": AT_LEAST_1, "fsdp": AT_LEAST_1, "expert": AT_LEAST_1, "model": AT_LEAST_1}
+
+    def __post_init__(self):
+        check_fields(self, "mesh.", error=RunConfigError)
+        if self.device_memory is not None:
+            from dlmjax.memory import parse_memory
+
+            try:
+                parse_memory(self.device_memory)
+            except InputError as exc:
+                raise RunConfigError(f"mesh.device_memory: {exc}") from None
+
+    def make(self, devices=None):
+        from dlmjax.sharding import make_mesh
+
+        try:
+            return make_mesh(model=self.model, data=self.data, expert=self.expert, fsdp=self.fsdp, devices=devices)
+        except InputError as exc:
+            raise RunConfigError(f"mesh: {exc}") from None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     objective: str = "block_diffusion"
     model: dict = field(default_factory=dict)
@@ -183,6 +221,7 @@ class RunConfig:
     mrp: MRPSection = MRPSection()
     drafter: DrafterSection = DrafterSection()
     tspd: TSPDSection = TSPDSection()
+    mesh: MeshSection = MeshSection()
 
     limits = {"objective": OneOf(OBJECTIVES)}
 
@@ -246,7 +285,8 @@ class RunConfig:
             raise RunConfigError("train.init_from is for backbones; objective tspd starts from a random controller")
 
     def to_dict(self) -> dict:
-        """Plain data; an mrp run leaves out `model`, other runs leave out `backbone` and `mrp`."""
+        """Plain data; an mrp run leaves out `model`, other runs leave out `backbone` and `mrp`.
+        `mesh` is where the run runs, not what it computes: left out (a resume may change it)."""
         order = {"mrp": ("objective", "backbone", "mrp", "data", "train"),
                  "drafter": ("objective", "backbone", "drafter", "data", "train"),
                  "tspd": ("objective", "backbone", "tspd", "data", "train")}.get(
@@ -256,8 +296,8 @@ class RunConfig:
 
 
 _SECTIONS = {"data": DataConfig, "train": OptimConfig, "mrp": MRPSection, "drafter": DrafterSection,
-             "tspd": TSPDSection}
-_TOP_LEVEL = ("objective", "backbone", "model", "data", "train", "mrp", "drafter", "tspd")
+             "tspd": TSPDSection, "mesh": MeshSection}
+_TOP_LEVEL = ("objective", "backbone", "model", "data", "train", "mrp", "drafter", "tspd", "mesh")
 
 
 def _mapping(name: str | None, value) -> dict:
@@ -329,6 +369,7 @@ def from_dict(raw) -> RunConfig:
         mrp=_section("mrp", raw.get("mrp")),
         drafter=_section("drafter", raw.get("drafter")),
         tspd=_section("tspd", raw.get("tspd")),
+        mesh=_section("mesh", raw.get("mesh")),
     )
 
 

@@ -37,7 +37,8 @@ from dlmjax.io.hf import export_model, load_config, load_model
 from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.models.transformer import Transformer, abstract_model, init_model
 from dlmjax.presets import resolve_model
-from dlmjax.sharding import make_mesh, param_sharding, put_array
+from dlmjax.memory import check_training_memory
+from dlmjax.sharding import make_mesh, param_sharding, placement, put_array
 from dlmjax.toy.tokenizer import EOS, MASK, PAD, char_tokenizer, save_char_tokenizer
 from dlmjax.train import objectives
 from dlmjax.train.config import OptimConfig, RunConfig, RunConfigError, from_dict, read_yaml
@@ -357,7 +358,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     else:
         trainee = mrp_trainee(run, run_dir) if run.objective == "mrp" else backbone_trainee(run, run_dir)
 
-    mesh = mesh if mesh is not None else make_mesh(model=1)
+    mesh = mesh if mesh is not None else run.mesh.make()  # the config's mesh (default: all devices on data)
     rows = process_rows(mesh, cfg.batch_size)  # this process's rows of every global batch
     replicated = NamedSharding(mesh, P())
 
@@ -366,6 +367,12 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     start = manager.latest_step() or 0
     graphdef, abstract = state_shardings(trainee, tx, mesh)
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    frozen_graphdef, frozen, frozen_sh = None, None, None
+    if trainee.frozen is not None:  # a frozen backbone: tensor-parallel / fsdp as its rules say
+        frozen_graphdef, frozen = nnx.split(trainee.frozen)
+        frozen_sh = placement(frozen, mesh, trainee.frozen.config if isinstance(trainee.frozen, Transformer) else None)
+    check_training_memory(run, mesh, cfg=getattr(trainee.frozen or trainee.abstract, "config", None),
+                          abstract=abstract, frozen=frozen, frozen_shardings=frozen_sh, show=main)
     if start:  # resume: restore into the abstract structure (no init, `init_from` not read again)
         restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         params, opt_state = restored["params"], restored["opt_state"]
@@ -373,10 +380,8 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         _, params = nnx.split(trainee.build())
         params = _place(params, shardings["params"])
         opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
-    frozen_graphdef, frozen = None, None
-    if trainee.frozen is not None:
-        frozen_graphdef, frozen = nnx.split(trainee.frozen)
-        frozen = _place(frozen, jax.tree.map(lambda _: replicated, frozen))
+    if frozen is not None:
+        frozen = _place(frozen, frozen_sh)
 
     train_step = make_train_step(graphdef, frozen_graphdef, trainee.loss, tx, schedule)
     base_key = jax.random.key(cfg.seed)

@@ -1,0 +1,178 @@
+"""The per-device memory estimate (dlmjax.memory) against the bytes that placed arrays actually hold
+on 8 fake CPU devices, fsdp placement (dlmjax.sharding), and refusing a run that cannot fit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dlmjax.cli import main as cli_main
+from dlmjax.config import ModelConfig
+from dlmjax.memory import (
+    GiB, MiB, MemoryEstimate, check_fits, kv_cache_bytes, parse_memory, placed_bytes, training_activation_bytes,
+    tree_bytes,
+)
+from dlmjax.models.transformer import KVCache, init_model
+from dlmjax.sharding import make_mesh, parse_mesh, placement, put_array, with_fsdp
+from dlmjax.train.config import RunConfigError, load_run_config
+from dlmjax.train.loop import train
+from dlmjax.validation import InputError
+
+pytestmark = pytest.mark.devices(8)
+
+DENSE = ModelConfig(family="sdar", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, attention="block_causal", block_size=4, qk_norm=True)
+MOE = ModelConfig(family="sdar_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=8, attention="block_causal", block_size=4, qk_norm=True, num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=16, moe_layers=(0, 1), norm_topk_prob=True)
+MESHES = ["data=8", "data=2,model=4", "data=2,fsdp=2,model=2", "fsdp=8", "fsdp=4,expert=2", "data=2,expert=4"]
+
+
+def _place(state, shardings):
+    return jax.tree.map(lambda x, s: put_array(np.asarray(x), s), state, shardings)
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("spec", MESHES)
+def test_estimate_equals_the_bytes_placed_arrays_hold(cfg, spec):
+    mesh = parse_mesh(spec)
+    _, state = nnx.split(init_model(cfg, seed=0))
+    shardings = placement(state, mesh, cfg)
+    placed = _place(state, shardings)
+    held = placed_bytes(placed)
+    assert len(held) == 8 and len(set(held.values())) == 1  # every device holds the same share
+    assert tree_bytes(state, shardings) == held[jax.devices()[0]]
+    # the optimiser's moments placed as their params: estimated as they are held
+    tx = optax.adamw(1e-3)
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, state), shardings,
+                                   transform_non_params=lambda _: NamedSharding(mesh, P()))
+    opt = jax.jit(tx.init, out_shardings=opt_sh)(placed)
+    assert tree_bytes(jax.eval_shape(tx.init, state), opt_sh) == max(placed_bytes(opt).values())
+    whole = tree_bytes(state, None)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    if sizes["fsdp"] > 1 or sizes["model"] > 1:
+        assert held[jax.devices()[0]] < whole  # split, not replicated
+    if cfg.num_experts and sizes["expert"] > 1:  # MoE experts counted as placed over 'expert'
+        experts = placed.layers[0].mlp.experts_gate_up[...]
+        assert experts.addressable_shards[0].data.shape[0] == cfg.num_experts // sizes["expert"]
+
+
+def test_fsdp_splits_each_params_largest_free_dimension():
+    sizes = {"data": 1, "fsdp": 4, "expert": 1, "model": 2}
+    assert with_fsdp(P(None, "model"), (32, 64), sizes) == P("fsdp", "model")  # dim 1 already on model
+    assert with_fsdp(P(None, None), (32, 64), sizes) == P(None, "fsdp")  # the largest
+    assert with_fsdp(P(None, None), (6, 10), sizes) == P(None, None)  # nothing divides by 4
+    assert with_fsdp(P(None, None), (32, 64), {**sizes, "fsdp": 1}) == P(None, None)
+    mesh = make_mesh(fsdp=4, model=2)
+    _, state = nnx.split(init_model(DENSE, seed=0))
+    sh = placement(state, mesh, DENSE)
+    assert sh["layers"][0]["mlp"]["down"]["kernel"].spec == P("model", "fsdp")  # [mlp 64, embed 32]
+    assert sh["embed"].spec == P("model", "fsdp")
+    assert placement(state, mesh)["embed"].spec == P()  # a head: replicated (data parallel)
+
+
+def test_batch_splits_over_data_and_fsdp():
+    mesh = make_mesh(data=2, fsdp=2, model=2)
+    from dlmjax.sharding import batch_sharding, data_parallel_size, shard_batch
+
+    assert data_parallel_size(mesh) == 4
+    assert batch_sharding(mesh, 2).spec == P(("data", "fsdp"), None)
+    assert batch_sharding(mesh, 2, rows=6).spec == P("data", None)  # 6 rows do not split 4 ways
+    tokens = shard_batch(np.zeros((8, 5), np.int32), mesh)
+    assert tokens.addressable_shards[0].data.shape == (2, 5)
+    assert batch_sharding(make_mesh(data=8), 2).spec == P("data", None)  # as before fsdp existed
+
+
+def test_kv_cache_estimate_equals_the_cache():
+    cache = KVCache.init(DENSE, 3, 40)
+    assert kv_cache_bytes(DENSE, rows=3, length=40) == sum(a.nbytes for a in cache.k + cache.v)
+    assert kv_cache_bytes(DENSE, rows=3, length=40, model=2) == kv_cache_bytes(DENSE, rows=3, length=40) // 2
+
+
+def test_activations_scale_with_rows_and_model_split():
+    one = training_activation_bytes("block_diffusion", DENSE, rows=1, seq_len=32)
+    assert training_activation_bytes("block_diffusion", DENSE, rows=4, seq_len=32) == 4 * one
+    assert training_activation_bytes("block_diffusion", DENSE, rows=1, seq_len=32, model=2) < one
+    assert training_activation_bytes("mrp", DENSE, rows=1, seq_len=32, head_layers=1) > 0
+    assert training_activation_bytes("tspd", None, rows=1, seq_len=32) == 0
+
+
+def test_activation_estimate_is_the_size_xla_allocates():
+    """Within a factor of 3 of the temporary buffers XLA plans for the block-diffusion loss's gradient."""
+    from dlmjax.train.objectives import block_diffusion_loss
+
+    cfg = DENSE.replace(num_layers=2, vocab_size=512)
+    model = init_model(cfg, seed=0)
+    graphdef, state = nnx.split(model)
+    rows, seq = 8, 32
+    batch = {"tokens": jnp.zeros((rows, seq), jnp.int32), "valid": jnp.ones((rows, seq), bool),
+             "target": jnp.ones((rows, seq), bool)}
+
+    def loss(s):
+        return block_diffusion_loss(nnx.merge(graphdef, s), batch, jax.random.key(0), block=4, mask_id=1)[0]
+
+    temp = jax.jit(jax.grad(loss)).lower(state).compile().memory_analysis().temp_size_in_bytes
+    estimate = training_activation_bytes("block_diffusion", cfg, rows=rows, seq_len=seq)
+    assert temp / 3 <= estimate <= 3 * temp, (estimate, temp)
+
+
+def test_parse_memory_and_refusal():
+    assert parse_memory("16GiB") == 16 * GiB and parse_memory("512 MiB") == 512 * MiB and parse_memory(2) == 2 * GiB
+    for bad in ("lots", "-1GB", "16 parsecs", 0):
+        with pytest.raises(InputError, match="16GiB"):
+            parse_memory(bad)
+    estimate = MemoryEstimate(frozen_params=3 * GiB, activations=2 * GiB, mesh="data=8", rows_per_device=4,
+                              seq_len=512)
+    check_fits(estimate, None, fix="")  # no capacity known (CPU): nothing refused
+    check_fits(estimate, 8 * GiB, fix="")
+    with pytest.raises(InputError, match=r"(?s)5.00 GiB per device against 4.00 GiB.*activations.*smaller batch"):
+        check_fits(estimate, 4 * GiB, fix="fix: a smaller batch")
+
+
+MRP_RUN = ["backbone=random-sdar", "train.steps=1", "train.batch_size=8", "train.eval_every=0", "mrp.num_layers=1",
+           "data.seq_len=64", "data.tasks={toy-arith: 1}"]
+
+
+def test_a_run_that_cannot_fit_is_refused_before_it_starts(tmp_path, capsys):
+    run = load_run_config("configs/mrp/toy-sdar.yaml", MRP_RUN + ["mesh.fsdp=2", "mesh.model=2",
+                                                                    "mesh.device_memory=1MiB"])
+    with pytest.raises(InputError, match=r"(?s)does not fit.*frozen params.*trained params.*optimizer state"
+                                         r".*activations.*train.batch_size \(now 8\).*--mesh data=1,fsdp=4,model=2"):
+        train(run, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+    # the same from the command line: one line of error, exit 2
+    code = cli_main(["train", "configs/mrp/toy-sdar.yaml", *MRP_RUN, "--out", str(tmp_path / "cli"),
+                     "--mesh", "data=2,fsdp=2,model=2", "--device-memory", "1MiB", "--no-progress"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "mesh data=2,fsdp=2,model=2" in err
+
+
+def test_mesh_section_errors(tmp_path):
+    with pytest.raises(RunConfigError, match="mesh.fsdp"):
+        load_run_config("configs/mrp/toy-sdar.yaml", ["mesh.fsdp=0"])
+    with pytest.raises(RunConfigError, match="unknown mesh keys"):
+        load_run_config("configs/mrp/toy-sdar.yaml", ["mesh.tensor=2"])
+    with pytest.raises(RunConfigError, match="device_memory"):
+        load_run_config("configs/mrp/toy-sdar.yaml", ["mesh.device_memory=lots"])
+    with pytest.raises(RunConfigError, match="must divide"):
+        load_run_config("configs/mrp/toy-sdar.yaml", ["mesh.model=3"]).mesh.make()
+    assert cli_main(["train", "configs/mrp/toy-sdar.yaml", "--out", str(tmp_path / "x"), "--mesh", "tensor=2"]) == 2
+
+
+def test_mrp_head_trains_on_a_sharded_backbone_as_on_one_device(tmp_path, capsys):
+    """The frozen backbone tensor-parallel and fsdp (data=2, fsdp=2, model=2), the head replicated:
+    the same losses as the default mesh (all devices on data); the estimate is printed first."""
+    base = load_run_config("configs/mrp/toy-sdar.yaml", MRP_RUN + ["train.log_every=1"])
+    sharded = load_run_config("configs/mrp/toy-sdar.yaml", MRP_RUN + ["train.log_every=1", "mesh.fsdp=2",
+                                                                       "mesh.model=2"])
+    a = train(base, tmp_path / "a", progress=False)
+    out = capsys.readouterr().out
+    assert "memory per device (mesh data=8; 1 rows x 64 tokens)" in out
+    b = train(sharded, tmp_path / "b", progress=False)
+    out = capsys.readouterr().out
+    assert "memory per device (mesh data=2,fsdp=2,model=2; 2 rows x 64 tokens)" in out and "frozen params" in out
+    assert b.losses[1] == pytest.approx(a.losses[1], rel=1e-4, abs=1e-6)  # a KL of ~3e-4: fp32 sums reordered
