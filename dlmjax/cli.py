@@ -3,7 +3,7 @@
     dlmjax generate --model DIR_OR_PRESET --prompt TEXT [--prompt TEXT ...] [--decoder SPEC]
                     [--max-new-tokens N] [--json]
     dlmjax eval [--model DIR_OR_PRESET] [--task NAME ...] [--decoder SPEC ...] [--limit N] [--out DIR]
-                [--save-outputs]
+                [--save-outputs] [--backend {native,lm-eval}]
     dlmjax train CONFIG [section.key=value ...] --out RUN_DIR
     dlmjax traces [--model DIR_OR_PRESET] --out DIR        (TSPD training traces)
     dlmjax export SRC OUT --format torch
@@ -137,6 +137,15 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.backend == "lm-eval":  # lm-eval's task definitions through the dlmjax lm-eval model
+        from dlmjax.lm_eval.backend import run_backend
+
+        return run_backend(args)
+    for option, value in (("--num-fewshot", args.num_fewshot), ("--confirm-run-unsafe-code",
+                                                               args.confirm_run_unsafe_code or None)):
+        if value is not None:
+            raise InputError(f"{option} applies to --backend lm-eval (the native tasks are zero-shot and always "
+                             "sandbox the code they run); add --backend lm-eval or drop it")
     from dlmjax.evaluation.report import write_report
     from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
     from dlmjax.evaluation.tasks import load_eval_set
@@ -287,6 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also report each decoder's token agreement with DECODER on the same prompts (run if not "
                          "listed), e.g. PSD against its own policy, mrp-spec against static")
     ev.add_argument("--no-progress", action="store_true")
+    ev.add_argument("--backend", choices=("native", "lm-eval"), default="native",
+                    help="native: dlmjax's own prompts and scorers (default); lm-eval: lm-evaluation-harness's task "
+                         "definitions (prompts, few-shot examples, stops, filters, metrics) for gsm8k, humaneval, mbpp "
+                         "and math500 (its minerva_math500) over the data dlmjax ships, offline")
+    ev.add_argument("--num-fewshot", type=int, default=None,
+                    help="--backend lm-eval: few-shot examples per prompt (default: the task's, e.g. gsm8k 5)")
+    ev.add_argument("--confirm-run-unsafe-code", action="store_true",
+                    help="--backend lm-eval: allow humaneval and mbpp, which run the generated code (in dlmjax's "
+                         "sandbox); lm-eval's --confirm_run_unsafe_code")
     ev.set_defaults(func=cmd_eval)
 
     tr = sub.add_parser("train", help="train a toy backbone or an MRP head from a YAML config (rerun to resume)")

@@ -66,12 +66,22 @@ def _next_token_scores(graphdef, params, inputs_bl, targets_bl, valid_bl):
 
 
 def causal_logprobs(model: Transformer, pairs: list[tuple[list[int], list[int]]], *, batch_size: int = 8,
-                    pad_id: int = 0) -> list[tuple[float, bool]]:
+                    pad_id: int = 0, prefix_id: int | None = None) -> list[tuple[float, bool]]:
     """(sum of the continuation's log-probs, whether greedy decoding gives it) per (context ids,
-    continuation ids) pair. Contexts must be non-empty; the model reads context + continuation
-    less its last token."""
+    continuation ids) pair; the model reads context + continuation less its last token.
+
+    A causal model has nothing to predict a first token from: an empty context is conditioned on
+    `prefix_id` (lm-eval's rule, its HF model's `prefix_token_id`: BOS, else EOS), and is an error
+    without one (it would otherwise score the continuation's first token from nothing)."""
     if model.config.attention != "causal":
         raise ValueError(f"causal_logprobs needs a causal model; this one is {model.config.attention}")
+    if any(not ctx for ctx, _ in pairs):
+        if prefix_id is None:
+            raise ValueError("an empty context leaves the continuation's first token unconditioned; pass "
+                             "prefix_id (the BOS or EOS id, as lm-eval conditions on) or a non-empty context")
+        pairs = [(list(ctx) or [prefix_id], cont) for ctx, cont in pairs]
+    if any(not cont for _, cont in pairs):
+        raise ValueError("an empty continuation: there is nothing to score")
     graphdef, params = nnx.split(model)
     results = []
     for start in range(0, len(pairs), batch_size):

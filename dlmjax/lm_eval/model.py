@@ -149,9 +149,6 @@ class DlmjaxLM(TemplateLM):
 
     def __init__(self, **model_args):
         super().__init__()
-        from dlmjax.cli import _drafter_for, _with_controller
-        from dlmjax.evaluation.runner import replicate_on
-        from dlmjax.heads.mrp import has_head, load_head
         from dlmjax.io.hf import load_model
         from dlmjax.io.tokenizer import load_tokenizer
         from dlmjax.presets import resolve_model
@@ -171,23 +168,35 @@ class DlmjaxLM(TemplateLM):
                                  f"{self.mesh.shape['data']} (each device decodes batch_size/mesh_data rows)")
 
         self.path = resolve_model(args["pretrained"])
-        model = load_model(self.path, dtype=args["dtype"], mesh=self.mesh)
-        self.config = model.config
-        self.tokenizer = load_tokenizer(self.path, model.config)
-        self.causal = model.config.attention == "causal"
-        spec = str(args["decoder"] or ("ar" if self.causal else "static")).replace(";", ",")
+        self.model = load_model(self.path, dtype=args["dtype"], mesh=self.mesh)  # params placed on the mesh
+        self.config = self.model.config
+        self.tokenizer = load_tokenizer(self.path, self.model.config)
+        self.causal = self.model.config.attention == "causal"
+        self.use_decoder(args["decoder"])
+
+    def use_decoder(self, decoder: str | None) -> None:
+        """Decode with `decoder` (a SPEC, options separated by ',' or ';'; None: static, or ar if
+        causal) from now on, loading the MRP head or drafter it needs; the decoding metrics start
+        afresh. `dlmjax eval --backend lm-eval` runs several decoders on one loaded model so."""
+        from dlmjax.cli import _drafter_for, _with_controller
+        from dlmjax.evaluation.runner import replicate_on
+        from dlmjax.heads.mrp import has_head, load_head
+        from dlmjax.presets import resolve_model
+
+        args, model = self.args, self.model
+        spec = str(decoder or ("ar" if self.causal else "static")).replace(";", ",")
         spec = _with_controller([spec], self.path, args["tspd_controller"])[0]
-        self.decoder = parse_decoder(spec)
-        if isinstance(self.decoder, CAUSAL_DECODERS) != self.causal:
+        parsed = parse_decoder(spec)
+        if isinstance(parsed, CAUSAL_DECODERS) != self.causal:
             raise ModelArgsError(f"decoder={spec!r} does not fit this {model.config.attention} {model.config.family} "
                                  f"model; use {'ar or drafter' if self.causal else 'a diffusion decoder'}")
         head = None
-        if getattr(self.decoder, "needs_head", False):
+        if getattr(parsed, "needs_head", False):
             head = load_head(resolve_model(args["mrp_head"]) if args["mrp_head"] else self.path, model.config)
         elif args["mrp_head"] is not None and not has_head(resolve_model(args["mrp_head"])):
             raise ModelArgsError(f"mrp_head={args['mrp_head']!r} holds no MRP head")
         drafter = _drafter_for(self.path, model, [spec], args["drafter"], args["dtype"])
-        self.model = model  # its params are placed on the mesh by load_model
+        self.decoder = parsed
         self.head, self.drafter = (replicate_on(m, self.mesh) if self.mesh.size > 1 else m for m in (head, drafter))
         self.metrics: dict[str, TaskMetrics] = {}
 
@@ -299,7 +308,8 @@ class DlmjaxLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         pairs = [self._fit(ctx, cont) for _, ctx, cont in requests]
         if self.causal:
-            results = causal_logprobs(self.model, pairs, batch_size=self.batch_size, pad_id=self.eot_token_id)
+            results = causal_logprobs(self.model, pairs, batch_size=self.batch_size, pad_id=self.eot_token_id,
+                                      prefix_id=self.prefix_token_id)
         else:
             mask_id = self.config.mask_token_id if self.config.mask_token_id is not None else self.tokenizer.mask_id
             if mask_id is None:
@@ -315,14 +325,16 @@ class DlmjaxLM(TemplateLM):
         return results
 
     def _fit(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
-        """(context, continuation) ids within the model's length: the context left-truncated."""
+        """(context, continuation) ids within the model's length: the context left-truncated; an
+        empty context becomes the prefix token (BOS, else EOS), as lm-eval's `loglikelihood` and
+        its HF model condition an unconditional continuation."""
         if not continuation:
             raise RequestError("a loglikelihood request has an empty continuation; there is nothing to score")
         room = self._scored_length() + 1 - len(continuation)  # tokens left for the context
         if room < 1:
             raise RequestError(f"a continuation of {len(continuation)} tokens does not fit the model's length "
                                f"{self.max_length} with any context")
-        return context[-room:], continuation
+        return (list(context) or [self.prefix_token_id])[-room:], continuation
 
     def _scored_length(self) -> int:
         """Most tokens one window scores: a causal model reads all but the last of context +

@@ -1,0 +1,210 @@
+"""`dlmjax eval --backend lm-eval`: lm-eval's task definitions (dlmjax.lm_eval.tasks, lm-eval's own
+tasks over the data dlmjax ships) through the dlmjax lm-eval model, offline.
+
+- gsm8k on toy-sdar (a diffusion model not trained on GSM8K: the test checks plumbing): the
+  5-shot prompts are lm-eval's (shots from the shipped train split), each logged response equals
+  what the native backend decodes for the same prompt, and the score equals lm-eval's
+  exact_match (strict-match) computed by hand on the logged responses;
+- the packaged task YAMLs load from any working directory and build lm-eval's prompts; the code
+  tasks' sandboxed pass@k passes a canonical solution and fails a wrong one;
+- refusals name the fix: toy tasks, code tasks without --confirm-run-unsafe-code, lm-eval-only
+  flags on the native backend;
+- an empty log-likelihood context is conditioned on the prefix token, as transformers scores it.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+import dlmjax.lm_eval  # noqa: E402,F401
+from dlmjax.cli import main  # noqa: E402
+from dlmjax.evaluation.runner import evaluate_decoder  # noqa: E402
+from dlmjax.evaluation.tasks import EvalItem, EvalSet, load_eval_set  # noqa: E402
+from dlmjax.lm_eval.tasks import DATA, TASKS, write_tasks  # noqa: E402
+from dlmjax.presets import load_checkpoint  # noqa: E402
+
+LIMIT = 4
+MAX_GEN = 32
+DECODER = "threshold:tau=0.9"
+GSM8K_STOPS = ["Question:", "</s>", "<|im_end|>"]  # lm-eval's gsm8k `until`
+IGNORE = [",", r"\$", r"(?s).*#### ", r"\.$"]  # its exact_match regexes_to_ignore (and ignore_case)
+
+
+def exact_match_strict(response: str, target: str) -> bool:
+    """lm-eval's gsm8k strict-match by hand: the first '#### N' (else '[invalid]'), then exact_match."""
+    found = re.findall(r"#### (\-?[0-9\.\,]+)", response)
+    pred = found[0] if found else "[invalid]"
+
+    def norm(text):
+        for pattern in IGNORE:
+            text = re.sub(pattern, "", text)
+        return text.lower()
+
+    return norm(pred) == norm(target)
+
+
+@pytest.fixture(scope="module")
+def gsm8k_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm_eval_backend")
+    rc = main(["eval", "--backend", "lm-eval", "--task", "gsm8k", "--limit", str(LIMIT), "--model", "toy-sdar",
+               "--decoder", DECODER, "--max-new-tokens", str(MAX_GEN), "--batch-size", "4", "--mesh", "data=1", "--out", str(out),
+               "--save-outputs", "--no-progress"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").open()]
+    return out, results, outputs
+
+
+def test_gsm8k_prompts_are_lm_evals_five_shot_over_the_shipped_splits(gsm8k_run):
+    _, results, outputs = gsm8k_run
+    assert [o["index"] for o in outputs] == list(range(LIMIT))
+    assert results["backend"] == "lm-eval"
+    assert results["lm_eval"][DECODER]["gsm8k"]["n_shot"] == 5
+    train = {json.loads(line)["question"] for line in (DATA / "gsm8k" / "train.jsonl").open()}
+    native = load_eval_set("gsm8k", limit=LIMIT).items
+    for out, item in zip(outputs, native):
+        blocks = re.split(r"\n\n(?=Question: )", out["prompt"])
+        assert len(blocks) == 6  # 5 shots, then the problem, in lm-eval's "Question: ...\nAnswer:" form
+        assert blocks[-1] == item.prompt  # the native backend's prompt for the same problem
+        shots = [re.match(r"Question: (.*)\nAnswer: ", b, re.S).group(1) for b in blocks[:5]]
+        assert all(q in train for q in shots)  # drawn from the shipped train split
+        assert out["target"] == item.reference
+
+
+def test_gsm8k_responses_equal_the_native_backend_and_the_score_is_exact_match(gsm8k_run):
+    _, results, outputs = gsm8k_run
+    path, model, tokenizer, _ = load_checkpoint("toy-sdar")
+    room = model.config.max_position_embeddings - MAX_GEN  # the lm-eval model left-truncates as lm-eval's HF model
+    items = [EvalItem(o["index"], tokenizer.encode(o["prompt"])[-room:], o["target"]) for o in outputs]
+    eval_set = EvalSet("gsm8k", items, MAX_GEN, lambda batch, texts: [False] * len(texts))
+    _, native = evaluate_decoder(model, tokenizer, eval_set, DECODER, model_name="toy-sdar", batch_size=4,
+                                 warmup=False)
+    for out, row in zip(outputs, native):
+        expected = row["text"]
+        for stop in GSM8K_STOPS:
+            expected = expected.split(stop)[0]
+        assert out["text"] == expected
+    (run,) = results["runs"]
+    by_hand = [exact_match_strict(o["text"], o["target"]) for o in outputs]
+    assert [o["correct"] for o in outputs] == by_hand
+    assert run["accuracy"] == pytest.approx(sum(by_hand) / LIMIT)
+    assert run["accuracy"] == results["lm_eval"][DECODER]["gsm8k"]["results"]["exact_match,strict-match"]
+    assert run["n"] == LIMIT and run["nfe"] > 0 and run["forwards"] > 0 and run["tokens_per_s"] > 0
+
+
+def test_results_md_has_dlmjax_table_then_lm_evals(gsm8k_run):
+    out, _, _ = gsm8k_run
+    text = (out / "results.md").read_text()
+    assert text.index("| gsm8k | `threshold:tau=0.9` | 4 |") < text.index("gsm8k_local")
+    assert "flexible-extract" in text and (out / "pareto.png").is_file()
+
+
+# ------------------------------------------------------------------------------ the task YAMLs
+
+
+def test_packaged_tasks_load_from_any_directory_and_build_lm_evals_prompts(tmp_path, monkeypatch):
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(tmp_path)  # data paths are absolute: the working directory does not matter
+    wanted = ["gsm8k", "humaneval", "mbpp"]
+    try:
+        import lm_eval.tasks.minerva_math.utils  # noqa: F401
+        wanted.append("math500")
+    except ImportError:
+        pass
+    include = write_tasks(tmp_path / "tasks", wanted)
+    manager = TaskManager(include_path=str(include), include_defaults=False)
+    loaded = manager.load([TASKS[t][0] for t in wanted])["tasks"]
+    prompts = {}
+    for task in wanted:
+        obj = loaded[TASKS[task][0]]
+        obj.build_all_requests(limit=1, rank=0, world_size=1)
+        prompts[task] = obj.instances[0].args[0]
+    assert prompts["gsm8k"].endswith(load_eval_set("gsm8k", limit=1).items[0].prompt)
+    assert prompts["gsm8k"].count("Question:") == 6
+    assert prompts["humaneval"] == load_eval_set("humaneval", limit=1).items[0].prompt  # 0-shot: the header
+    mbpp = prompts["mbpp"]
+    assert mbpp.count("[BEGIN]\n") == 4 and mbpp.count("[DONE]") == 3 and mbpp.endswith("[BEGIN]\n")
+    assert "similar_elements" in mbpp and "is_not_prime" in mbpp and "heap_queue_largest" in mbpp  # ids 2, 3, 4
+    if "math500" in prompts:
+        assert prompts["math500"].startswith("Problem:\n") and prompts["math500"].endswith("\n\nSolution:")
+        assert prompts["math500"].count("Problem:") == 5  # 4 Minerva shots
+
+
+def test_code_pass_at_k_runs_in_the_sandbox():
+    from dlmjax.lm_eval.tasks import utils
+
+    problem = load_eval_set("humaneval", limit=1).items[0].reference
+    reference = f"{problem['test']}\ncheck({problem['entry_point']})"
+    right = utils.build_predictions([[problem["canonical_solution"]]], [problem])
+    wrong = utils.build_predictions([["    return not True\n"]], [problem])
+    assert utils.pass_at_k([reference], right, [1]) == {"pass@1": 1.0}
+    assert utils.pass_at_k([reference], wrong, [1]) == {"pass@1": 0.0}
+    mbpp = load_eval_set("mbpp", limit=1).items[0].reference
+    assert utils.pass_at_1("\n".join(mbpp["test_list"]), mbpp["code"]) == 1.0
+    assert [s["task_id"] for s in utils.mbpp_fewshot_samples()] == [2, 3, 4]
+
+
+# ---------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], r"toy-arith, toy-constraint are dlmjax's own generated tasks.*drop --backend lm-eval"),
+    (["--task", "toy-arith"], r"toy-arith is dlmjax's own generated task.*drop --backend lm-eval.*gsm8k"),
+    (["--task", "humaneval"], r"humaneval runs the generated code.*--confirm-run-unsafe-code"),
+    (["--task", "gsm8k", "--task", "mbpp"], r"mbpp runs the generated code.*--confirm-run-unsafe-code"),
+    (["--task", "gsm8k", "--data", "x.jsonl"], r"--data feeds the native backend"),
+    (["--task", "gsm8k", "--compare-to", "static"], r"--compare-to.*drop --backend lm-eval"),
+])
+def test_lm_eval_backend_refusals_name_the_fix(argv, message, capsys, tmp_path):
+    assert main(["eval", "--backend", "lm-eval", "--out", str(tmp_path), *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("flag", [["--num-fewshot", "5"], ["--confirm-run-unsafe-code"]])
+def test_lm_eval_flags_on_the_native_backend_are_refused(flag, capsys, tmp_path):
+    assert main(["eval", "--task", "toy-arith", "--out", str(tmp_path), *flag]) == 2
+    assert f"{flag[0]} applies to --backend lm-eval" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ empty log-likelihood context
+
+
+def test_empty_context_is_conditioned_on_the_prefix_token_as_transformers(tmp_path):
+    """A tiny random Llama: causal_logprobs of ([], continuation) with prefix P equals transformers'
+    log-probs of the continuation after [P]; without a prefix it is refused."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tiny_models import torch_model
+
+    import dlmjax
+    from dlmjax.lm_eval.likelihood import causal_logprobs
+
+    hf = torch_model("llama", seed=4)
+    hf.save_pretrained(tmp_path)
+    model = dlmjax.load_model(tmp_path)
+    prefix, cont = 1, [17, 5, 60, 33, 8]
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([[prefix] + cont])).logits[0].double(), -1)
+    rows = logp[:-1]
+    want = float(rows.gather(1, torch.tensor(cont)[:, None]).sum())
+    greedy = bool((rows.argmax(-1) == torch.tensor(cont)).all())
+    (got,) = causal_logprobs(model, [([], cont)], prefix_id=prefix, batch_size=2)
+    (same,) = causal_logprobs(model, [([prefix], cont)], batch_size=2)
+    assert got == same
+    assert got[0] == pytest.approx(want, abs=1e-4) and got[1] == greedy
+    with pytest.raises(ValueError, match="pass prefix_id"):
+        causal_logprobs(model, [([], cont)])
+
+
+def test_lm_model_scores_an_empty_context_after_its_prefix_token():
+    from dlmjax.lm_eval import DlmjaxLM
+
+    lm = DlmjaxLM(pretrained="toy-ar", batch_size=2, mesh_data=1, warmup=False)
+    cont = lm.tok_encode("3+4=7")
+    empty, prefixed = lm._loglikelihood_tokens([(None, [], cont), (None, [lm.prefix_token_id], cont)])
+    assert np.isfinite(empty[0]) and empty == prefixed
