@@ -206,12 +206,15 @@ def _train_mesh_overrides(args) -> list[str]:
 
 
 def cmd_train(args) -> int:
+    from dlmjax.distributed import initialize, is_main
     from dlmjax.train.config import load_run_config
     from dlmjax.train.loop import train
 
+    initialize(args.coordinator, args.num_processes, args.process_id)  # before anything touches a device
+
     run = load_run_config(args.config, args.overrides + _train_mesh_overrides(args))
     result = train(run, args.out, progress=not args.no_progress)
-    if result.model_dir is not None:
+    if result.model_dir is not None and is_main():
         print(f"trained {result.step} steps; model written to {result.model_dir}")
     return 0
 
@@ -312,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
     tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics, exported model)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dist = tr.add_argument_group("multi-process (docs/launch.md; default: DLMJAX_* variables, SLURM, a TPU pod, or one "
+                                 "process)")
+    dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                      help="address of process 0 and a free port (or DLMJAX_COORDINATOR)")
+    dist.add_argument("--num-processes", type=positive_int, default=None, help="processes in the run (or "
+                      "DLMJAX_NUM_PROCESSES)")
+    dist.add_argument("--process-id", type=int, default=None, help="this process, 0..N-1 (or DLMJAX_PROCESS_ID, "
+                      "or SLURM_PROCID)")
     tr.add_argument("--mesh", default=None,
                     help="device mesh AXIS=N,... (axes data, fsdp, expert, model): the batch split over data x fsdp, "
                          "a backbone's weights tensor-parallel over model and sharded over fsdp, trained heads "

@@ -2,17 +2,12 @@
 exactly the batches it would have seen.
 
 Multi-process runs: each process encodes only the rows of the global batch that its devices hold
-(`process_rows`) and `global_batch` assembles the global [B, ...] arrays, batch split over the
-mesh's 'data' axis, from those process-local rows (no process ever holds another's rows on
-device). The rows' padded width is the global batch's (the largest over processes), so the
-global batch is the one a single process would build. The toy sampler draws a step's examples
-in sequence from one RNG, so every process draws all of them (microseconds) and keeps its own.
-
-One row is `prompt + target + EOS`, then for block-diffusion models EOS again up to the end of the
-block holding the first EOS (the engine stops a row once a finished block contains EOS, so that
-block must be learnt whole), then padding that no token attends to. Positions count from 0 at the
-first prompt token, as the decoding engine lays rows out, so the training blocks are the decoding
-blocks.
+(`process_rows`) and `global_batch` assembles the global [B, ...] arrays, split over the mesh's
+batch axes ('data', and 'fsdp' where there is one), from those process-local rows (no process
+ever holds another's rows on device). The rows' padded width is the global batch's (the largest
+over processes), so the global batch is the one a single process would build. The toy sampler
+draws a step's examples in sequence from one RNG, so every process draws all of them
+(microseconds) and keeps its own.
 """
 
 from __future__ import annotations
@@ -23,8 +18,9 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
+from dlmjax.sharding import batch_sharding
 from dlmjax.toy.tasks import get_task
 from dlmjax.validation import InputError
 
@@ -87,14 +83,23 @@ def make_batch(examples, tokenizer, *, seq_len: int, block: int | None, pad_id: 
     return Batch(tokens=tokens[:, :width], valid=valid[:, :width], target=target[:, :width])
 
 
+def batch_split(mesh: Mesh) -> tuple[tuple[str, ...], int]:
+    """(the mesh axes a batch is split over, the number of slices): dlmjax.sharding's rule for the
+    'batch' logical axis ('data', and 'fsdp' where the mesh has one)."""
+    axes = batch_sharding(mesh, 1).spec[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return axes, int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
-    """The rows of a [batch_size, ...] global batch (split over 'data') that this process's devices
-    hold, ascending; all of them on one process."""
-    if batch_size % mesh.shape["data"]:
-        raise InputError(f"train.batch_size={batch_size} must be a multiple of the {mesh.shape['data']} "
-                         "data-parallel devices (the mesh's data axis)")
+    """The rows of a [batch_size, ...] global batch (split over the batch axes) that this process's
+    devices hold, ascending; all of them on one process."""
+    axes, split = batch_split(mesh)
+    if batch_size % split:
+        raise InputError(f"train.batch_size={batch_size} must be a multiple of the {split} data-parallel devices "
+                         f"(mesh {' x '.join(axes)}); change the batch size or the mesh")
     rows = set()
-    for index in NamedSharding(mesh, P("data")).addressable_devices_indices_map((batch_size,)).values():
+    for index in batch_sharding(mesh, 1).addressable_devices_indices_map((batch_size,)).values():
         rows.update(range(batch_size)[index[0]])
     return np.asarray(sorted(rows), np.int64)
 
@@ -118,14 +123,14 @@ def global_width(local_width: int) -> int:
 
 
 def global_batch(local: dict, rows: np.ndarray, mesh: Mesh, batch_size: int) -> dict:
-    """Global jax.Arrays [batch_size, ...] split over 'data' from this process's `rows` of them
+    """Global jax.Arrays [batch_size, ...] split over the batch axes from this process's `rows` of them
     (`local[name][i]` is global row `rows[i]`); each device gets its slice of the local rows."""
 
     def assemble(array):
         array = np.asarray(array)
         if array.shape[0] != len(rows):
             raise ValueError(f"{array.shape[0]} local rows for the {len(rows)} rows this process holds")
-        sharding = NamedSharding(mesh, P("data", *(None,) * (array.ndim - 1)))
+        sharding = batch_sharding(mesh, array.ndim)
         shape = (batch_size,) + array.shape[1:]
 
         def shard(index):

@@ -41,7 +41,7 @@ from dlmjax.memory import check_training_memory
 from dlmjax.sharding import make_mesh, param_sharding, placement, put_array
 from dlmjax.toy.tokenizer import EOS, MASK, PAD, char_tokenizer, save_char_tokenizer
 from dlmjax.train import objectives
-from dlmjax.train.config import OptimConfig, RunConfig, RunConfigError, from_dict, read_yaml
+from dlmjax.train.config import RunConfig, RunConfigError, from_dict, read_yaml
 from dlmjax.train.data import global_batch, global_width, make_batch, pad_batch, process_rows, sample_examples
 from dlmjax.train.mrp import mrp_loss
 from dlmjax.train.metrics import MetricsLog
@@ -301,16 +301,38 @@ def state_shardings(trainee: Trainee, tx, mesh: Mesh):
                       "opt_state": jax.tree.map(attach, opt_shapes, opt_sh)}
 
 
-def restore_state(run_dir: str | Path, step: int, trainee: Trainee, tx, mesh: Mesh):
-    """(graphdef, {params, opt_state}) of the checkpoint of `step` in `run_dir`, placed on `mesh`
-    (whatever mesh it was saved from: Orbax reads each device's slice of the target sharding)."""
-    graphdef, abstract = state_shardings(trainee, tx, mesh)
-    manager = _checkpoint_manager(Path(run_dir), OptimConfig())
+def make_trainee(run: RunConfig, run_dir: Path) -> Trainee:
+    if run.objective == "drafter":
+        from dlmjax.train.drafter import drafter_trainee  # imports this module's Trainee
+
+        return drafter_trainee(run, run_dir)
+    if run.objective == "tspd":
+        from dlmjax.train.tspd import tspd_trainee  # imports this module's Trainee
+
+        return tspd_trainee(run, run_dir)
+    return mrp_trainee(run, run_dir) if run.objective == "mrp" else backbone_trainee(run, run_dir)
+
+
+def restore_checkpoint(run_dir: str | Path, mesh: Mesh, step: int | None = None):
+    """(graphdef, params, opt_state) of a run's checkpoint (`step`; default the last) placed on
+    `mesh`, whatever mesh it was saved from: Orbax reads each device's slice of the target
+    shardings (`state_shardings` on `mesh`)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise InputError(f"{run_dir} is not a training run (no config.yaml); pass the --out directory of `dlmjax train`")
+    run = from_dict(read_yaml(run_dir / "config.yaml"))
+    manager = _checkpoint_manager(run_dir, run.train)
     try:
+        step = manager.latest_step() if step is None else step
+        if step is None or step not in manager.all_steps():
+            raise InputError(f"{run_dir} has no checkpoint{'' if step is None else f' of step {step}'}; its checkpoints: "
+                             f"{sorted(manager.all_steps()) or 'none'}")
+        tx, _ = make_optimizer(run.train)
+        graphdef, abstract = state_shardings(make_trainee(run, run_dir), tx, mesh)
         restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
     finally:
         manager.close()
-    return graphdef, restored
+    return graphdef, restored["params"], restored["opt_state"]
 
 
 def _place(tree, shardings):
@@ -347,16 +369,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         _write_config(run_dir, run)
     sync("dlmjax-train-config")
     cfg = run.train
-    if run.objective == "drafter":
-        from dlmjax.train.drafter import drafter_trainee  # imports this module's Trainee
-
-        trainee = drafter_trainee(run, run_dir)
-    elif run.objective == "tspd":
-        from dlmjax.train.tspd import tspd_trainee  # imports this module's Trainee
-
-        trainee = tspd_trainee(run, run_dir)
-    else:
-        trainee = mrp_trainee(run, run_dir) if run.objective == "mrp" else backbone_trainee(run, run_dir)
+    trainee = make_trainee(run, run_dir)
 
     mesh = mesh if mesh is not None else run.mesh.make()  # the config's mesh (default: all devices on data)
     rows = process_rows(mesh, cfg.batch_size)  # this process's rows of every global batch

@@ -1,0 +1,226 @@
+"""Multi-host training, tested on one machine.
+
+- `dlmjax.distributed.plan`: which launch the flags and the environment describe; half-given
+  settings are refused naming what is missing.
+- On 8 fake CPU devices: training on a 2x4 (data x model) mesh takes the single-device steps; its
+  checkpoint restores on 4x2 and 8x1 to the same params, bit for bit, and training resumes there
+  with the single-device run's losses.
+- 2 processes x 4 CPU devices through jax.distributed (a local coordinator, gloo collectives):
+  train, stop, resume through `dlmjax train --coordinator ...`, and end at the single-process
+  run's params.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dlmjax.distributed import plan
+from dlmjax.io.hf import load_model
+from dlmjax.sharding import make_mesh
+from dlmjax.train.config import load_run_config
+from dlmjax.train.data import global_batch, process_rows
+from dlmjax.train.loop import restore_checkpoint, train
+from dlmjax.validation import InputError
+
+REPO = Path(__file__).resolve().parent.parent
+OVERRIDES = ["train.steps=4", "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=2",
+             "train.eval_every=0", "train.warmup_steps=2", "train.init_from=null", "data.tasks={toy-arith: 1}",
+             "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.head_dim=8",
+             "model.block_size=4"]
+
+
+def run_config():
+    return load_run_config(REPO / "configs/toy-sdar.yaml", OVERRIDES)
+
+
+def flat_params(model) -> dict:
+    return {".".join(map(str, path)): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch planning: flags > DLMJAX_* variables > SLURM > TPU VM > one process.
+
+
+def test_plan_single_explicit_and_slurm():
+    assert plan(environ={}).mode == "single"
+    env = {"DLMJAX_COORDINATOR": "10.0.0.2:8476", "DLMJAX_NUM_PROCESSES": "4", "DLMJAX_PROCESS_ID": "3"}
+    launch = plan(environ=env)
+    assert (launch.mode, launch.coordinator, launch.num_processes, launch.process_id) == ("explicit", "10.0.0.2:8476",
+                                                                                            4, 3)
+    assert plan("h:1", 2, 0, environ=env).process_id == 0  # flags win over the environment
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_PROCID": "5"}
+    assert plan(environ=slurm).mode == "slurm"
+    assert plan(environ={**slurm, "SLURM_NTASKS": "1"}).mode == "single"  # one task: nothing to join
+    # an explicit coordinator under SLURM takes the process id from SLURM_PROCID
+    assert plan("h:1", 8, environ=slurm).process_id == 5
+    assert plan(environ={"DLMJAX_DISTRIBUTED": "off", **slurm}).mode == "single"
+
+
+@pytest.mark.parametrize("args, env, match", [
+    (("h:1", None, None), {}, "missing --num-processes N.*--process-id I"),
+    ((None, None, None), {"DLMJAX_NUM_PROCESSES": "2"}, r"missing --coordinator HOST:PORT \(or DLMJAX_COORDINATOR\)"),
+    (("localhost", 2, 0), {}, "not HOST:PORT"),
+    (("h:99999", 2, 0), {}, "not HOST:PORT"),
+    (("h:1", 2, 2), {}, r"process id 2 is out of range for 2 processes; ids run 0..1"),
+    (("h:1", 0, 0), {}, "--num-processes=0 must be >= 1"),
+    ((None, None, None), {"DLMJAX_COORDINATOR": "h:1", "DLMJAX_NUM_PROCESSES": "two", "DLMJAX_PROCESS_ID": "0"},
+     "DLMJAX_NUM_PROCESSES='two' is not an integer"),
+    (("h:1", 2, 0), {"DLMJAX_DISTRIBUTED": "off"}, "turns multi-process off"),
+])
+def test_plan_refuses_half_given_settings(args, env, match):
+    with pytest.raises(InputError, match=match):
+        plan(*args, environ=env)
+
+
+def test_cli_refuses_a_half_given_launch(tmp_path, capsys):
+    from dlmjax.cli import main
+
+    code = main(["train", str(REPO / "configs/toy-sdar.yaml"), "--out", str(tmp_path / "run"), "--coordinator",
+                 "localhost:1234"])
+    assert code == 2
+    assert "missing --num-processes N" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 8 fake devices in one process.
+
+
+@pytest.mark.devices(8)
+def test_process_rows_and_global_batch_on_one_process():
+    mesh = make_mesh(model=2)  # 4 x 2
+    rows = process_rows(mesh, 8)
+    assert rows.tolist() == list(range(8))
+    tokens = np.arange(8 * 3).reshape(8, 3)
+    arrays = global_batch({"tokens": tokens}, rows, mesh, 8)
+    assert arrays["tokens"].sharding.spec[0] == "data"
+    np.testing.assert_array_equal(np.asarray(arrays["tokens"]), tokens)
+    with pytest.raises(InputError, match="multiple of the 4 data-parallel devices"):
+        process_rows(mesh, 6)
+
+
+@pytest.fixture(scope="module")
+def single_device_run(tmp_path_factory):
+    """The reference: the same 4 steps on one device."""
+    out = tmp_path_factory.mktemp("single")
+    result = train(run_config(), out / "run", progress=False, mesh=make_mesh(devices=jax.devices()[:1]))
+    return result.losses, flat_params(load_model(result.model_dir))
+
+
+@pytest.mark.devices(8)
+def test_checkpoint_of_a_2x4_mesh_restores_on_4x2_and_8x1(tmp_path, single_device_run):
+    losses, params = single_device_run
+    run = run_config()
+    first = train(run, tmp_path / "a", stop_at=2, progress=False, mesh=make_mesh(data=2, model=4))
+    assert first.step == 2 and first.model_dir is None
+    for step in (1, 2):  # the sharded step is the single-device step (up to float summation order)
+        np.testing.assert_allclose(first.losses[step], losses[step], rtol=1e-5)
+
+    _, saved, saved_opt = restore_checkpoint(tmp_path / "a", make_mesh(data=2, model=4))
+    assert saved["layers"][0]["attn"]["q"]["kernel"][...].sharding.spec == P(None, "model")  # tensor-parallel
+    for shape in ((4, 2), (8, 1)):
+        mesh = make_mesh(data=shape[0], model=shape[1])
+        _, restored, opt_state = restore_checkpoint(tmp_path / "a", mesh)
+        q = restored["layers"][0]["attn"]["q"]["kernel"][...]
+        assert dict(q.sharding.mesh.shape)["model"] == shape[1] and q.sharding.spec == P(None, "model")
+        for x, y in zip(jax.tree.leaves((saved, saved_opt)), jax.tree.leaves((restored, opt_state))):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the same params and moments
+
+        resumed_dir = tmp_path / f"resumed-{shape[0]}x{shape[1]}"
+        shutil.copytree(tmp_path / "a", resumed_dir)
+        resumed = train(run, resumed_dir, progress=False, mesh=mesh)
+        assert sorted(resumed.losses) == [3, 4]
+        for step in (3, 4):
+            np.testing.assert_allclose(resumed.losses[step], losses[step], rtol=1e-5)
+        got = flat_params(load_model(resumed.model_dir))
+        for name, value in params.items():
+            np.testing.assert_allclose(got[name], value, atol=2e-6, rtol=0, err_msg=name)
+    lines = [json.loads(line)["step"] for line in (resumed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [1, 2, 3, 4]
+    with pytest.raises(InputError, match=r"no checkpoint of step 3; its checkpoints: \[2, 4\]"):
+        restore_checkpoint(resumed_dir, mesh, step=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 processes x 4 CPU devices.
+
+FIRST_LAUNCH = """
+import json, sys
+from dlmjax.distributed import initialize
+launch = initialize(sys.argv[1], 2, int(sys.argv[2]))  # the explicit arguments
+from dlmjax.sharding import make_mesh
+from dlmjax.train.config import load_run_config
+from dlmjax.train.loop import train
+run = load_run_config(sys.argv[3], json.loads(sys.argv[4]))
+result = train(run, sys.argv[5], stop_at=2, progress=False, mesh=make_mesh(model=2))  # 4 x 2 over 2 processes
+import jax
+print("RESULT", json.dumps({"mode": launch.mode, "processes": jax.process_count(), "devices": jax.device_count(),
+                            "step": result.step, "losses": result.losses}))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(commands, timeout=300):
+    """Run one command per process (process i gets commands[i]); all stdouts, or fail with the logs."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}
+    env.pop("DLMJAX_DISTRIBUTED", None)
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd in commands]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for proc, out in zip(procs, outs):
+        assert proc.returncode == 0, f"a process failed (exit {proc.returncode}):\n{out[-4000:]}"
+    return outs
+
+
+def test_two_processes_train_stop_and_resume(tmp_path, single_device_run):
+    losses, params = single_device_run
+    config, run_dir = str(REPO / "configs/toy-sdar.yaml"), str(tmp_path / "run")
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    outs = _launch([[sys.executable, "-c", FIRST_LAUNCH, coordinator, str(i), config, json.dumps(OVERRIDES), run_dir]
+                    for i in range(2)])
+    results = [json.loads(line.split("RESULT ", 1)[1]) for out in outs for line in out.splitlines()
+               if line.startswith("RESULT ")]
+    assert [(r["mode"], r["processes"], r["devices"], r["step"]) for r in results] == [("explicit", 2, 8, 2)] * 2
+    for r in results:  # every process sees the same replicated loss: the global batch's
+        for step in (1, 2):
+            np.testing.assert_allclose(r["losses"][str(step)], losses[step], rtol=1e-5)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]  # one checkpoint, once
+
+    # Resume through the CLI, on the default mesh (8 x 1 over both processes), a new coordinator.
+    coordinator = f"127.0.0.1:{_free_port()}"
+    outs = _launch([[sys.executable, "-m", "dlmjax.cli", "train", config, *OVERRIDES, "--out", run_dir, "--no-progress",
+                     "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)] for i in range(2)])
+    assert "trained 4 steps; model written to" in outs[0]
+    assert "trained 4 steps" not in outs[1]  # process 0 alone reports
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in logged] == [1, 2, 3, 4]  # written by process 0 only
+    for line in logged:
+        np.testing.assert_allclose(line["loss"], losses[line["step"]], rtol=1e-5)
+    got = flat_params(load_model(tmp_path / "run" / "model"))
+    for name, value in params.items():
+        np.testing.assert_allclose(got[name], value, atol=2e-6, rtol=0, err_msg=name)
