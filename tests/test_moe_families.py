@@ -150,6 +150,20 @@ def test_moe_config_nulls_that_mean_none_are_read_so():
     assert from_hf_config({**qwen, "num_local_experts": None}) == from_hf_config(qwen)
 
 
+def test_moe_rename_rules_go_both_ways():
+    """One table per layout: every published name comes back from its canonical name on export."""
+    from dlmjax.io.moe_weights import _RENAMES, _rename
+
+    for layout, rules in _RENAMES.items():
+        for published, canonical in rules:
+            full = lambda prefix: prefix.replace("{i}", "17") + ("" if prefix.endswith("weight") else "weight")
+            name = full(published)
+            ours = _rename(name, layout)
+            assert ours == full(canonical)
+            assert _rename(ours, layout, to_published=True) == name
+    assert _rename("model.layers.3.mlp.gate.weight", "llada2") == "model.layers.3.mlp.gate.weight"
+
+
 def test_a_missing_expert_tensor_is_named(qwen3_moe, tmp_path):
     _, _, published = qwen3_moe
     tensors = {name: SafetensorsFile(published / "model.safetensors").get(name)

@@ -31,32 +31,27 @@ _FUSED_QKV = re.compile(r"model\.layers\.(\d+)\.attention\.query_key_value\.(wei
 _CANONICAL_QKV = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)")
 _CANONICAL_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
-# (published pattern, canonical replacement) per layout; each pair is also read backwards on export.
+# One table per layout, used both ways: (published name, canonical name) prefixes, `{i}` standing for
+# the layer index. Loading renames published -> canonical (`canonical_tensors`), exporting the reverse.
 _RENAMES = {
     "llada2": (
-        (r"model\.word_embeddings\.weight", "model.embed_tokens.weight"),
-        (r"model\.layers\.(\d+)\.attention\.dense\.", r"model.layers.\1.self_attn.o_proj."),
-        (r"model\.layers\.(\d+)\.attention\.query_layernorm\.", r"model.layers.\1.self_attn.q_norm."),
-        (r"model\.layers\.(\d+)\.attention\.key_layernorm\.", r"model.layers.\1.self_attn.k_norm."),
+        ("model.word_embeddings.weight", "model.embed_tokens.weight"),
+        ("model.layers.{i}.attention.dense.", "model.layers.{i}.self_attn.o_proj."),
+        ("model.layers.{i}.attention.query_layernorm.", "model.layers.{i}.self_attn.q_norm."),
+        ("model.layers.{i}.attention.key_layernorm.", "model.layers.{i}.self_attn.k_norm."),
     ),
-    "llada_moe": ((r"model\.layers\.(\d+)\.shared_expert\.", r"model.layers.\1.mlp.shared_experts."),),
-}
-_PUBLISHED = {  # canonical -> published, for export
-    "llada2": (
-        (r"model\.embed_tokens\.weight", "model.word_embeddings.weight"),
-        (r"model\.layers\.(\d+)\.self_attn\.o_proj\.", r"model.layers.\1.attention.dense."),
-        (r"model\.layers\.(\d+)\.self_attn\.q_norm\.", r"model.layers.\1.attention.query_layernorm."),
-        (r"model\.layers\.(\d+)\.self_attn\.k_norm\.", r"model.layers.\1.attention.key_layernorm."),
-    ),
-    "llada_moe": ((r"model\.layers\.(\d+)\.mlp\.shared_experts\.", r"model.layers.\1.shared_expert."),),
+    "llada_moe": (("model.layers.{i}.shared_expert.", "model.layers.{i}.mlp.shared_experts."),),
 }
 
 Tensor = tuple[str, str, Callable[[], np.ndarray]]  # canonical name, file it comes from, reader
 
 
-def _rename(name: str, renames) -> str:
-    for pattern, replacement in renames:
-        renamed, count = re.subn(f"^{pattern}", replacement, name)
+def _rename(name: str, layout: str, *, to_published: bool = False) -> str:
+    """`name` under the layout's other naming: canonical (loading) or, `to_published`, published (export)."""
+    for published, canonical in _RENAMES.get(layout, ()):
+        source, target = (canonical, published) if to_published else (published, canonical)
+        pattern = re.escape(source).replace(re.escape("{i}"), r"(\d+)")
+        renamed, count = re.subn(f"^{pattern}", target.replace("{i}", r"\1"), name)
         if count:
             return renamed
     return name
@@ -76,7 +71,7 @@ def canonical_tensors(cfg: ModelConfig, shards: dict) -> Iterator[Tensor]:
         if found:
             yield from _split_qkv(cfg, int(found[1]), found[2], name, shard)
             continue
-        yield _rename(name, _RENAMES.get(layout, ())), shard.path.name, (lambda s=shard, n=name: s.get(n))
+        yield _rename(name, layout), shard.path.name, (lambda s=shard, n=name: s.get(n))
     for layer, parts in sorted(experts.items()):
         yield from _stack_experts(cfg, layer, parts)
 
@@ -141,7 +136,7 @@ def published_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[
         elif qkv:
             fused_qkv[int(qkv[1]), qkv[3]][qkv[2]] = array
         else:
-            out[_rename(name, _PUBLISHED.get(layout, ()))] = array
+            out[_rename(name, layout, to_published=True)] = array
     for (layer, kind), parts in sorted(fused_qkv.items()):
         out[f"model.layers.{layer}.attention.query_key_value.{kind}"] = np.concatenate([parts[w] for w in "qkv"])
     return out
