@@ -8,8 +8,9 @@ code does):
   renormalised; the shared expert (if any) sits beside the MoE block (`layers.{i}.shared_expert`);
 - llada2: a fused `query_key_value` projection split by heads [q heads | k heads | v heads],
   `dense` output projection (bias `use_bias`), `query_layernorm`/`key_layernorm`; the router is
-  transformers' DeepseekV3TopkRouter (sigmoid, expert bias, group-limited, scaled); the first
-  `first_k_dense_replace` layers are dense; `mlp.shared_experts` is added to the routed output.
+  LLaDA2's gate (`Llada2Gate`: sigmoid, expert bias, group-limited with the excluded groups at -inf,
+  scaled); the first `first_k_dense_replace` layers are dense; `mlp.shared_experts` is added to the
+  routed output.
 state_dict() names are the families' published checkpoint names.
 """
 
@@ -19,8 +20,7 @@ import math
 
 import torch
 from torch import nn
-from transformers import DeepseekV3Config, Qwen3MoeConfig
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeRMSNorm, rotate_half
 
 NAMES = {
@@ -88,14 +88,44 @@ class Router(nn.Module):
         return None, weights, experts
 
 
+class Llada2Gate(nn.Module):
+    """LLaDA2's gate (modeling_llada2_moe.py), written out here rather than taken from transformers'
+    DeepseekV3TopkRouter, whose older releases fill the excluded groups with 0.0 instead of -inf: with
+    a negative expert bias those differ (an excluded expert's 0.0 beats a kept group's negative scores).
+
+    Scores are sigmoids of the fp32 logits; the expert bias shifts them for the choice only. A group
+    scores the sum of its two best biased scores; the `topk_group` best groups stay and every expert
+    of the others is set to -inf; the top-k of what is left are picked, weighted by their unbiased
+    scores, renormalised whenever k > 1 and multiplied by `routed_scaling_factor`."""
+
+    def __init__(self, c: dict):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(c["experts"], c["hidden"]))
+        self.register_buffer("expert_bias", torch.zeros(c["experts"]))
+        self.top_k, self.groups, self.keep, self.scale = c["top_k"], c["n_group"], c["topk_group"], c["scale"]
+
+    def forward(self, x):
+        logits = x.float() @ self.weight.float().T
+        scores = torch.sigmoid(logits)
+        choice = scores + self.expert_bias
+        t, e = choice.shape
+        by_group = choice.view(t, self.groups, e // self.groups)
+        group_score = by_group.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.zeros_like(group_score, dtype=torch.bool)
+        kept.scatter_(1, group_score.topk(self.keep, dim=-1).indices, True)
+        choice = torch.where(kept[:, :, None], by_group, torch.full_like(by_group, -math.inf)).view(t, e)
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * self.scale, experts
+
+
 class SparseMoe(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
         if c["family"] == "llada2":
-            self.gate = DeepseekV3TopkRouter(DeepseekV3Config(
-                hidden_size=c["hidden"], n_routed_experts=c["experts"], num_experts_per_tok=c["top_k"],
-                n_group=c["n_group"], topk_group=c["topk_group"], routed_scaling_factor=c["scale"],
-                norm_topk_prob=c["top_k"] > 1))  # LLaDA2's gate renormalises whenever k > 1
+            self.gate = Llada2Gate(c)
             if c["shared"]:
                 self.shared_experts = mlp(c, c["shared"])
         else:
@@ -159,6 +189,5 @@ class Reference(nn.Module):
         return self.lm_head(self.model.norm(x))
 
     def published_state(self) -> dict:
-        """The state dict under the published names (LLaDA2 calls the router bias `expert_bias`)."""
-        return {name.replace("gate.e_score_correction_bias", "gate.expert_bias"): value.detach().float().numpy().copy()
-                for name, value in self.state_dict().items()}
+        """The state dict under the published names (LLaDA2's router bias: `gate.expert_bias`)."""
+        return {name: value.detach().float().numpy().copy() for name, value in self.state_dict().items()}

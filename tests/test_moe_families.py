@@ -243,7 +243,7 @@ def reference_model(c, seed):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith("gate.expert_bias"):
                 buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
     return model
 
@@ -285,6 +285,39 @@ def test_llada_moe_is_told_from_dense_llada_by_architectures():
         from_hf_config({**config, "norm_topk_prob": True})
     with pytest.raises(ConfigError, match=r"unknown config keys \['moe_capacity_factor'\]"):
         from_hf_config({**config, "moe_capacity_factor": 1.25})
+
+
+def test_llada2_router_sets_excluded_groups_to_minus_inf_under_negative_biases():
+    """LLaDA2's gate gives the experts of the groups it drops -inf; a 0.0 there (transformers'
+    DeepseekV3TopkRouter before it changed) would beat the kept groups' scores once the expert bias
+    pushes them below 0. dlmjax and the reference pick inside the kept groups only."""
+    from moe_reference import Llada2Gate
+
+    from dlmjax.models import moe
+
+    c = {**LLADA2, "experts": 16, "top_k": 4, "n_group": 4, "topk_group": 2, "scale": 2.5}
+    gate = Llada2Gate(c)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(16, c["hidden"], generator=gen))
+        gate.expert_bias.copy_(-1.5 - torch.rand(16, generator=gen))  # every biased score < 0
+    x = torch.randn(40, c["hidden"], generator=gen)
+    logits, ref_weights, ref_experts = gate(x)
+    cfg = from_hf_config({**llada2_config_json(LLADA2), "num_experts": 16, "num_experts_per_tok": 4, "n_group": 4,
+                          "topk_group": 2})
+    weights, experts = moe.route(cfg, jnp.asarray(logits.detach().numpy()), jnp.asarray(gate.expert_bias.numpy()))
+    ours, ref = np.sort(np.asarray(experts), axis=1), np.sort(ref_experts.numpy(), axis=1)
+    np.testing.assert_array_equal(ours, ref)
+    np.testing.assert_allclose(np.sort(np.asarray(weights), axis=1), np.sort(ref_weights.detach().numpy(), axis=1),
+                               rtol=1e-5, atol=1e-6)
+
+    # the same choice with the dropped groups at 0.0 picks experts outside the kept groups
+    choice = (torch.sigmoid(logits) + gate.expert_bias).view(40, 4, 4)
+    kept = torch.zeros(40, 4, dtype=torch.bool).scatter_(1, choice.topk(2, -1).values.sum(-1).topk(2, -1).indices, True)
+    zero_filled = torch.where(kept[:, :, None], choice, torch.zeros_like(choice)).view(40, 16).topk(4, -1).indices
+    assert not np.array_equal(np.sort(zero_filled.numpy(), axis=1), ref)
+    groups_of_ours = np.asarray(experts) // 4
+    assert all(set(groups_of_ours[t]) <= set(np.nonzero(kept[t].numpy())[0]) for t in range(40))
 
 
 def test_llada2_config_fields():
