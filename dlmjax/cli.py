@@ -137,6 +137,10 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    if args.backend == "lm-eval":
+        if args.preset is not None:
+            raise InputError("--preset sets up the native backend's tasks and decoders; drop --backend lm-eval")
+        args.model, args.batch_size = args.model or "toy-sdar", args.batch_size or 64
     if args.backend == "lm-eval":  # lm-eval's task definitions through the dlmjax lm-eval model
         from dlmjax.lm_eval.backend import run_backend
 
@@ -149,16 +153,32 @@ def cmd_eval(args) -> int:
     from dlmjax.evaluation.report import write_report
     from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
     from dlmjax.evaluation.tasks import load_eval_set
-    from dlmjax.presets import load_checkpoint
+    from dlmjax.presets import load_checkpoint, load_eval_preset
     from dlmjax.sharding import make_mesh
 
+    preset = None
+    if args.preset is not None:  # a seed table on a published checkpoint (configs/presets)
+        preset = load_eval_preset(args.preset)
+        if args.model is None:
+            raise InputError(f"--preset {preset.name} runs on {preset.checkpoint}: download it and pass its "
+                             "directory as --model DIR")
+        args.decoder = args.decoder or list(preset.decoders)
+        args.chat = args.chat or preset.chat
+        args.batch_size = args.batch_size or preset.batch_size
+    args.model = args.model or "toy-sdar"
+    args.batch_size = args.batch_size or 64
     mesh = _cli_mesh(args.mesh) or make_mesh(model=1)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh)
+    if preset is not None:
+        preset.check_model(model.config)
+        if args.chat and preset.chat_template_vars:
+            args.chat = dict(preset.chat_template_vars)  # e.g. Qwen3's enable_thinking: false
     drafter = _drafter_for(path, model, args.decoder, args.drafter, args.dtype)
-    tasks = args.task or ["toy-arith", "toy-constraint"]
+    tasks = args.task or (list(preset.tasks) if preset is not None else ["toy-arith", "toy-constraint"])
     if args.data is not None and len(tasks) != 1:
         raise InputError("--data applies to one task; pass a single --task with it")
-    eval_sets = [load_eval_set(t, data=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens,
+    lengths = preset.tasks if preset is not None else {}
+    eval_sets = [load_eval_set(t, data=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens or lengths.get(t),
                                strict=args.strict_data) for t in tasks]
     for eval_set in eval_sets:
         for problem in eval_set.skipped:
@@ -276,7 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="accuracy and speed of decoders on tasks (default: toy-sdar, both toy tasks)")
-    ev.add_argument("--model", default="toy-sdar", help="checkpoint directory or preset (default toy-sdar)")
+    ev.add_argument("--model", default=None, help="checkpoint directory or preset (default toy-sdar)")
+    ev.add_argument("--preset", default=None, metavar="NAME",
+                    help="a seed table on a published checkpoint (configs/presets/NAME.yaml, or a YAML file): its tasks, "
+                         "generation lengths, chat template, batch size and decoders, checked against --model DIR "
+                         "(family, mask id, block size); options given here override them")
     ev.add_argument("--task", action="append", help="toy-arith, toy-constraint, gsm8k, humaneval, mbpp, math500; repeat for several")
     ev.add_argument("--decoder", action="append", help="decoder SPEC as in `dlmjax generate`; repeat (default: a set)")
     ev.add_argument("--limit", type=positive_int, default=None,
@@ -286,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="refuse a --data file with unreadable rows (default: report their line numbers and skip them)")
     ev.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
     ev.add_argument("--save-outputs", action="store_true", help="also write outputs.jsonl (one line per decoder and prompt)")
-    ev.add_argument("--batch-size", type=positive_int, default=64)
+    ev.add_argument("--batch-size", type=positive_int, default=None, help="prompts decoded together (default 64, or the preset's)")
     ev.add_argument("--mesh", default=None, help=MESH_HELP + " (--batch-size is rounded up to a multiple of data)")
     ev.add_argument("--max-new-tokens", type=positive_int, default=None, help="override the task's generation budget")
     ev.add_argument("--seed", type=int, default=0)

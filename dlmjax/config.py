@@ -275,7 +275,13 @@ _HF_KEYS = {
     "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters",
     "max_position_embeddings", "tie_word_embeddings", "attention_bias", "block_size", "layer_types",
 }
-_FAMILY_KEYS = {"fast_dllm_v2": {"bd_size"}}  # keys only one family of the hf layout reads
+_FAMILY_KEYS = {  # keys only one family of the hf layout reads
+    "fast_dllm_v2": {"bd_size"},
+    # the MRP head beside an SDAR backbone in the published MRP checkpoints (SDARMRPForCausalLM,
+    # heavyball/sdar-*-mrp-3lyr): its modules and layers per module; the backbone's forward is
+    # unchanged, and dlmjax.heads.mrp.load_head checks them against the head's tensors
+    "sdar": {"num_mrp_heads", "num_nextn_predict_layers"},
+}
 QWEN2_BIAS_FAMILIES = ("qwen2", "dream", "fast_dllm_v2")  # q/k/v biases always, no o bias, no `attention_bias` key
 
 

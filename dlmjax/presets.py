@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from dlmjax.config import ModelConfig
@@ -20,6 +21,7 @@ from dlmjax.io.hf import export_model, load_model
 from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.models.transformer import Transformer, init_model
 from dlmjax.toy.tokenizer import save_char_tokenizer
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, InputError, check_fields, check_value
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
              max_position_embeddings=512, qk_norm=True)
@@ -121,3 +123,103 @@ def load_checkpoint(name_or_dir: str | os.PathLike, *, dtype: str | None = None,
     head_dir = resolve_model(head_from) if head_from else path
     head = load_head(head_dir, model.config) if head_from or has_head(path) else None
     return path, model, load_tokenizer(path, model.config), head
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation presets: configs/presets/NAME.yaml, one per published checkpoint and seed table.
+# `dlmjax eval --preset NAME --model DIR` runs the preset's tasks, generation lengths, chat
+# template and decoders on the checkpoint downloaded to DIR, after checking that DIR is the model
+# the preset describes (family, mask id, block size).
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "presets"
+
+
+@dataclass(frozen=True)
+class EvalPreset:
+    """One seed table on one published checkpoint (the YAML's keys; comments there cite sources)."""
+
+    name: str
+    checkpoint: str  # the Hugging Face repository the preset is for
+    family: str  # dlmjax.config.FAMILIES key
+    mask_token_id: int | None  # None: autoregressive
+    block_size: int | None  # the model's block (block-causal) or the decoding block (bidirectional)
+    tasks: dict  # task -> max_new_tokens
+    decoders: list  # decoder specs, as `dlmjax eval --decoder`
+    seeds: str = ""  # which seed documents' tables this reproduces
+    chat: bool = True  # prompts through the checkpoint's own chat template
+    chat_template_vars: dict = field(default_factory=dict)  # extra chat template variables (enable_thinking)
+    batch_size: int = 16
+    drafter: str | None = None  # the DFlash drafter repository a `drafter` decoder needs
+    path: str = ""  # the YAML file it was read from
+    limits = {"block_size": AT_LEAST_1, "mask_token_id": AT_LEAST_0, "batch_size": AT_LEAST_1}
+
+    def __post_init__(self):
+        from dlmjax.config import FAMILIES
+        from dlmjax.decoding.spec import parse_decoder
+        from dlmjax.evaluation.tasks import EVAL_TASKS as TASKS
+
+        where = f"preset {self.path or self.name}"
+        check_fields(self, f"{where}: ")
+        if self.family not in FAMILIES:
+            raise InputError(f"{where}: family {self.family!r}; families: {', '.join(FAMILIES)}")
+        if not self.tasks or not self.decoders:
+            raise InputError(f"{where}: list its tasks (task: max_new_tokens) and decoders")
+        for task, length in self.tasks.items():
+            if task not in TASKS:
+                raise InputError(f"{where}: task {task!r}; tasks: {', '.join(TASKS)}")
+            check_value(f"{where}: tasks.{task}", length, "int", AT_LEAST_1)
+        for spec in self.decoders:
+            if not isinstance(spec, str):
+                raise InputError(f"{where}: decoders are spec strings such as 'threshold:tau=0.9', not {spec!r}")
+            if spec.split(":")[0].strip() not in ("tspd", "tspd+ce"):  # those read a controller file at parse
+                parse_decoder(spec)
+        family = FAMILIES[self.family]
+        if family.attention == "causal" and self.mask_token_id is not None:
+            raise InputError(f"{where}: {self.family} is autoregressive; set mask_token_id: null")
+        if family.attention != "causal" and self.mask_token_id is None:
+            raise InputError(f"{where}: a diffusion model needs its mask_token_id")
+
+    def check_model(self, cfg) -> None:
+        """Refuse a checkpoint that is not the one this preset describes."""
+        fix = (f"pass --model the directory of {self.checkpoint} (downloaded from huggingface.co/{self.checkpoint}), "
+               "or choose the preset of the model you have")
+        if cfg.family != self.family:
+            raise InputError(f"--preset {self.name} is for {self.checkpoint} (family {self.family}); the checkpoint's "
+                             f"config.json is a {cfg.family} model: {fix}")
+        if cfg.mask_token_id != self.mask_token_id:
+            raise InputError(f"--preset {self.name} expects mask token id {self.mask_token_id}; the checkpoint has "
+                             f"{cfg.mask_token_id}: {fix}")
+        if cfg.attention == "block_causal" and cfg.block_size != self.block_size:
+            raise InputError(f"--preset {self.name} decodes blocks of {self.block_size}; the checkpoint's block_size is "
+                             f"{cfg.block_size}: {fix}")
+
+
+def eval_preset_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+
+
+def load_eval_preset(name_or_path: str | os.PathLike) -> EvalPreset:
+    """The evaluation preset NAME (configs/presets/NAME.yaml) or a YAML file."""
+    import yaml
+
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = PRESETS_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise InputError(f"--preset {name_or_path!r} is neither a YAML file nor a preset; presets: "
+                         f"{', '.join(eval_preset_names()) or '(none: configs/presets is missing)'}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise InputError(f"{path}: YAML syntax error ({err}); fix the file") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"{path}: a preset is a mapping of keys (name, checkpoint, family, ...)")
+    known = {f.name for f in fields(EvalPreset)} - {"path"}
+    unknown = sorted(set(raw) - known)
+    missing = sorted(f.name for f in fields(EvalPreset) if f.default is MISSING and f.default_factory is MISSING
+                     and f.name not in raw)
+    if unknown or missing:
+        raise InputError(f"{path}: " + "; ".join(
+            ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {missing}"] if missing else []))
+            + f"; a preset's keys are {', '.join(sorted(known))}")
+    return EvalPreset(**raw, path=str(path))

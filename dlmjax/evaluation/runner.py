@@ -86,8 +86,9 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
     """(RunRecord, per-prompt outputs) for one decoder (a SPEC string, used as its label) on one task."""
     items = eval_set.items
     prompts = [item.prompt for item in items]
-    if chat:
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    if chat:  # True, or a dict of chat template variables (e.g. {"enable_thinking": False})
+        template_vars = chat if isinstance(chat, dict) else {}
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], **template_vars) for p in prompts]
 
     def stream(limit=None):
         return Stream(model, prompts, batch_size=batch_size, tokenizer=tokenizer, decoder=decoder,

@@ -235,7 +235,13 @@ def load_head(ckpt_dir: str | Path, backbone: ModelConfig | None = None) -> MRPH
     numbers = [re.match(r"mrp_modules\.(\d+)\.model\.layers\.(\d+)\.", n) for n in shards]
     num_modules = 1 + max(int(re.match(r"mrp_modules\.(\d+)", n).group(1)) for n in shards)
     num_layers = 1 + max((int(m.group(2)) for m in numbers if m), default=-1)
-    scale = float(json.loads((ckpt_dir / "config.json").read_text()).get(SCALE_KEY, 1.0))
+    raw_config = json.loads((ckpt_dir / "config.json").read_text())
+    scale = float(raw_config.get(SCALE_KEY, 1.0))
+    # the published MRP checkpoints (SDARMRPForCausalLM) state the head's shape in config.json
+    for key, found in (("num_mrp_heads", num_modules), ("num_nextn_predict_layers", num_layers)):
+        if raw_config.get(key) is not None and raw_config[key] != found:
+            raise CheckpointError(f"{ckpt_dir}/config.json says {key}={raw_config[key]} but its mrp_modules.* tensors "
+                                  f"hold {found}; the checkpoint is incomplete or its config.json is not its own")
     cfg = MRPConfig(made_for.hidden_size, made_for.vocab_size, num_modules, max(num_layers, 1), scale)
     graphdef, state = nnx.split(abstract_head(made_for, cfg))
     expected = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}

@@ -43,7 +43,9 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
+        """The chat template rendered over `messages`; `template_vars` are further variables the
+        template reads (e.g. Qwen3's enable_thinking=False)."""
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat template; pass raw prompts instead")
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
@@ -54,6 +56,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_str(self.bos_id),
             eos_token=self._token_str(self.eos_id),
+            **template_vars,
         )
 
     def require_mask(self) -> int:
