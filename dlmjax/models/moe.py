@@ -160,10 +160,9 @@ def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfi
 
 EXPERT_DISPATCH = ("auto", "all_to_all", "gather", "xla")
 EXPERT_AXIS = "expert"
-# "auto" sends tokens all-to-all when a device's token slice (tokens over the batch axes, then over
-# the other axes) is at most this many tokens, and all-gathers the experts above it: see
-# `resolve_dispatch` and benchmarks/moe_ep_cpu.py.
-AUTO_ALL_TO_ALL_MAX_TOKENS = 64
+# "auto" picks, at trace time, the path that moves fewer bytes per device per layer (see
+# `dispatch_bytes`): all-to-all for decode-like token counts, all-gathered experts once a device's
+# token slice is large enough that the padded dropless buffers outweigh the experts.
 
 
 def _expert_mesh(experts):
@@ -192,10 +191,25 @@ def _token_axes(num_tokens: int, mesh):
     return batch, split
 
 
+def dispatch_bytes(num_tokens: int, cfg: ModelConfig, mesh, itemsize: int = 4) -> dict[str, int]:
+    """Bytes each path's collectives deliver to one device for one layer (what the compiled HLO's
+    all-to-all / all-gather ops produce; benchmarks/moe_ep_cpu.py reads them back):
+    - all_to_all: rows out and back, n buffers of C = S * min(k, E/n) rows of D, plus C ids each,
+      for a slice of S tokens per device;
+    - gather: the stacked experts, E x D x 3F, all-gathered."""
+    sizes = _sizes(mesh)
+    n = sizes[EXPERT_AXIS]
+    batch, split = _token_axes(num_tokens, mesh)
+    s = -(-num_tokens // math.prod(sizes[a] for a in batch + split))
+    cap = s * min(cfg.num_experts_per_tok, cfg.num_experts // n)
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    return {"all_to_all": n * cap * (2 * d * itemsize + 4), "gather": cfg.num_experts * d * 3 * f * itemsize}
+
+
 def resolve_dispatch(dispatch: str, num_tokens: int, cfg: ModelConfig, mesh) -> str:
     """The path for `num_tokens` tokens: "local" without an expert axis > 1 (or experts that do not
-    divide over it: they are then replicated); else the setting, "auto" being "all_to_all" for at
-    most AUTO_ALL_TO_ALL_MAX_TOKENS tokens per device slice and "gather" above."""
+    divide over it: they are then replicated); else the setting, "auto" being whichever of
+    "all_to_all" and "gather" moves fewer bytes (`dispatch_bytes`; ties go to all-to-all)."""
     if dispatch not in EXPERT_DISPATCH:
         raise ValueError(f"expert_dispatch {dispatch!r}: choose one of {', '.join(EXPERT_DISPATCH)}")
     n = 1 if mesh is None else _sizes(mesh)[EXPERT_AXIS]
@@ -208,10 +222,8 @@ def resolve_dispatch(dispatch: str, num_tokens: int, cfg: ModelConfig, mesh) -> 
                          f"{n} devices of the 'expert' axis; choose an expert axis size that divides them")
     if dispatch != "auto":
         return dispatch
-    sizes = _sizes(mesh)
-    batch, split = _token_axes(num_tokens, mesh)
-    slice_tokens = -(-num_tokens // math.prod(sizes[a] for a in batch + split))
-    return "all_to_all" if slice_tokens <= AUTO_ALL_TO_ALL_MAX_TOKENS else "gather"
+    moved = dispatch_bytes(num_tokens, cfg, mesh, jnp.dtype(cfg.dtype).itemsize)
+    return "all_to_all" if moved["all_to_all"] <= moved["gather"] else "gather"
 
 
 def _shard_mapped(mode, x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, mesh, experts_fn):
