@@ -50,6 +50,8 @@ from dlmjax.models import moe  # noqa: E402
 from dlmjax.sharding import make_mesh  # noqa: E402
 
 MODES = ("all_to_all", "gather", "xla")
+# (hidden, experts, expert width, top-k) of one MoE layer
+PUBLISHED_SHAPES = {"LLaDA-MoE-7B-A1B": (2048, 64, 1024, 8), "LLaDA2.0-mini": (2048, 256, 512, 8)}
 _COLLECTIVE = re.compile(r"=\s*(.+?)\s+(all-to-all|all-gather|all-reduce|reduce-scatter|collective-permute)\(")
 _ARRAY = re.compile(r"(f32|bf16|f16|s32|u32|s8|u8|pred|f64|s64)\[([0-9,]*)\]")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
@@ -131,13 +133,28 @@ def main(argv=None):
                 row[f"{mode}_max_abs_diff"] = float(np.abs(got - expected[t]).max())
             rows.append(row)
             print(json.dumps(row), flush=True)
+    published = []  # what "auto" picks at the published models' shapes (bf16), from the byte model alone
+    for name, (hidden, experts, width, top_k) in PUBLISHED_SHAPES.items():
+        shape_cfg = dlmjax.ModelConfig(**{**layer_config(args).__dict__, "hidden_size": hidden, "num_experts": experts,
+                                          "moe_intermediate_size": width, "num_experts_per_tok": top_k,
+                                          "head_dim": hidden // 4, "dtype": "bfloat16"})
+        for spec in args.meshes:
+            sizes = {k: int(v) for k, v in (part.split("=") for part in spec.split(","))}
+            abstract = make_mesh(expert=sizes.get("expert", 1), data=sizes.get("data", 1)).abstract_mesh
+            tokens = 1
+            while moe.resolve_dispatch("auto", tokens, shape_cfg, abstract) == "all_to_all" and tokens < 1 << 24:
+                tokens *= 2
+            published.append(dict(model=name, mesh=spec, all_to_all_up_to_tokens=tokens // 2,
+                                  bytes_at_32_tokens=moe.dispatch_bytes(32, shape_cfg, abstract, 2),
+                                  gather_from_tokens=tokens))
+            print(json.dumps(published[-1]), flush=True)
     result = dict(command="python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
                   shape=dict(hidden=d, experts=e, expert_width=f, top_k=args.top_k, dtype="float32"),
                   machine=dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__,
                                backend=jax.default_backend(), devices=len(jax.devices()),
                                note="8 fake CPU devices on shared cores: shapes and collective bytes carry over, "
                                     "times are not accelerator speed"),
-                  rows=rows)
+                  load_average=os.getloadavg(), rows=rows, auto_at_published_shapes=published)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
