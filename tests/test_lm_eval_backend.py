@@ -208,3 +208,16 @@ def test_lm_model_scores_an_empty_context_after_its_prefix_token():
     cont = lm.tok_encode("3+4=7")
     empty, prefixed = lm._loglikelihood_tokens([(None, [], cont), (None, [lm.prefix_token_id], cont)])
     assert np.isfinite(empty[0]) and empty == prefixed
+
+
+def test_drafter_prompts_leave_room_for_the_drafter_block():
+    """A drafter decodes a block beyond prompt + budget: a long context is cut to leave it room
+    (toy-ar and its shipped DFlash drafter, model length 256, block 8)."""
+    from dlmjax.lm_eval import DlmjaxLM
+
+    lm = DlmjaxLM(pretrained="toy-ar", decoder="drafter", batch_size=2, mesh_data=1, warmup=False)
+    block = lm.drafter.config.block_size
+    ids = lm._prompt_ids("1+2\n" * 200, 8)
+    assert len(ids) == lm.max_length - 8 - block
+    lm.use_decoder("ar")
+    assert len(lm._prompt_ids("1+2\n" * 200, 8)) == lm.max_length - 8

@@ -119,7 +119,9 @@ def run_backend(args) -> int:
                     "lm_eval_task": name, "metric": metric, "n_shot": out["n-shot"].get(name),
                     "results": {k: v for k, v in results.items() if k != "alias"}}
                 outputs += [_output(task, decoder, metric, s) for s in samples]
-    title = f"{args.model} ({lm.path}), lm-eval {lm_eval.__version__ if hasattr(lm_eval, '__version__') else ''} tasks"
+    from importlib.metadata import version
+
+    title = f"{args.model} ({lm.path}), lm-eval {version('lm_eval')} task definitions (dlmjax.lm_eval.tasks)"
     table = write_report(records, outputs if args.save_outputs else None, args.out, title=title)
     out_dir = Path(args.out)
     saved = json.loads((out_dir / "results.json").read_text())

@@ -28,7 +28,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
 from dlmjax.decoding.api import Stream
-from dlmjax.decoding.spec import CAUSAL_DECODERS, parse_decoder
+from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, parse_decoder
 from dlmjax.lm_eval.likelihood import causal_logprobs, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
 from dlmjax.validation import InputError
@@ -273,15 +273,25 @@ class DlmjaxLM(TemplateLM):
     def _prompt_ids(self, context: str, budget: int) -> list[int]:
         """The context's ids, left-truncated (as lm-eval's HF model does) to leave room for `budget`."""
         ids = self.tok_encode(context)
-        room = self.max_length - budget
+        length, extra = self._decode_length()
+        room = length - budget - extra
         if room < 1:
-            raise RequestError(f"max_gen_toks needs {budget} tokens but the model holds {self.max_length}; lower "
-                               "max_gen_toks (gen_kwargs) or max_new_tokens (model_args)")
+            raise RequestError(f"max_gen_toks needs {budget} tokens{f' (+ {extra} for the drafter block)' if extra else ''}"
+                               f" but the model holds {length}; lower max_gen_toks (gen_kwargs) or max_new_tokens "
+                               "(model_args)")
         if len(ids) > room:
             log.warning("a context of %d tokens is left-truncated to %d (model length %d, budget %d)",
-                        len(ids), room, self.max_length, budget)
+                        len(ids), room, length, budget)
             ids = ids[-room:]
         return ids
+
+    def _decode_length(self) -> tuple[int, int]:
+        """(positions a decode may use, positions the decoder needs beyond prompt + budget): a
+        DFlash drafter also bounds the length and needs one block of room (decoding/speculative)."""
+        if self.drafter is None or not isinstance(self.decoder, DrafterDecoding):
+            return self.max_length, 0
+        block = int(self.decoder.block or self.drafter.config.block_size)
+        return min(self.max_length, self.drafter.config.max_position_embeddings), block
 
     def _decode(self, task: str, prompts: list[list[int]], budget: int, row_ids: list[int]):
         """Rows for `prompts` in order, from one continuous-batching stream; metrics recorded."""
