@@ -13,9 +13,11 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -35,7 +37,7 @@ from dlmjax.validation import InputError
 REPO = Path(__file__).resolve().parent.parent
 OVERRIDES = ["train.steps=4", "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=2",
              "train.eval_every=0", "train.warmup_steps=2", "train.init_from=null", "data.tasks={toy-arith: 1}",
-             "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=2", "model.head_dim=8",
+             "model.hidden_size=32", "model.intermediate_size=64", "model.num_layers=1", "model.head_dim=8",
              "model.block_size=4"]
 
 
@@ -175,34 +177,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(commands, timeout=300):
-    """Run one command per process (process i gets commands[i]); all stdouts, or fail with the logs."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+def _launch(make_commands, logs: Path, timeout=300):
+    """Start one process per command of `make_commands(coordinator)` (a free local port each try)
+    and wait for all; their outputs. A process that fails stops the others at once (a survivor
+    would wait for it in a collective); a coordinator port taken meanwhile is retried with another."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}
-    env.pop("DLMJAX_DISTRIBUTED", None)
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd in commands]
-    outs = []
-    try:
-        for proc in procs:
-            outs.append(proc.communicate(timeout=timeout)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    for proc, out in zip(procs, outs):
-        assert proc.returncode == 0, f"a process failed (exit {proc.returncode}):\n{out[-4000:]}"
-    return outs
+    for name in ("DLMJAX_DISTRIBUTED", "DLMJAX_COORDINATOR", "DLMJAX_NUM_PROCESSES", "DLMJAX_PROCESS_ID"):
+        env.pop(name, None)
+    for attempt in range(3):
+        commands = make_commands(f"127.0.0.1:{_free_port()}")
+        paths = [logs / f"launch-{attempt}-process-{i}.log" for i in range(len(commands))]
+        procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=path.open("w"), stderr=subprocess.STDOUT)
+                 for cmd, path in zip(commands, paths)]
+        deadline = time.monotonic() + timeout
+        try:
+            while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+                if any(proc.poll() not in (None, 0) for proc in procs):
+                    break
+                time.sleep(0.2)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGABRT)  # faulthandler prints where it was stuck
+                    try:
+                        proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+        outs = [path.read_text() for path in paths]
+        if all(proc.returncode == 0 for proc in procs):
+            return outs
+        if attempt < 2 and any("already in use" in out.lower() or "failed to bind" in out.lower() for out in outs):
+            continue
+        report = "\n".join(f"--- process {i} (exit {proc.returncode}):\n{out[-3000:]}"
+                            for i, (proc, out) in enumerate(zip(procs, outs)))
+        pytest.fail(f"a process failed or hung:\n{report}")
 
 
 def test_two_processes_train_stop_and_resume(tmp_path, single_device_run):
     losses, params = single_device_run
     config, run_dir = str(REPO / "configs/toy-sdar.yaml"), str(tmp_path / "run")
 
-    coordinator = f"127.0.0.1:{_free_port()}"
-    outs = _launch([[sys.executable, "-c", FIRST_LAUNCH, coordinator, str(i), config, json.dumps(OVERRIDES), run_dir]
-                    for i in range(2)])
+    outs = _launch(lambda coordinator: [[sys.executable, "-c", FIRST_LAUNCH, coordinator, str(i), config,
+                                         json.dumps(OVERRIDES), run_dir] for i in range(2)], tmp_path)
     results = [json.loads(line.split("RESULT ", 1)[1]) for out in outs for line in out.splitlines()
                if line.startswith("RESULT ")]
     assert [(r["mode"], r["processes"], r["devices"], r["step"]) for r in results] == [("explicit", 2, 8, 2)] * 2
@@ -212,9 +230,9 @@ def test_two_processes_train_stop_and_resume(tmp_path, single_device_run):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]  # one checkpoint, once
 
     # Resume through the CLI, on the default mesh (8 x 1 over both processes), a new coordinator.
-    coordinator = f"127.0.0.1:{_free_port()}"
-    outs = _launch([[sys.executable, "-m", "dlmjax.cli", "train", config, *OVERRIDES, "--out", run_dir, "--no-progress",
-                     "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)] for i in range(2)])
+    outs = _launch(lambda coordinator: [[sys.executable, "-m", "dlmjax.cli", "train", config, *OVERRIDES, "--out",
+                                         run_dir, "--no-progress", "--coordinator", coordinator, "--num-processes",
+                                         "2", "--process-id", str(i)] for i in range(2)], tmp_path)
     assert "trained 4 steps; model written to" in outs[0]
     assert "trained 4 steps" not in outs[1]  # process 0 alone reports
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -222,5 +240,6 @@ def test_two_processes_train_stop_and_resume(tmp_path, single_device_run):
     for line in logged:
         np.testing.assert_allclose(line["loss"], losses[line["step"]], rtol=1e-5)
     got = flat_params(load_model(tmp_path / "run" / "model"))
+    print("largest difference from the single-device params:", max(np.abs(got[k] - v).max() for k, v in params.items()))
     for name, value in params.items():
         np.testing.assert_allclose(got[name], value, atol=2e-6, rtol=0, err_msg=name)
