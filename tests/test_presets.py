@@ -117,15 +117,17 @@ def test_eval_runs_a_presets_table(tmp_path, capsys):
     """`dlmjax eval --preset FILE --model DIR`: the preset's tasks, lengths, batch and decoders."""
     from dlmjax.presets import resolve_model
 
-    mask = load_config(resolve_model("toy-sdar")).mask_token_id
-    preset = _write(tmp_path, GOOD.replace("mask_token_id: 3", f"mask_token_id: {mask}"))
-    code = cli_main(["eval", "--preset", str(preset), "--model", "toy-sdar", "--limit", "2", "--out",
+    mask = load_config(resolve_model("random-sdar")).mask_token_id  # untrained, 2 layers, block 4
+    preset = _write(tmp_path, GOOD.replace("mask_token_id: 3", f"mask_token_id: {mask}")
+                    .replace("block_size: 8", "block_size: 4").replace('[static, "threshold:tau=0.9"]',
+                                                                       '["threshold:tau=0.9"]'))
+    code = cli_main(["eval", "--preset", str(preset), "--model", "random-sdar", "--limit", "2", "--out",
                      str(tmp_path / "out"), "--no-progress"])
     assert code == 0, capsys.readouterr().err
-    records = json.loads((tmp_path / "out" / "results.json").read_text())
-    records = records["runs"]
-    assert sorted({r["decoder"] for r in records}) == ["static", "threshold:tau=0.9"]
-    assert {r["task"] for r in records} == {"toy-arith"}
+    records = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    assert [(r["task"], r["decoder"], r["n"]) for r in records] == [("toy-arith", "threshold:tau=0.9", 2)]
+    # the preset's generation length, 16 tokens, not toy-arith's 48: an untrained model commits ~1 per step
+    assert all(r["nfe"] < 20 for r in records)
     # a preset for another model is refused before anything runs
     assert cli_main(["eval", "--preset", "llada-8b-instruct", "--model", "toy-sdar", "--out",
                      str(tmp_path / "x")]) == 2
