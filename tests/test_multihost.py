@@ -218,9 +218,10 @@ def _launch(make_commands, logs: Path, timeout=300):
 def test_two_processes_train_stop_and_resume(tmp_path, single_device_run):
     losses, params = single_device_run
     config, run_dir = str(REPO / "configs/toy-sdar.yaml"), str(tmp_path / "run")
+    overrides = OVERRIDES + ["train.eval_every=4", "train.eval_examples=2"]  # process 0 evaluates at the end
 
     outs = _launch(lambda coordinator: [[sys.executable, "-c", FIRST_LAUNCH, coordinator, str(i), config,
-                                         json.dumps(OVERRIDES), run_dir] for i in range(2)], tmp_path)
+                                         json.dumps(overrides), run_dir] for i in range(2)], tmp_path)
     results = [json.loads(line.split("RESULT ", 1)[1]) for out in outs for line in out.splitlines()
                if line.startswith("RESULT ")]
     assert [(r["mode"], r["processes"], r["devices"], r["step"]) for r in results] == [("explicit", 2, 8, 2)] * 2
@@ -230,14 +231,15 @@ def test_two_processes_train_stop_and_resume(tmp_path, single_device_run):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2"]  # one checkpoint, once
 
     # Resume through the CLI, on the default mesh (8 x 1 over both processes), a new coordinator.
-    outs = _launch(lambda coordinator: [[sys.executable, "-m", "dlmjax.cli", "train", config, *OVERRIDES, "--out",
+    outs = _launch(lambda coordinator: [[sys.executable, "-m", "dlmjax.cli", "train", config, *overrides, "--out",
                                          run_dir, "--no-progress", "--coordinator", coordinator, "--num-processes",
                                          "2", "--process-id", str(i)] for i in range(2)], tmp_path)
     assert "trained 4 steps; model written to" in outs[0]
     assert "trained 4 steps" not in outs[1]  # process 0 alone reports
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in logged] == [1, 2, 3, 4]  # written by process 0 only
-    for line in logged:
+    assert [line["step"] for line in logged] == [1, 2, 3, 4, 4]  # written by process 0 only
+    assert {"eval/toy-arith"} == set(logged[-1]) - {"step"}  # evaluated by process 0 alone
+    for line in logged[:-1]:
         np.testing.assert_allclose(line["loss"], losses[line["step"]], rtol=1e-5)
     got = flat_params(load_model(tmp_path / "run" / "model"))
     print("largest difference from the single-device params:", max(np.abs(got[k] - v).max() for k, v in params.items()))
