@@ -5,8 +5,9 @@
 1. an explicit coordinator: the arguments (`dlmjax train --coordinator HOST:PORT --num-processes N
    --process-id I`) or the environment (DLMJAX_COORDINATOR, DLMJAX_NUM_PROCESSES,
    DLMJAX_PROCESS_ID); all three or none (the process id may come from SLURM_PROCID instead);
-2. SLURM: inside `srun` with more than one task (SLURM_JOB_ID, SLURM_NTASKS > 1,
-   SLURM_STEP_NODELIST), JAX reads the coordinator, process count and id from SLURM;
+2. SLURM: inside an `srun` step of more than one task (SLURM_JOB_ID, SLURM_STEP_NODELIST,
+   SLURM_PROCID, SLURM_STEP_NUM_TASKS or SLURM_NTASKS > 1; a batch script's own step has one),
+   JAX reads the coordinator, process count and id from SLURM;
 3. a Cloud TPU VM (libtpu installed and TPU chips present, or TPU_WORKER_HOSTNAMES set): JAX
    detects the pod slice's workers from the TPU metadata; a single-host slice is one process;
 4. otherwise nothing: one process, every device local (the default, and what tests run).
@@ -102,8 +103,9 @@ def plan(coordinator: str | None = None, num_processes: int | None = None, proce
             raise InputError(f"process id {process_id} is out of range for {num_processes} processes; ids run "
                              f"0..{num_processes - 1}")
         return Launch("explicit", coordinator, num_processes, process_id)
-    if environ.get("SLURM_JOB_ID") and environ.get("SLURM_STEP_NODELIST") and \
-            (_count("SLURM_NTASKS", environ.get("SLURM_NTASKS"), 1) or 1) > 1:
+    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")  # the step's (a batch script: 1)
+    if environ.get("SLURM_JOB_ID") and environ.get("SLURM_STEP_NODELIST") and environ.get("SLURM_PROCID") and \
+            (_count("SLURM_STEP_NUM_TASKS", tasks, 1) or 1) > 1:
         return Launch("slurm")
     if _on_tpu_vm(environ):
         return Launch("tpu")

@@ -63,6 +63,7 @@ def test_plan_single_explicit_and_slurm():
     slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_PROCID": "5"}
     assert plan(environ=slurm).mode == "slurm"
     assert plan(environ={**slurm, "SLURM_NTASKS": "1"}).mode == "single"  # one task: nothing to join
+    assert plan(environ={**slurm, "SLURM_STEP_NUM_TASKS": "1"}).mode == "single"  # a batch script's own step
     # an explicit coordinator under SLURM takes the process id from SLURM_PROCID
     assert plan("h:1", 8, environ=slurm).process_id == 5
     assert plan(environ={"DLMJAX_DISTRIBUTED": "off", **slurm}).mode == "single"
