@@ -172,6 +172,14 @@ class MemoryEstimate:
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
+    def one_line(self) -> str:
+        """The estimate on one line (for error messages)."""
+        kinds = [("frozen params", self.frozen_params), ("trained params", self.trained_params),
+                 ("optimizer state", self.optimizer), ("activations", self.activations),
+                 ("fsdp gather", self.fsdp_gather), ("KV cache", self.kv_cache)]
+        parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in kinds if value)
+        return f"{parts}; mesh {self.mesh}, {self.rows_per_device} rows x {self.seq_len} tokens per device"
+
 
 def format_bytes(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
@@ -215,7 +223,7 @@ def check_fits(estimate: MemoryEstimate, capacity: int | None, *, fix: str) -> N
     if capacity is None or estimate.total <= capacity:
         return
     raise InputError(f"this run does not fit: about {format_bytes(estimate.total)} per device against "
-                     f"{format_bytes(capacity)} of device memory\n{estimate}\n{fix}")
+                     f"{format_bytes(capacity)} of device memory ({estimate.one_line()}); {fix}")
 
 
 def first_layer(tree, shardings):

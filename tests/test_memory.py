@@ -128,8 +128,10 @@ def test_parse_memory_and_refusal():
                               seq_len=512)
     check_fits(estimate, None, fix="")  # no capacity known (CPU): nothing refused
     check_fits(estimate, 8 * GiB, fix="")
-    with pytest.raises(InputError, match=r"(?s)5.00 GiB per device against 4.00 GiB.*activations.*smaller batch"):
+    with pytest.raises(InputError, match=r"5.00 GiB per device against 4.00 GiB.*activations 2.00 GiB.*smaller batch"
+                       ) as refused:
         check_fits(estimate, 4 * GiB, fix="fix: a smaller batch")
+    assert "\n" not in str(refused.value)  # one line, as every refusal of the CLI
 
 
 MRP_RUN = ["backbone=random-sdar", "train.steps=1", "train.batch_size=8", "train.eval_every=0", "mrp.num_layers=1",
@@ -144,11 +146,13 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts(tmp_path, capsys):
         train(run, tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
     # the same from the command line: one line of error, exit 2
+    capsys.readouterr()
     code = cli_main(["train", "configs/mrp/toy-sdar.yaml", *MRP_RUN, "--out", str(tmp_path / "cli"),
                      "--mesh", "data=2,fsdp=2,model=2", "--device-memory", "1MiB", "--no-progress"])
     assert code == 2
-    err = capsys.readouterr().err
-    assert "does not fit" in err and "mesh data=2,fsdp=2,model=2" in err
+    out, err = capsys.readouterr()
+    assert err.startswith("dlmjax train: error: this run does not fit") and err.count("\n") == 1
+    assert "mesh data=2,fsdp=2,model=2" in err and "memory per device" in out  # the table on stdout first
 
 
 def test_mesh_section_errors(tmp_path):
