@@ -19,6 +19,12 @@ which or how many tokens share the batch. `dense_expert_outputs` runs every expe
 
 In the batch-invariant numerics mode (`dlmjax.numerics(invariant=True)`) tokens go through the
 experts in fixed tiles of `row_tile` tokens, one compiled shape whatever the batch.
+
+Expert parallelism: with the experts split over a mesh 'expert' axis, `MoE.expert_dispatch` says
+how tokens meet them: "all_to_all" (tokens sent to their experts' devices and back under
+shard_map, in padded buffers that can never overflow), "gather" (experts all-gathered, tokens
+stay), "xla" (the layer as written, XLA partitioning it) or "auto" (whichever of the first two
+moves fewer bytes for the token count at hand; `resolve_dispatch`, `dispatch_bytes`).
 """
 
 from __future__ import annotations
@@ -129,13 +135,11 @@ def combine(y_tkd, weights_tk):
     return out.astype(y_tkd.dtype)
 
 
-def _routed(rows_td, router_de, bias_e, experts_fn):
-    """rows -> router (float32) -> experts_fn(rows, experts, weights) [T, k, D] -> combined [T, D]."""
-    def fn(cfg, *experts):
-        logits_te = arithmetic.matmul(rows_td.astype(jnp.float32), router_de.astype(jnp.float32))
-        weights_tk, experts_tk = route(cfg, logits_te, bias_e)
-        return combine(experts_fn(rows_td, experts_tk, *experts), weights_tk)
-    return fn
+def _routed(rows_td, router_de, bias_e, gate_up, down, cfg: ModelConfig, experts_fn):
+    """rows -> router (float32) -> experts_fn(rows, experts, gate_up, down) [T, k, D] -> combined [T, D]."""
+    logits_te = arithmetic.matmul(rows_td.astype(jnp.float32), router_de.astype(jnp.float32))
+    weights_tk, experts_tk = route(cfg, logits_te, bias_e)
+    return combine(experts_fn(rows_td, experts_tk, gate_up, down), weights_tk)
 
 
 def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfig, implementation: str = "grouped",
@@ -143,13 +147,14 @@ def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfi
     """The routed experts' contribution [T, D] for tokens x [T, D] (no shared expert).
 
     dispatch (only matters where the experts' mesh has an 'expert' axis > 1; see `resolve_dispatch`):
-    "all_to_all", "gather", "xla" or "auto"."""
+    "all_to_all", "gather", "xla" or "auto". `implementation` "dense" applies to the local, "xla"
+    and "gather" paths; the all-to-all path always runs its experts grouped."""
     experts_fn = EXPERT_IMPLEMENTATIONS[implementation]
     mesh = _expert_mesh(gate_up_ed2f)
     mode = resolve_dispatch(dispatch, x_td.shape[0], cfg, mesh)
     if mode in ("local", "xla"):
         def routed(rows_td):
-            return _routed(rows_td, router_de, bias_e, experts_fn)(cfg, gate_up_ed2f, down_efd)
+            return _routed(rows_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, experts_fn)
 
         return arithmetic.rowwise(routed, x_td)  # invariant mode: fixed tiles of rows, one shape whatever T
     return _shard_mapped(mode, x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, mesh, experts_fn)
@@ -253,8 +258,8 @@ def _shard_mapped(mode, x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, me
         s = -(-t // split_size)
         padded = jnp.pad(x_local, ((0, s * split_size - t), (0, 0)))
         mine = jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(split) * s, s)
-        y = arithmetic.rowwise(lambda rows: _routed(rows, router, bias[0] if bias else None,
-                                                    experts_fn_local)(cfg, gate_up, down), mine)
+        y = arithmetic.rowwise(lambda rows: _routed(rows, router, bias[0] if bias else None, gate_up, down, cfg,
+                                                    experts_fn_local), mine)
         return jax.lax.all_gather(y, split, tiled=True)[:t]
 
     in_specs = (token_spec, P(None, None), expert_spec, expert_spec) + (() if bias_e is None else (P(None),))
