@@ -173,3 +173,26 @@ def test_all_to_all_batch_invariant_with_a_model_axis():
         assert "all_to_all" in fn.lower(*args).as_text()
     np.testing.assert_array_equal(batch[:1], alone)
     np.testing.assert_allclose(batch, np.asarray(moe.moe_forward(x, router, None, gate_up, down, cfg)), atol=1e-5)
+
+
+def test_all_to_all_gradients_equal_one_device():
+    """Training through the layer (heads on MoE backbones, fine-tuning): gradients with respect to
+    tokens, router and experts through the all-to-all equal the one-device ones."""
+    cfg = _layer_config()
+    rng = np.random.default_rng(2)
+    d, e, f = 32, 8, 16
+    params = (jnp.asarray(rng.normal(size=(16, d)), jnp.float32), jnp.asarray(rng.normal(size=(d, e)), jnp.float32),
+              jnp.asarray(rng.normal(size=(e, d, 2 * f)) * 0.2, jnp.float32),
+              jnp.asarray(rng.normal(size=(e, f, d)) * 0.2, jnp.float32))
+
+    def loss(x, router, gate_up, down, dispatch="auto"):
+        return (moe.moe_forward(x, router, None, gate_up, down, cfg, dispatch=dispatch) ** 2).sum()
+
+    expected = jax.grad(loss, argnums=(0, 1, 2, 3))(*params)
+    mesh = make_mesh(model=1, expert=4, data=2)
+    on_experts = NamedSharding(mesh, P("expert", None, None))
+    placed = (jax.device_put(params[0], NamedSharding(mesh, P("data", None))), params[1],
+              jax.device_put(params[2], on_experts), jax.device_put(params[3], on_experts))
+    got = jax.jit(jax.grad(lambda *a: loss(*a, dispatch="all_to_all"), argnums=(0, 1, 2, 3)))(*placed)
+    for name, g, want in zip(("x", "router", "gate_up", "down"), got, expected):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5, err_msg=name)
