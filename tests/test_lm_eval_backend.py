@@ -158,6 +158,8 @@ def test_code_pass_at_k_runs_in_the_sandbox():
     (["--task", "humaneval"], r"humaneval runs the generated code.*--confirm-run-unsafe-code"),
     (["--task", "gsm8k", "--task", "mbpp"], r"mbpp runs the generated code.*--confirm-run-unsafe-code"),
     (["--task", "gsm8k", "--data", "x.jsonl"], r"--data feeds the native backend"),
+    (["--task", "gsm8k", "--strict-data"], r"--strict-data feeds the native backend"),
+    (["--task", "nope"], r"unknown task 'nope' for --backend lm-eval; tasks: gsm8k, humaneval, mbpp, math500"),
     (["--task", "gsm8k", "--compare-to", "static"], r"--compare-to.*drop --backend lm-eval"),
 ])
 def test_lm_eval_backend_refusals_name_the_fix(argv, message, capsys, tmp_path):

@@ -8,6 +8,10 @@
 
 `dlmjax lm-eval ARGS` runs lm-eval's own command line with the model registered (`run_cli`), and
 prints the decoding metrics after lm-eval's table. See `model.MODEL_ARGS` for the model_args.
+
+Offline tasks: `dlmjax.lm_eval.tasks` holds lm-eval's gsm8k, humaneval, mbpp and minerva_math500
+over the data dlmjax ships (`python -m dlmjax.lm_eval.tasks DIR` writes them for
+`--include_path DIR`); `dlmjax eval --backend lm-eval` runs them (`backend.run_backend`).
 """
 
 from __future__ import annotations

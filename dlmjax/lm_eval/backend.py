@@ -37,8 +37,8 @@ def check_backend_args(args, tasks: list[str]) -> None:
     if unknown:
         raise InputError(f"unknown task {', '.join(map(repr, unknown))} for --backend lm-eval; tasks: "
                          f"{', '.join(TASKS)}")
-    if args.data is not None:
-        raise InputError("--data feeds the native backend; the lm-eval tasks read the data dlmjax ships. For other "
+    if args.data is not None or args.strict_data:
+        raise InputError(f"{'--data' if args.data is not None else '--strict-data'} feeds the native backend; the lm-eval tasks read the data dlmjax ships. For other "
                          "data: python -m dlmjax.lm_eval.tasks DIR, edit data_files in DIR's YAML and run dlmjax "
                          "lm-eval --include_path DIR")
     if args.compare_to is not None:
