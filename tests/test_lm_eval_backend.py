@@ -135,6 +135,25 @@ def test_packaged_tasks_load_from_any_directory_and_build_lm_evals_prompts(tmp_p
         assert prompts["math500"].count("Problem:") == 5  # 4 Minerva shots
 
 
+def test_checkout_yaml_is_the_packaged_gsm8k_task(tmp_path, monkeypatch):
+    """eval/lm_eval_tasks/gsm8k_local.yaml (paths relative to the checkout's root) builds the same
+    5-shot prompts as the packaged task written with absolute paths."""
+    from pathlib import Path
+
+    from lm_eval.tasks import TaskManager
+
+    def first_prompts(include):
+        task = TaskManager(include_path=str(include), include_defaults=False).load(["gsm8k_local"])["tasks"]
+        task = task["gsm8k_local"]
+        task.set_fewshot_seed(1234)  # what simple_evaluate does (its fewshot_random_seed)
+        task.build_all_requests(limit=2, rank=0, world_size=1)
+        return [inst.args[0] for inst in task.instances]
+
+    packaged = first_prompts(write_tasks(tmp_path / "tasks", ["gsm8k"]))
+    monkeypatch.chdir(Path(__file__).parent.parent)
+    assert first_prompts("eval/lm_eval_tasks") == packaged
+
+
 def test_code_pass_at_k_runs_in_the_sandbox():
     from dlmjax.lm_eval.tasks import utils
 
