@@ -168,6 +168,30 @@ def test_code_pass_at_k_runs_in_the_sandbox():
     assert [s["task_id"] for s in utils.mbpp_fewshot_samples()] == [2, 3, 4]
 
 
+def test_code_tasks_run_with_the_flag_and_score_pass_at_1_by_hand(tmp_path):
+    """humaneval and mbpp on toy-ar (plumbing: the toy model writes no Python): with
+    --confirm-run-unsafe-code they run, the humaneval program is prompt + response (lm-eval's
+    create_test filter), and each score equals the sandboxed pass@1 of the logged program."""
+    from dlmjax.lm_eval.tasks import utils
+
+    rc = main(["eval", "--backend", "lm-eval", "--model", "toy-ar", "--decoder", "ar", "--task", "humaneval", "--task",
+               "mbpp", "--confirm-run-unsafe-code", "--limit", "2", "--max-new-tokens", "8", "--mesh", "data=1",
+               "--batch-size", "2", "--out", str(tmp_path), "--save-outputs", "--no-progress"])
+    assert rc == 0
+    outputs = [json.loads(line) for line in (tmp_path / "outputs.jsonl").open()]
+    assert [(o["task"], o["index"]) for o in outputs] == [("humaneval", 0), ("humaneval", 1), ("mbpp", 0), ("mbpp", 1)]
+    problems = load_eval_set("humaneval", limit=2).items
+    for out in outputs:
+        if out["task"] == "humaneval":
+            program = problems[out["index"]].reference["prompt"] + out["text"]
+            assert out["filtered"] == [[program]]  # one doc, one sample
+            assert out["score"] == utils.pass_at_k([out["target"]], [[program]], [1])["pass@1"]
+        else:
+            assert out["score"] == utils.pass_at_1(out["target"], out["text"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {r["task"]: r["n"] for r in results["runs"]} == {"humaneval": 2, "mbpp": 2}
+
+
 # ---------------------------------------------------------------------------------- refusals
 
 
