@@ -135,6 +135,40 @@ def test_packaged_tasks_load_from_any_directory_and_build_lm_evals_prompts(tmp_p
         assert prompts["math500"].count("Problem:") == 5  # 4 Minerva shots
 
 
+# the packaged functions that stand for lm-eval's own (same name in lm-eval's utils.py)
+SAME_FUNCTION = {"minerva_doc_to_text": "doc_to_text", "minerva_process_docs": "process_docs",
+                 "minerva_process_results": "process_results", "minerva_fewshot_samples": "list_fewshot_samples",
+                 "mbpp_fewshot_samples": "list_fewshot_samples"}
+DATA_KEYS = {"task", "tag", "dataset_path", "dataset_name", "dataset_kwargs"}
+
+
+@pytest.mark.parametrize("task, theirs", [("gsm8k", "gsm8k/gsm8k.yaml"), ("humaneval", "humaneval/humaneval.yaml"),
+                                          ("mbpp", "mbpp/mbpp.yaml"),
+                                          ("math500", "minerva_math/minerva_math500.yaml")])
+def test_packaged_yaml_is_lm_evals_task_but_for_the_data(task, theirs):
+    """Every key of the packaged YAML equals the one of lm-eval's installed task (includes
+    resolved), functions compared by name, except the task name, its tag and the data source."""
+    from pathlib import Path
+
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    def named(value):
+        if isinstance(value, dict):
+            return {k: named(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [named(v) for v in value]
+        if isinstance(value, str) and "utils." in value:  # an unresolved `!function utils.NAME`
+            name = value.rsplit(".", 1)[-1]
+            return "function " + SAME_FUNCTION.get(name, name)
+        return value
+
+    ours = named(load_yaml(Path(dlmjax.lm_eval.__file__).parent / "tasks" / TASKS[task][1], resolve_func=False))
+    lm = named(load_yaml(Path(lm_eval.__file__).parent / "tasks" / theirs, resolve_func=False))
+    for key in sorted((set(ours) | set(lm)) - DATA_KEYS):
+        assert ours.get(key) == lm.get(key), key
+    assert ours["dataset_path"] == "json" and ours["task"] == TASKS[task][0]
+
+
 def test_checkout_yaml_is_the_packaged_gsm8k_task(tmp_path, monkeypatch):
     """eval/lm_eval_tasks/gsm8k_local.yaml (paths relative to the checkout's root) builds the same
     5-shot prompts as the packaged task written with absolute paths."""
