@@ -157,7 +157,7 @@ def cmd_eval(args) -> int:
     from dlmjax.sharding import make_mesh
 
     preset = None
-    if args.preset is not None:  # a seed table on a published checkpoint (configs/presets)
+    if args.preset is not None:  # a seed table on a published checkpoint (dlmjax/eval_presets)
         preset = load_eval_preset(args.preset)
         if args.model is None:
             raise InputError(f"--preset {preset.name} runs on {preset.checkpoint}: download it and pass its "
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="accuracy and speed of decoders on tasks (default: toy-sdar, both toy tasks)")
     ev.add_argument("--model", default=None, help="checkpoint directory or preset (default toy-sdar)")
     ev.add_argument("--preset", default=None, metavar="NAME",
-                    help="a seed table on a published checkpoint (configs/presets/NAME.yaml, or a YAML file): its tasks, "
+                    help="a seed table on a published checkpoint (dlmjax/eval_presets/NAME.yaml, or a YAML file): its tasks, "
                          "generation lengths, chat template, batch size and decoders, checked against --model DIR "
                          "(family, mask id, block size); options given here override them")
     ev.add_argument("--task", action="append", help="toy-arith, toy-constraint, gsm8k, humaneval, mbpp, math500; repeat for several")

@@ -42,31 +42,6 @@ PRESETS.update({  # tiny random MoE models of each family (dlmjax.models.moe), i
                               routed_scaling_factor=2.5, **_TINY_MOE),
 })
 
-# The published MoE checkpoints and how their authors decode them (model cards, dInfer, SDAR's
-# generate). `dlmjax generate --model DIR --decoder SPEC` with DIR the downloaded checkpoint.
-PUBLISHED_MOE: dict[str, dict] = {
-    "inclusionAI/LLaDA-MoE-7B-A1B-Instruct": dict(family="llada_moe", mask_token_id=156895, eos_token_id=156892,
-                                                 block=32, decoder="threshold:tau=0.9,block=32", chat=True),
-    "inclusionAI/LLaDA2.0-mini": dict(family="llada2_moe", mask_token_id=156895, eos_token_id=156892, block=32,
-                                      decoder="llada2", chat=True),  # tau 0.95, steps 32: quota 1 per step
-    # LLaDA2.1's quality mode (model card): M2T threshold 0.7, T2T editing above 0.5, 16 post steps
-    "inclusionAI/LLaDA2.1-mini": dict(family="llada2_moe", mask_token_id=156895, eos_token_id=156892, block=32,
-                                      decoder="llada2:tau=0.7,editing_threshold=0.5,max_post_steps=16", chat=True),
-    "JetLM/SDAR-30B-A3B-Chat": dict(family="sdar_moe", mask_token_id=151669, eos_token_id=151643, block=4,
-                                    decoder="threshold:tau=0.9", chat=True),
-    "Qwen/Qwen3-30B-A3B": dict(family="qwen3_moe", mask_token_id=None, eos_token_id=151645, block=None,
-                               decoder="ar", chat=True),
-}
-
-# Published dense block-diffusion checkpoints beside the MoE ones (issue 21). Fast-dLLM v2 decodes
-# with its own generate(): block 32 (bd_size), each block's first token from the previous block's
-# last (shifted) logits, then sub-blocks of 8 in turn under threshold 0.9 (dlmjax.decoding.fast_dllm).
-PUBLISHED_DENSE: dict[str, dict] = {
-    "Efficient-Large-Model/Fast_dLLM_v2_7B": dict(family="fast_dllm_v2", mask_token_id=151665, eos_token_id=151645,
-                                                  block=32, decoder="fast-dllm-v2", chat=True),
-}
-
-
 SHIPPED_DIR = Path(__file__).parent / "toy" / "checkpoints"
 SHIPPED = ("toy-sdar", "toy-ar")
 
@@ -126,12 +101,12 @@ def load_checkpoint(name_or_dir: str | os.PathLike, *, dtype: str | None = None,
 
 
 # ----------------------------------------------------------------------------------------------
-# Evaluation presets: configs/presets/NAME.yaml, one per published checkpoint and seed table.
+# Evaluation presets: dlmjax/eval_presets/NAME.yaml, one per published checkpoint and seed table.
 # `dlmjax eval --preset NAME --model DIR` runs the preset's tasks, generation lengths, chat
 # template and decoders on the checkpoint downloaded to DIR, after checking that DIR is the model
 # the preset describes (family, mask id, block size).
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs" / "presets"
+PRESETS_DIR = Path(__file__).parent / "eval_presets"  # shipped with the package
 
 
 @dataclass(frozen=True)
@@ -199,7 +174,7 @@ def eval_preset_names() -> tuple[str, ...]:
 
 
 def load_eval_preset(name_or_path: str | os.PathLike) -> EvalPreset:
-    """The evaluation preset NAME (configs/presets/NAME.yaml) or a YAML file."""
+    """The evaluation preset NAME (dlmjax/eval_presets/NAME.yaml) or a YAML file."""
     import yaml
 
     path = Path(name_or_path)
@@ -207,7 +182,7 @@ def load_eval_preset(name_or_path: str | os.PathLike) -> EvalPreset:
         path = PRESETS_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         raise InputError(f"--preset {name_or_path!r} is neither a YAML file nor a preset; presets: "
-                         f"{', '.join(eval_preset_names()) or '(none: configs/presets is missing)'}")
+                         f"{', '.join(eval_preset_names()) or '(none: dlmjax/eval_presets is missing)'}")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:

@@ -187,16 +187,16 @@ def test_other_decoders_are_refused_with_the_fix(qwen2_and_checkpoint):
     from dlmjax.config import FAMILIES
     from dlmjax.decoding.api import generate
     from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
-    from dlmjax.presets import PUBLISHED_DENSE
+    from dlmjax.presets import load_eval_preset
 
     ours = dlmjax.load_model(qwen2_and_checkpoint[1])
     with pytest.raises(DecoderSpecError, match="use --decoder fast-dllm-v2"):
         generate(ours, [[1, 2, 3]], decoder="threshold:tau=0.9", max_new_tokens=4)
     with pytest.raises(DecoderSpecError, match="sub_block=3 does not divide the block 4"):
         generate(ours, [[1, 2, 3]], decoder="fast-dllm-v2:sub_block=3", max_new_tokens=4)
-    settings = PUBLISHED_DENSE["Efficient-Large-Model/Fast_dLLM_v2_7B"]
-    assert settings["mask_token_id"] == FAMILIES[settings["family"]].default_mask_token_id
-    assert parse_decoder(settings["decoder"]) == parse_decoder("fast-dllm-v2:tau=0.9,sub_block=8")
+    preset = load_eval_preset("fast-dllm-v2-7b")
+    assert preset.mask_token_id == FAMILIES[preset.family].default_mask_token_id
+    assert parse_decoder(preset.decoders[0]) == parse_decoder("fast-dllm-v2:tau=0.9,sub_block=8")
 
 
 def test_its_decoder_is_the_default_for_the_family():

@@ -160,10 +160,11 @@ def test_random_llada2_moe_preset(tmp_path, monkeypatch):
 
 
 def test_options_typed_and_ranged():
-    from dlmjax.presets import PUBLISHED_MOE
+    from dlmjax.presets import load_eval_preset
 
-    for settings in PUBLISHED_MOE.values():  # every published decoder spec parses
-        parse_decoder(settings["decoder"])
+    for name in ("llada2.0-mini", "llada2.1-mini"):  # the presets' decoder specs parse
+        for spec in load_eval_preset(name).decoders:
+            parse_decoder(spec)
     assert decoder_spec(parse_decoder("llada2:editing_threshold=0.5,tau=0.7")) == "llada2:tau=0.7,editing_threshold=0.5"
     for spec, message in [("llada2:steps=0", "steps=0 must be >= 1"),
                           ("llada2:editing_threshold=1.5", r"editing_threshold=1.5 must be in \[0, 1\]"),

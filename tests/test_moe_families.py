@@ -343,13 +343,3 @@ def test_random_moe_presets_load_and_decode(tmp_path, monkeypatch):
         assert model.config.num_experts == 8
         result = generate(model, ["ab"], tokenizer=tokenizer, decoder=decoder, max_new_tokens=4)
         assert len(result.rows[0].tokens) == 4
-
-
-def test_published_moe_settings_agree_with_the_family_defaults():
-    from dlmjax.config import FAMILIES
-    from dlmjax.presets import PUBLISHED_MOE
-
-    for name, settings in PUBLISHED_MOE.items():
-        family = FAMILIES[settings["family"]]
-        assert settings["mask_token_id"] == family.default_mask_token_id, name
-        assert (settings["block"] is None) == (family.attention == "causal"), name

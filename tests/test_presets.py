@@ -1,4 +1,4 @@
-"""Evaluation presets (configs/presets): every preset loads and validates, agrees with its family's
+"""Evaluation presets (dlmjax/eval_presets): every preset loads and validates, agrees with its family's
 defaults, refuses a checkpoint that is not its model, and `dlmjax eval --preset` runs its table."""
 
 import json
@@ -14,12 +14,15 @@ from dlmjax.heads.mrp import init_head, load_head, save_head
 from dlmjax.io.hf import export_model, load_config
 from dlmjax.io.tokenizer import Tokenizer
 from dlmjax.models.transformer import init_model
-from dlmjax.presets import PRESETS_DIR, PUBLISHED_DENSE, PUBLISHED_MOE, eval_preset_names, load_eval_preset
+from dlmjax.presets import PRESETS_DIR, eval_preset_names, load_eval_preset
 from dlmjax.validation import InputError
 
 NAMES = eval_preset_names()
 SEED_MODELS = {"sdar-1.7b-chat", "sdar-4b-chat", "sdar-8b-chat", "sdar-1.7b-mrp", "sdar-4b-mrp", "sdar-8b-mrp",
-               "llada-8b-instruct", "dream-7b-instruct", "qwen3-8b"}
+               "llada-8b-instruct", "dream-7b-instruct", "qwen3-8b",
+               # MoE checkpoints and Fast-dLLM v2 (issue 21)
+               "llada-moe-7b-a1b-instruct", "llada2.0-mini", "llada2.1-mini", "sdar-30b-a3b-chat", "fast-dllm-v2-7b",
+               "qwen3-30b-a3b"}
 
 
 def test_every_seed_model_has_a_preset():
@@ -58,11 +61,15 @@ def test_the_seed_settings_the_presets_carry():
     assert set(llada.tasks.values()) == {256} and "threshold:tau=0.9,block=32" in llada.decoders
     qwen = load_eval_preset("qwen3-8b")
     assert qwen.drafter == "z-lab/Qwen3-8B-DFlash-b16" and qwen.chat_template_vars == {"enable_thinking": False}
-    # the same mask ids as the published-checkpoint tables beside them
-    sdar_moe = PUBLISHED_MOE["JetLM/SDAR-30B-A3B-Chat"]
-    assert sdar_moe["mask_token_id"] == load_eval_preset("sdar-8b-chat").mask_token_id
-    assert all(v["mask_token_id"] == FAMILIES[v["family"]].default_mask_token_id
-               for v in {**PUBLISHED_MOE, **PUBLISHED_DENSE}.values() if v["mask_token_id"] is not None)
+    # the PSD and TSPD seeds' LLaDA-MoE setting: blocks of 32, threshold 0.9, PSD and CE over it
+    moe = load_eval_preset("llada-moe-7b-a1b-instruct")
+    assert moe.family == "llada_moe" and moe.mask_token_id == 156895 and moe.block_size == 32
+    assert {"threshold:tau=0.9,block=32", "psd:policy=threshold,tau=0.9,depth=4,block=32",
+            "ce:tau=0.9,depth=4,block=32"} <= set(moe.decoders)
+    assert load_eval_preset("llada2.0-mini").decoders[0] == "llada2"  # tau 0.95, 32 steps, block 32
+    assert "llada2:tau=0.7,editing_threshold=0.5,max_post_steps=16" in load_eval_preset("llada2.1-mini").decoders
+    assert load_eval_preset("sdar-30b-a3b-chat").mask_token_id == load_eval_preset("sdar-8b-chat").mask_token_id
+    assert load_eval_preset("fast-dllm-v2-7b").decoders == ["fast-dllm-v2"]
 
 
 def test_a_checkpoint_that_is_not_the_presets_model_is_refused():
@@ -160,3 +167,19 @@ def test_chat_template_variables_reach_the_template():
     messages = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(messages) == "hi"
     assert tok.apply_chat_template(messages, enable_thinking=False) == "hi<think></think>"
+
+
+def test_the_psd_and_tspd_seeds_llada_moe_table_decodes_a_llada_moe_model(tmp_path, monkeypatch):
+    """Every decoder of the llada-moe-7b-a1b-instruct preset runs on a (tiny, random) LLaDA-MoE model
+    at the preset's block; PSD and CE verify drafts, so they give the tokens of their policies."""
+    from dlmjax.decoding.api import generate
+    from dlmjax.presets import load_checkpoint
+
+    monkeypatch.setenv("DLMJAX_CACHE", str(tmp_path))
+    _, model, tokenizer, _ = load_checkpoint("random-llada-moe")
+    preset = load_eval_preset("llada-moe-7b-a1b-instruct")
+    tokens = {spec: generate(model, ["ab", "c"], tokenizer=tokenizer, decoder=spec, max_new_tokens=preset.block_size)
+              for spec in preset.decoders}
+    assert all(len(row.tokens) == preset.block_size for result in tokens.values() for row in result.rows)
+    threshold = [row.tokens for row in tokens["threshold:tau=0.9,block=32"].rows]
+    assert [row.tokens for row in tokens["psd:policy=threshold,tau=0.9,depth=4,block=32"].rows] == threshold
