@@ -24,6 +24,7 @@ from pathlib import Path
 from dlmjax import kernels
 from dlmjax.arithmetic import PRECISIONS, numerics
 from dlmjax.decoding.spec import decoder_names
+from dlmjax.models.moe import EXPERT_DISPATCH
 from dlmjax.traces import add_parser as add_traces_parser
 from dlmjax.validation import InputError
 
@@ -81,7 +82,8 @@ def cmd_generate(args) -> int:
     if mesh is not None and len(args.prompt) % mesh.shape["data"]:
         raise InputError(f"--mesh data={mesh.shape['data']} splits the prompts over {mesh.shape['data']} devices: give "
                          f"a multiple of {mesh.shape['data']} prompts (got {len(args.prompt)}) or a smaller data axis")
-    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh)
+    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh,
+                                                   expert_dispatch=args.expert_dispatch)
     decoder = args.decoder or default_decoders(model)[0]
     decoder = _with_controller([decoder], path, args.tspd_controller)[0]
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
@@ -168,7 +170,8 @@ def cmd_eval(args) -> int:
     args.model = args.model or "toy-sdar"
     args.batch_size = args.batch_size or 64
     mesh = _cli_mesh(args.mesh) or make_mesh(model=1)
-    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh)
+    path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh,
+                                                   expert_dispatch=args.expert_dispatch)
     if preset is not None:
         preset.check_model(model.config)
         if args.chat and preset.chat_template_vars:
@@ -243,8 +246,13 @@ DRAFTER_HELP = ("DFlash drafter directory for the `drafter` decoder of a causal 
                 "drafter/ subdirectory when it has one")
 CONTROLLER_HELP = ("TSPD controller (tspd_controller.safetensors, or a directory or preset holding one) for the tspd "
                    "and tspd+ce decoders that name none; default: the model's own, when it has one")
-MESH_HELP = ("device mesh AXIS=N,...: prompts split over 'data', the model's weights tensor-parallel over 'model' "
-             "(e.g. data=2,model=4; default: data = all devices, model=1)")
+MESH_HELP = ("device mesh AXIS=N,...: prompts split over 'data', the model's weights tensor-parallel over 'model', "
+             "an MoE model's experts over 'expert' (e.g. data=2,model=4 or expert=4,data=2; default: data = all "
+             "devices, the others 1)")
+EXPERT_DISPATCH_HELP = ("MoE models with experts split over --mesh expert=N: how tokens meet their experts. all_to_all "
+                        "sends each token to its experts' device and back; gather all-gathers the experts to every "
+                        "device; xla leaves it to the compiler; auto (default) takes whichever of all_to_all and "
+                        "gather moves fewer bytes per layer")
 MRP_HEAD_HELP = ("checkpoint directory holding the MRP head (mrp_modules.* tensors) for the mrp-* decoders; "
                  "default: the model's own directory when it has one")
 
@@ -293,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tspd-controller", default=None, help=CONTROLLER_HELP)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, tokens, nfe, tpf, ...")
     gen.add_argument("--mesh", default=None, help=MESH_HELP + "; the number of prompts must divide by data")
+    gen.add_argument("--expert-dispatch", choices=EXPERT_DISPATCH, default=None, help=EXPERT_DISPATCH_HELP)
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="accuracy and speed of decoders on tasks (default: toy-sdar, both toy tasks)")
@@ -312,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--save-outputs", action="store_true", help="also write outputs.jsonl (one line per decoder and prompt)")
     ev.add_argument("--batch-size", type=positive_int, default=None, help="prompts decoded together (default 64, or the preset's)")
     ev.add_argument("--mesh", default=None, help=MESH_HELP + " (--batch-size is rounded up to a multiple of data)")
+    ev.add_argument("--expert-dispatch", choices=EXPERT_DISPATCH, default=None, help=EXPERT_DISPATCH_HELP)
     ev.add_argument("--max-new-tokens", type=positive_int, default=None, help="override the task's generation budget")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)

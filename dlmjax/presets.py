@@ -19,6 +19,7 @@ from dlmjax.config import ModelConfig
 from dlmjax.heads.mrp import MRPHead, has_head, load_head
 from dlmjax.io.hf import export_model, load_model
 from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
+from dlmjax.models.moe import set_expert_dispatch
 from dlmjax.models.transformer import Transformer, init_model
 from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, InputError, check_fields, check_value
@@ -88,13 +89,17 @@ def resolve_model(name_or_dir: str | os.PathLike) -> Path:
 
 
 def load_checkpoint(name_or_dir: str | os.PathLike, *, dtype: str | None = None,
-                    head_from: str | os.PathLike | None = None,
-                    mesh=None) -> tuple[Path, Transformer, Tokenizer, MRPHead | None]:
+                    head_from: str | os.PathLike | None = None, mesh=None,
+                    expert_dispatch: str | None = None) -> tuple[Path, Transformer, Tokenizer, MRPHead | None]:
     """(checkpoint dir, model, tokenizer, MRP head or None) for a path or preset name. The head
     comes from `head_from` (a path or preset), else from the model's own directory if it holds one.
-    `mesh`: the model's params are placed on it as they load (tensor-parallel over 'model')."""
+    `mesh`: the model's params are placed on it as they load (tensor-parallel over 'model', experts
+    over 'expert'). `expert_dispatch`: how an MoE model's tokens meet experts split over 'expert'
+    (dlmjax.models.moe.EXPERT_DISPATCH; default each layer's "auto")."""
     path = resolve_model(name_or_dir)
     model = load_model(path, dtype=dtype, mesh=mesh)
+    if expert_dispatch is not None:
+        set_expert_dispatch(model, expert_dispatch)
     head_dir = resolve_model(head_from) if head_from else path
     head = load_head(head_dir, model.config) if head_from or has_head(path) else None
     return path, model, load_tokenizer(path, model.config), head

@@ -5,6 +5,7 @@ their experts all-to-all (`expert_dispatch="all_to_all"`), with the experts all-
 get no token, every token on one device or one expert)."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +197,28 @@ def test_all_to_all_gradients_equal_one_device():
     got = jax.jit(jax.grad(lambda *a: loss(*a, dispatch="all_to_all"), argnums=(0, 1, 2, 3)))(*placed)
     for name, g, want in zip(("x", "router", "gate_up", "down"), got, expected):
         np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_cli_expert_dispatch_on_an_expert_mesh_equals_one_device(tmp_path, monkeypatch, capsys):
+    """`dlmjax generate --mesh expert=4,data=2 --expert-dispatch all_to_all|gather`: the tokens of
+    one device; a mesh that does not fit and an unknown dispatch are refused in one line (exit 2)."""
+    from dlmjax.cli import main
+
+    monkeypatch.setenv("DLMJAX_CACHE", str(tmp_path))
+    common = ["generate", "--model", "random-sdar-moe", "--prompt", "ab", "--prompt", "cd", "--max-new-tokens", "8",
+              "--json"]
+
+    def rows(*extra):
+        assert main([*common, *extra]) == 0, capsys.readouterr().err
+        return [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()]
+
+    single = rows("--mesh", "data=1")
+    assert len(single) == 2
+    for dispatch in ("all_to_all", "gather"):
+        assert rows("--mesh", "expert=4,data=2", "--expert-dispatch", dispatch) == single
+    assert main([*common, "--mesh", "expert=3,data=2", "--expert-dispatch", "all_to_all"]) == 2
+    assert "expert=3 x model=1 must divide the number of devices (8)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse names the choices
+        main([*common, "--expert-dispatch", "ragged"])
+    assert exit_.value.code == 2
+    assert "choose from 'auto', 'all_to_all', 'gather', 'xla'" in capsys.readouterr().err

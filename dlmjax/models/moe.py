@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from dlmjax import arithmetic
 from dlmjax.config import ModelConfig
 from dlmjax.sharding import DEFAULT_RULES
+from dlmjax.validation import InputError
 
 _INIT_STD = 0.02
 
@@ -216,14 +217,14 @@ def resolve_dispatch(dispatch: str, num_tokens: int, cfg: ModelConfig, mesh) -> 
     divide over it: they are then replicated); else the setting, "auto" being whichever of
     "all_to_all" and "gather" moves fewer bytes (`dispatch_bytes`; ties go to all-to-all)."""
     if dispatch not in EXPERT_DISPATCH:
-        raise ValueError(f"expert_dispatch {dispatch!r}: choose one of {', '.join(EXPERT_DISPATCH)}")
+        raise InputError(f"expert_dispatch {dispatch!r}: choose one of {', '.join(EXPERT_DISPATCH)}")
     n = 1 if mesh is None else _sizes(mesh)[EXPERT_AXIS]
     if n == 1:
         return "local"
     if cfg.num_experts % n:
         if dispatch in ("auto", "xla", "gather"):
             return "local"  # the experts are replicated (load_model splits only what divides)
-        raise ValueError(f"expert_dispatch 'all_to_all' needs the {cfg.num_experts} experts to divide over the "
+        raise InputError(f"expert_dispatch 'all_to_all' needs the {cfg.num_experts} experts to divide over the "
                          f"{n} devices of the 'expert' axis; choose an expert axis size that divides them")
     if dispatch != "auto":
         return dispatch
@@ -308,7 +309,7 @@ def set_expert_dispatch(model: nnx.Module, dispatch: str) -> nnx.Module:
     """Set every MoE layer's `expert_dispatch` ("auto", "all_to_all", "gather" or "xla") in place;
     returns the model."""
     if dispatch not in EXPERT_DISPATCH:
-        raise ValueError(f"expert_dispatch {dispatch!r}: choose one of {', '.join(EXPERT_DISPATCH)}")
+        raise InputError(f"expert_dispatch {dispatch!r}: choose one of {', '.join(EXPERT_DISPATCH)}")
     for _, module in nnx.iter_graph(model):
         if isinstance(module, MoE):
             module.expert_dispatch = dispatch
