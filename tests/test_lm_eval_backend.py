@@ -300,3 +300,29 @@ def test_drafter_prompts_leave_room_for_the_drafter_block():
     assert len(ids) == lm.max_length - 8 - block
     lm.use_decoder("ar")
     assert len(lm._prompt_ids("1+2\n" * 200, 8)) == lm.max_length - 8
+
+
+@pytest.mark.devices(8)
+def test_lm_model_on_an_expert_mesh_equals_one_device(tmp_path, monkeypatch):
+    """mesh_expert / mesh_fsdp / expert_dispatch (what `--mesh` and `--expert-dispatch` pass from
+    `dlmjax eval --backend lm-eval`): an MoE model's experts split over 'expert' and its params over
+    'fsdp' generate one device's responses."""
+    from lm_eval.api.instance import Instance
+
+    from dlmjax.lm_eval import DlmjaxLM
+    from dlmjax.lm_eval.model import ModelArgsError
+
+    monkeypatch.setenv("DLMJAX_CACHE", str(tmp_path))
+    requests = [Instance("generate_until", {}, (context, {"until": ["\n\n"], "max_gen_toks": 8}), i, ("t", i, 1))
+                for i, context in enumerate(["ab", "cd"])]
+
+    def responses(**mesh):
+        lm = DlmjaxLM(pretrained="random-sdar-moe", decoder="threshold:tau=0.9", batch_size=2, warmup=False, **mesh)
+        return lm.generate_until(requests), lm
+
+    single, _ = responses(mesh_data=1)
+    split, lm = responses(mesh_data=2, mesh_expert=4, expert_dispatch="all_to_all")
+    assert split == single and lm.mesh.shape["expert"] == 4
+    assert responses(mesh_data=2, mesh_fsdp=2, mesh_model=2)[0] == single
+    with pytest.raises(ModelArgsError, match="expert_dispatch='ragged': choose one of auto, all_to_all"):
+        DlmjaxLM(pretrained="random-sdar-moe", mesh_data=1, expert_dispatch="ragged")

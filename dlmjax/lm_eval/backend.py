@@ -79,16 +79,16 @@ def run_backend(args) -> int:
 
     import jax
 
-    data, model_axis = jax.device_count(), 1  # as the native backend: data = every device by default
+    axes = {"data": jax.device_count(), "model": 1, "fsdp": 1, "expert": 1}  # as the native backend
     if args.mesh is not None:
         from dlmjax.sharding import parse_mesh
 
-        mesh = parse_mesh(args.mesh)
-        data, model_axis = mesh.shape["data"], mesh.shape["model"]
-    batch = -(-args.batch_size // data) * data  # as the native backend: a multiple of the data axis
-    lm = DlmjaxLM(pretrained=args.model, decoder=(args.decoder or [None])[0], batch_size=batch, mesh_data=data,
-                  mesh_model=model_axis, seed=args.seed, dtype=args.dtype, mrp_head=args.mrp_head,
-                  drafter=args.drafter, tspd_controller=args.tspd_controller, max_new_tokens=args.max_new_tokens or 256)
+        axes = dict(parse_mesh(args.mesh).shape)
+    batch = -(-args.batch_size // axes["data"]) * axes["data"]  # as the native backend: a multiple of the data axis
+    lm = DlmjaxLM(pretrained=args.model, decoder=(args.decoder or [None])[0], batch_size=batch,
+                  **{f"mesh_{axis}": size for axis, size in axes.items()}, expert_dispatch=args.expert_dispatch or "auto",
+                  seed=args.seed, dtype=args.dtype, mrp_head=args.mrp_head, drafter=args.drafter,
+                  tspd_controller=args.tspd_controller, max_new_tokens=args.max_new_tokens or 256)
     decoders = args.decoder
     if not decoders:
         head = has_head(resolve_model(args.mrp_head) if args.mrp_head else lm.path) or None

@@ -31,6 +31,7 @@ from dlmjax.decoding.api import Stream
 from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, parse_decoder
 from dlmjax.lm_eval.likelihood import causal_logprobs, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
+from dlmjax.models.moe import EXPERT_DISPATCH, set_expert_dispatch
 from dlmjax.validation import InputError
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ MODEL_ARGS: dict[str, tuple[object, str]] = {
     "refill": (None, "rows started per refill forward (default batch_size/8)"),
     "mesh_data": (None, "devices on the mesh's 'data' axis (default: all devices / mesh_model)"),
     "mesh_model": (1, "devices on the mesh's 'model' axis (tensor parallel)"),
+    "mesh_fsdp": (1, "devices on the mesh's 'fsdp' axis (each param's largest free dimension split over them)"),
+    "mesh_expert": (1, "devices on the mesh's 'expert' axis (an MoE model's experts split over them)"),
+    "expert_dispatch": ("auto", "how an MoE model's tokens meet experts split over 'expert': auto, all_to_all, "
+                                "gather or xla (as `dlmjax eval --expert-dispatch`)"),
     "seed": (0, "sampling seed of sampled decoders and of the Monte Carlo masks"),
     "mc_num": (128, "Monte Carlo samples per diffusion log-likelihood"),
     "mc_batch": (32, "Monte Carlo samples per forward"),
@@ -162,13 +167,18 @@ class DlmjaxLM(TemplateLM):
         self.seed = _int_arg(args, "seed", minimum=0)
         self.refill = _int_arg(args, "refill")
         self.warmup = _bool_arg(args, "warmup")
-        self.mesh = make_mesh(model=_int_arg(args, "mesh_model"), data=_int_arg(args, "mesh_data"))
+        self.mesh = make_mesh(model=_int_arg(args, "mesh_model"), data=_int_arg(args, "mesh_data"),
+                              fsdp=_int_arg(args, "mesh_fsdp"), expert=_int_arg(args, "mesh_expert"))
         if self.batch_size % self.mesh.shape["data"]:
             raise ModelArgsError(f"batch_size={self.batch_size} must be a multiple of mesh_data="
                                  f"{self.mesh.shape['data']} (each device decodes batch_size/mesh_data rows)")
 
         self.path = resolve_model(args["pretrained"])
         self.model = load_model(self.path, dtype=args["dtype"], mesh=self.mesh)  # params placed on the mesh
+        if args["expert_dispatch"] not in EXPERT_DISPATCH:
+            raise ModelArgsError(f"model_args expert_dispatch={args['expert_dispatch']!r}: choose one of "
+                                 f"{', '.join(EXPERT_DISPATCH)}")
+        set_expert_dispatch(self.model, args["expert_dispatch"])
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path, self.model.config)
         self.causal = self.model.config.attention == "causal"
