@@ -36,8 +36,13 @@ def test_missing_config(checkpoint):
 
 
 def test_missing_directory(tmp_path):
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(CheckpointError, match="does not exist; pass a checkpoint directory or a preset .*toy-sdar"):
         dlmjax.load_model(tmp_path / "nowhere")
+
+
+def test_the_python_api_takes_preset_names_as_the_cli_does():
+    model = dlmjax.load_model("toy-sdar")  # the shipped model, as `--model toy-sdar`
+    assert model.config.family == "sdar" and dlmjax.load_config("toy-ar").family == "qwen3"
 
 
 @pytest.mark.parametrize(

@@ -153,7 +153,10 @@ def hf_name_for(path: str, rules) -> str:
 def read_config(ckpt_dir: str | Path) -> dict:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
-        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist")
+        from dlmjax.presets import preset_names
+
+        raise CheckpointError(f"checkpoint directory {ckpt_dir} does not exist; pass a checkpoint directory or a "
+                              f"preset ({', '.join(preset_names())})")
     path = ckpt_dir / "config.json"
     if not path.is_file():
         raise CheckpointError(
@@ -212,8 +215,18 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def checkpoint_path(name_or_dir: str | Path) -> Path:
+    """The directory of a checkpoint named by its path or by a preset (`toy-sdar`, `random-sdar`, ...:
+    dlmjax.presets), so that the Python API takes what the CLI's --model takes."""
+    from dlmjax.presets import preset_names, resolve_model
+
+    path = Path(name_or_dir)
+    return resolve_model(path) if not path.is_dir() and str(name_or_dir) in preset_names() else path
+
+
 def load_config(ckpt_dir: str | Path, *, family: str | None = None, dtype: str | None = None) -> ModelConfig:
-    cfg = from_hf_config(read_config(ckpt_dir), family=family)
+    """The `ModelConfig` of a checkpoint directory or preset name."""
+    cfg = from_hf_config(read_config(checkpoint_path(ckpt_dir)), family=family)
     return cfg.replace(dtype=dtype) if dtype else cfg
 
 
@@ -230,10 +243,12 @@ def load_model(
     mesh: jax.sharding.Mesh | None = None,
     rules: ShardingRules = DEFAULT_RULES,
 ) -> Transformer:
-    """Load a HF checkpoint directory into a `Transformer` (params sharded on `mesh` if given).
+    """Load a HF checkpoint directory, or a preset by name (`toy-sdar`), into a `Transformer`
+    (params sharded on `mesh` if given).
 
     `dtype` (float32/bfloat16/float16) overrides the checkpoint's parameter dtype.
     """
+    ckpt_dir = checkpoint_path(ckpt_dir)
     cfg = load_config(ckpt_dir, family=family, dtype=dtype)
     graphdef, abstract_state = nnx.split(abstract_model(cfg))
     expected = _flat_params(abstract_state)
