@@ -8,6 +8,7 @@ import pytest
 import dlmjax
 from dlmjax.config import ConfigError, from_hf_config
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile
+from dlmjax.io.tokenizer import load_tokenizer
 
 QWEN3 = {
     "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
@@ -43,6 +44,7 @@ def test_missing_directory(tmp_path):
 def test_the_python_api_takes_preset_names_as_the_cli_does():
     model = dlmjax.load_model("toy-sdar")  # the shipped model, as `--model toy-sdar`
     assert model.config.family == "sdar" and dlmjax.load_config("toy-ar").family == "qwen3"
+    assert load_tokenizer("toy-sdar", model.config).encode("1+2=")
 
 
 @pytest.mark.parametrize(

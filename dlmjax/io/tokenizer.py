@@ -92,7 +92,10 @@ def _chat_template(ckpt_dir: Path, tok_cfg: dict) -> str | None:
 
 
 def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Tokenizer:
-    ckpt_dir = Path(ckpt_dir)
+    """The tokenizer of a checkpoint directory or preset name (as `dlmjax.load_model`)."""
+    from dlmjax.io.hf import checkpoint_path
+
+    ckpt_dir = checkpoint_path(ckpt_dir)
     path = ckpt_dir / "tokenizer.json"
     if not path.is_file():
         raise TokenizerError(
