@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="decode prompts with a decoder")
-    gen.add_argument("--model", required=True, help="checkpoint directory or preset (toy-sdar, toy-ar, random-sdar, random-qwen3)")
+    gen.add_argument("--model", required=True, help="checkpoint directory or preset (toy-sdar, toy-ar, random-sdar, random-qwen3, random-*-moe, ...)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     gen.add_argument("--decoder", default=None,
                      help=f"NAME or NAME:key=value,... (default: static; ar for causal models); decoders: "

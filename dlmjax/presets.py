@@ -29,6 +29,9 @@ _TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, n
 PRESETS: dict[str, dict] = {
     "random-sdar": dict(family="sdar", attention="block_causal", block_size=4, **_TINY),
     "random-qwen3": dict(family="qwen3", attention="causal", **_TINY),
+    # Fast-dLLM v2's layout (Qwen2.5 layers: q/k/v biases, no q/k norm; shifted logits; blocks of 32)
+    "random-fast-dllm-v2": dict(family="fast_dllm_v2", attention="block_causal", block_size=32, shift_logits=True,
+                                qkv_bias=True, **{**_TINY, "qk_norm": False}),
 }
 _TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, **_TINY)
 PRESETS.update({  # tiny random MoE models of each family (dlmjax.models.moe), in their published layouts

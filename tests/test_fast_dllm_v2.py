@@ -207,3 +207,21 @@ def test_its_decoder_is_the_default_for_the_family():
     assert default_decoders(model) == ["fast-dllm-v2"]
     out = generate(model, [PROMPTS[0]], decoder=default_decoders(model)[0], max_new_tokens=8).rows[0]
     assert out.tokens == reference_fast_dllm_v2(model, PROMPTS[0], block=8, sub_block=8, tau=0.9, max_new=8)
+
+
+def test_the_random_preset_is_a_fast_dllm_v2_checkpoint_that_decodes(tmp_path, monkeypatch):
+    """`--model random-fast-dllm-v2`: the published layout (bd_size, architecture) offline, decoded
+    by the family's default decoder."""
+    import json
+
+    from dlmjax.decoding.api import generate
+    from dlmjax.evaluation.runner import default_decoders
+    from dlmjax.presets import load_checkpoint
+
+    monkeypatch.setenv("DLMJAX_CACHE", str(tmp_path))
+    path, model, tokenizer, _ = load_checkpoint("random-fast-dllm-v2")
+    config = json.loads((path / "config.json").read_text())
+    assert config["bd_size"] == 32 and config["architectures"] == ["Fast_dLLM_QwenForCausalLM"]
+    assert model.config.family == "fast_dllm_v2" and model.config.shift_logits
+    result = generate(model, ["ab"], tokenizer=tokenizer, decoder=default_decoders(model)[0], max_new_tokens=8)
+    assert result.decoder.startswith("fast-dllm-v2") and len(result.rows[0].tokens) == 8
