@@ -68,12 +68,13 @@ def _split(n: int, ways: int) -> int:
 def layer_activation_bytes(cfg, *, rows: int, q_tokens: int, kv_tokens: int, model: int = 1,
                            itemsize: int | None = None) -> int:
     """What one transformer layer's backward keeps for `rows` rows of `q_tokens` queries attending
-    over `kv_tokens` keys, with heads and MLP split over `model` devices: per token the residual
+    over `kv_tokens` keys, with KV groups and MLP split over `model` devices: per token the residual
     input, two norm outputs and the attention output (4 d), q, k, v and the attention context,
     the MLP's gate, up and product (3 I; an MoE layer: its top-k experts' and the shared expert's),
     plus the fp32 attention scores and probabilities (2 H q_tokens kv_tokens)."""
     itemsize = itemsize or np.dtype(cfg.dtype).itemsize
-    heads, kv_heads = _split(cfg.num_heads, model), _split(cfg.num_kv_heads, model)
+    kv_heads = _split(cfg.num_kv_heads, model)  # the fused qkv splits into whole KV groups
+    heads = cfg.num_heads // cfg.num_kv_heads * kv_heads  # a group's query heads go with it
     if cfg.num_experts:
         mlp = cfg.num_experts_per_tok * cfg.moe_intermediate_size + (cfg.shared_expert_intermediate_size or 0)
     else:

@@ -101,7 +101,7 @@ class ShardingRules:
         Two dims on one mesh axis is an error."""
         out, used = [], set()
         for i, name in enumerate(logical_axes):
-            axis = None if name is None else getattr(self, name)
+            axis = None if name is None else getattr(self, PAIRED_AXES.get(name, name))
             if isinstance(axis, tuple):
                 axis = self._tuple_axis(axis, None if dims is None else dims[i], mesh_sizes)
             else:
@@ -132,20 +132,23 @@ class ShardingRules:
 
 DEFAULT_RULES = ShardingRules()
 
-# Param path (dotted NNX path) -> logical axes of its dimensions.
+# A fused dimension (dlmjax.models.fused) shards like the axis it names, in whole units: gate_up's
+# [D, 2F] columns are (gate_j, up_j) pairs, so 'mlp_pairs' splits like 'mlp' in units of 2 columns.
+PAIRED_AXES = {"mlp_pairs": "mlp"}
+
+# Param path (dotted NNX path) -> logical axes of its dimensions. The fused qkv's columns are grouped
+# per KV head (its query heads, k, v), so 'kv_heads' splits it into whole groups.
 PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"embed", ("vocab", "embed")),
     (r"lm_head\.kernel", ("embed", "vocab")),
-    (r".*attn\.q\.kernel", ("embed", "heads")),
-    (r".*attn\.q\.bias", ("heads",)),
-    (r".*attn\.(k|v)\.kernel", ("embed", "kv_heads")),
-    (r".*attn\.(k|v)\.bias", ("kv_heads",)),
+    (r".*attn\.qkv\.kernel", ("embed", "kv_heads")),
+    (r".*attn\.qkv\.bias", ("kv_heads",)),
     (r".*attn\.o\.kernel", ("heads", "embed")),
     (r".*attn\.o\.bias", ("embed",)),
     (r".*(q|k)_norm\.scale", ("head_dim",)),
-    (r".*mlp\.(gate|up)\.kernel", ("embed", "mlp")),
+    (r".*mlp\.gate_up\.kernel", ("embed", "mlp_pairs")),
     (r".*mlp\.down\.kernel", ("mlp", "embed")),
-    (r".*mlp\.shared\.(gate|up)\.kernel", ("embed", "mlp")),
+    (r".*mlp\.shared\.gate_up\.kernel", ("embed", "mlp_pairs")),
     (r".*mlp\.shared\.down\.kernel", ("mlp", "embed")),
     (r".*mlp\.router", ("embed", None)),
     (r".*mlp\.expert_bias", (None,)),
@@ -162,9 +165,10 @@ def param_logical_axes(path: str) -> tuple[str | None, ...]:
 
 
 def _units(logical_axes, shape, cfg) -> list[int]:
-    """The count that must divide the mesh axis: heads for head axes, the dim size otherwise."""
+    """The count that must divide the mesh axis: heads for head axes (KV groups for the fused qkv),
+    column pairs for 'mlp_pairs', the dim size otherwise."""
     per_axis = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
-    return [per_axis.get(name, size) for name, size in zip(logical_axes, shape)]
+    return [size // 2 if name == "mlp_pairs" else per_axis.get(name, size) for name, size in zip(logical_axes, shape)]
 
 
 def with_fsdp(spec: P, shape, sizes: dict[str, int], axis: str | None = "fsdp") -> P:
@@ -235,7 +239,7 @@ def constrain(x, logical_axes, rules: ShardingRules = DEFAULT_RULES):
 
 
 def _path_name(path) -> str:
-    """'layers.0.attn.q.kernel' for a pytree key path of an nnx.State (the Variable's `.value` left out)."""
+    """'layers.0.attn.qkv.kernel' for a pytree key path of an nnx.State (the Variable's `.value` left out)."""
     parts = []
     for key in path:
         if isinstance(key, jax.tree_util.DictKey):

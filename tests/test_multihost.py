@@ -130,12 +130,12 @@ def test_checkpoint_of_a_2x4_mesh_restores_on_4x2_and_8x1(tmp_path, single_devic
         np.testing.assert_allclose(first.losses[step], losses[step], rtol=1e-5)
 
     _, saved, saved_opt = restore_checkpoint(tmp_path / "a", make_mesh(data=2, model=4))
-    assert saved["layers"][0]["attn"]["q"]["kernel"][...].sharding.spec == P(None, "model")  # tensor-parallel
+    assert saved["layers"][0]["mlp"]["gate_up"]["kernel"][...].sharding.spec == P(None, "model")  # tensor-parallel
     for shape in ((4, 2), (8, 1)):
         mesh = make_mesh(data=shape[0], model=shape[1])
         _, restored, opt_state = restore_checkpoint(tmp_path / "a", mesh)
-        q = restored["layers"][0]["attn"]["q"]["kernel"][...]
-        assert dict(q.sharding.mesh.shape)["model"] == shape[1] and q.sharding.spec == P(None, "model")
+        gate_up = restored["layers"][0]["mlp"]["gate_up"]["kernel"][...]
+        assert dict(gate_up.sharding.mesh.shape)["model"] == shape[1] and gate_up.sharding.spec == P(None, "model")
         for x, y in zip(jax.tree.leaves((saved, saved_opt)), jax.tree.leaves((restored, opt_state))):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # the same params and moments
 

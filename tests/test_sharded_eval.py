@@ -47,9 +47,9 @@ def test_a_model_loaded_on_a_mesh_stays_tensor_parallel(checkpoint):
     mesh = parse_mesh("data=2,model=4")
     _, model, _, _ = load_checkpoint(checkpoint, mesh=mesh)
     placed = replicate_on(model, mesh)
-    gate = placed.layers[0].mlp.gate.kernel[...]
-    assert isinstance(gate.sharding, NamedSharding) and gate.sharding.mesh == mesh
-    assert gate.sharding.spec[1] == "model" and gate.addressable_shards[0].data.shape == (32, 16)
+    gate_up = placed.layers[0].mlp.gate_up.kernel[...]  # gate and up fused: [D, 2F], (gate, up) pairs
+    assert isinstance(gate_up.sharding, NamedSharding) and gate_up.sharding.mesh == mesh
+    assert gate_up.sharding.spec[1] == "model" and gate_up.addressable_shards[0].data.shape == (32, 32)
 
 
 def _eval_tokens(checkpoint, out, mesh, capsys):

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import dlmjax
+from dlmjax.models.fused import split_gate_up, split_qkv
 from dlmjax.sharding import ShardingRules, batch_sharding, make_mesh
 
 pytestmark = pytest.mark.devices(8)
@@ -37,15 +38,49 @@ def test_sharded_forward_equals_single_device(tmp_path):
 
     mesh = make_mesh(model=4, data=2)
     sharded = dlmjax.load_model(path, mesh=mesh)
-    q = sharded.layers[0].attn.q.kernel[...]
-    k = sharded.layers[0].attn.k.kernel[...]
-    assert q.sharding.spec == P(None, "model")  # 4 heads over 4 devices: tensor parallel
-    assert k.sharding.spec == P(None, None)  # 2 KV heads do not split over 4: replicated
+    qkv = sharded.layers[0].attn.qkv.kernel[...]
+    assert qkv.sharding.spec == P(None, None)  # 2 KV groups do not split over 4: replicated
+    assert sharded.layers[0].attn.o.kernel[...].sharding.spec == P("model", None)  # 4 heads over 4 devices
     assert sharded.embed[...].sharding.spec == P("model", None)
     tokens_sharded = jax.device_put(tokens, batch_sharding(mesh, 2))
     with jax.set_mesh(mesh):
         got = forward(sharded, tokens_sharded)
     assert got.sharding.spec[0] == "data"
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model_axis", [2, 4])
+def test_fused_projections_split_into_whole_kv_groups_and_gate_up_pairs(tmp_path, model_axis):
+    """The fused qkv splits over 'model' into whole KV groups (their query heads, k and v) and
+    gate_up into whole (gate, up) column pairs; the tensor-parallel logits equal one device's."""
+    cfg = dlmjax.ModelConfig(
+        family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=12, num_layers=2, num_heads=8,
+        num_kv_heads=4, head_dim=4, attention="causal", qkv_bias=True,
+    )
+    path = dlmjax.export_model(dlmjax.init_model(cfg, seed=3), tmp_path / "ckpt")
+    tokens = jnp.asarray(np.random.RandomState(1).randint(0, 64, (8, 10)), jnp.int32)
+    single = dlmjax.load_model(path)
+    expected = forward(single, tokens)
+
+    mesh = make_mesh(model=model_axis)
+    sharded = dlmjax.load_model(path, mesh=mesh)
+    qkv, gate_up = sharded.layers[0].attn.qkv.kernel[...], sharded.layers[0].mlp.gate_up.kernel[...]
+    assert qkv.sharding.spec == P(None, "model") and gate_up.sharding.spec == P(None, "model")
+    assert sharded.layers[0].attn.qkv.bias[...].sharding.spec == P("model")
+    full_q, full_k, full_v = split_qkv(np.asarray(single.layers[0].attn.qkv.kernel[...]), 4, 4)
+    groups = 4 // model_axis  # KV groups per device
+    first = next(s.data for s in qkv.addressable_shards if s.index[1].start in (0, None))
+    q, k, v = split_qkv(np.asarray(first), groups, 4)  # device 0 holds groups 0..groups-1 whole
+    np.testing.assert_array_equal(q, full_q[:, : groups * 2 * 4])
+    np.testing.assert_array_equal(k, full_k[:, : groups * 4])
+    np.testing.assert_array_equal(v, full_v[:, : groups * 4])
+    full_gate, full_up = split_gate_up(np.asarray(single.layers[0].mlp.gate_up.kernel[...]))
+    first = next(s.data for s in gate_up.addressable_shards if s.index[1].start in (0, None))
+    gate, up = split_gate_up(np.asarray(first))  # device 0 holds columns 0..F/n-1 of both
+    np.testing.assert_array_equal(gate, full_gate[:, : 12 // model_axis])
+    np.testing.assert_array_equal(up, full_up[:, : 12 // model_axis])
+    with jax.set_mesh(mesh):
+        got = forward(sharded, jax.device_put(tokens, batch_sharding(mesh, 2)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)
 
 

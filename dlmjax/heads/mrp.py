@@ -33,7 +33,10 @@ import numpy as np
 from flax import nnx
 
 from dlmjax.config import ModelConfig
-from dlmjax.io.hf import HF_RULES, INDEX_FILE, TRANSPOSE, KeyRule, load_config, open_shards
+from dlmjax.io.hf import (
+    HF_RULES, INDEX_FILE, TRANSPOSE, FusedParams, KeyRule, expected_fields, load_config, open_shards, tensor_shape,
+    to_hf_tensors,
+)
 from dlmjax.io.files import write_atomic
 from dlmjax.io.safetensors import CheckpointError, save_file
 from dlmjax.models.transformer import Block, KVCache, Linear, RMSNorm, Transformer, run_layers
@@ -198,24 +201,29 @@ def is_head_tensor(name: str) -> bool:
 
 
 def _to_ours(name: str):
-    """HF name -> (our param path, transform) or None."""
+    """HF name -> (our param path, its key rule) or None."""
     m = _PREFIX.fullmatch(name)
     if m is None:
         return None
     for rule in _MODULE_RULES:
         path = rule.match_hf("model." + m.group(2))
         if path is not None:
-            return f"mrp_modules.{m.group(1)}.{path}", rule.transform
+            return f"mrp_modules.{m.group(1)}.{path}", rule
     return None
 
 
-def _to_hf(path: str):
-    module, _, rest = path.removeprefix("mrp_modules.").partition(".")
-    for rule in _MODULE_RULES:
-        name = rule.match_ours(rest)
-        if name is not None:
-            return f"mrp_modules.{module}.{name}", rule.transform
-    raise KeyError(f"no MRP weight name for parameter {path!r}")
+def _module_rules(path: str) -> tuple[KeyRule, ...]:
+    """The key rules of the module holding param `path`, both sides under `mrp_modules.{m}.`."""
+    prefix = f"mrp_modules.{path.removeprefix('mrp_modules.').partition('.')[0]}."
+    return tuple(KeyRule(prefix + r.hf, prefix + r.ours, r.transform, r.layout, r.part) for r in _MODULE_RULES)
+
+
+def _to_hf_tensors(path: str, value, backbone: ModelConfig) -> dict[str, np.ndarray]:
+    """Param `path` -> its reference-named torch-layout tensors (a fused param's parts)."""
+    out = to_hf_tensors(path, value, _module_rules(path), backbone)
+    if not out:
+        raise KeyError(f"no MRP weight name for parameter {path!r}")
+    return out
 
 
 def has_head(ckpt_dir: str | Path) -> bool:
@@ -246,18 +254,24 @@ def load_head(ckpt_dir: str | Path, backbone: ModelConfig | None = None) -> MRPH
     graphdef, state = nnx.split(abstract_head(made_for, cfg))
     expected = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}
     loaded = {}
+    fused = FusedParams(made_for)
     for name, shard in shards.items():
         found = _to_ours(name)
         if found is None or found[0] not in expected:
             raise CheckpointError(f"tensor {name!r} in {shard.path.name} is not an MRP head weight of this backbone")
-        path, transform = found
-        array = transform.to_jax(shard.get(name))
-        if tuple(array.shape) != tuple(expected[path].shape):
-            raise CheckpointError(f"shape mismatch for {name!r}: {tuple(array.shape)}, expected {tuple(expected[path].shape)}")
-        loaded[path] = jnp.asarray(np.asarray(array).astype(made_for.dtype))
-    missing = sorted(set(expected) - set(loaded))
+        path, rule = found
+        array = rule.transform.to_jax(shard.get(name))
+        want = tensor_shape(rule, expected[path].shape, made_for)
+        if tuple(array.shape) != want:
+            raise CheckpointError(f"shape mismatch for {name!r}: {tuple(array.shape)}, expected {want}"
+                                  f"{expected_fields(rule)}")
+        param = fused.add(rule, path, np.asarray(array))
+        if param is not None:
+            loaded[path] = jnp.asarray(param.astype(made_for.dtype))
+    missing = set(expected) - set(loaded)
     if missing:
-        raise CheckpointError(f"MRP head in {ckpt_dir} is missing {[_to_hf(p)[0] for p in missing][:8]}")
+        names = [name for p in sorted(missing) for name in fused.missing([p], _module_rules(p))]
+        raise CheckpointError(f"MRP head in {ckpt_dir} is missing {names[:8]}")
     state = nnx.from_flat_state(
         [(tuple(int(k) if k.isdigit() else k for k in p.split(".")), expected[p].replace(loaded[p])) for p in expected]
     )
@@ -271,8 +285,7 @@ def head_tensors(head: MRPHead) -> dict[str, np.ndarray]:
     """Reference-named torch-layout arrays of every head parameter."""
     out = {}
     for p, var in nnx.to_flat_state(nnx.state(head, nnx.Param)):
-        name, transform = _to_hf(".".join(map(str, p)))
-        out[name] = np.ascontiguousarray(transform.to_torch(np.asarray(jax.device_get(var[...]))))
+        out.update(_to_hf_tensors(".".join(map(str, p)), np.asarray(jax.device_get(var[...])), head.backbone_config))
     return out
 
 

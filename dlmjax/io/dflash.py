@@ -33,7 +33,10 @@ from dlmjax.heads.drafter import (
     FULL, SLIDING, Drafter, DrafterConfig, abstract_drafter, check_compatible, default_target_layer_ids,
 )
 from dlmjax.io.files import write_atomic
-from dlmjax.io.hf import IDENTITY, TRANSPOSE, KeyRule, open_shards, read_config
+from dlmjax.io.hf import (
+    TRANSPOSE, FusedParams, KeyRule, expected_fields, gate_up_parts, layer_rules, open_shards, qkv_parts, read_config,
+    tensor_shape, to_hf_tensors,
+)
 from dlmjax.io.safetensors import CheckpointError, save_file
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -187,20 +190,20 @@ def _same_number(original, value):
 # Weights
 
 
-def _layer(hf: str, ours: str) -> KeyRule:
-    return KeyRule(f"layers.{{i}}.{hf}", f"layers.{{i}}.{ours}", TRANSPOSE if ours.endswith(".kernel") else IDENTITY)
-
-
 DFLASH_RULES: tuple[KeyRule, ...] = (
     KeyRule("fc.weight", "fc.kernel", TRANSPOSE),
     KeyRule("hidden_norm.weight", "hidden_norm.scale"),
     KeyRule("norm.weight", "norm.scale"),
-    _layer("input_layernorm.weight", "attn_norm.scale"),
-    _layer("post_attention_layernorm.weight", "mlp_norm.scale"),
-    *(_layer(f"self_attn.{p}_proj.weight", f"attn.{p}.kernel") for p in "qkvo"),
-    _layer("self_attn.q_norm.weight", "attn.q_norm.scale"),
-    _layer("self_attn.k_norm.weight", "attn.k_norm.scale"),
-    *(_layer(f"mlp.{p}_proj.weight", f"mlp.{p}.kernel") for p in ("gate", "up", "down")),
+    *layer_rules("layers.{i}.", {
+        "input_layernorm.weight": "attn_norm.scale",
+        "post_attention_layernorm.weight": "mlp_norm.scale",
+        **qkv_parts("self_attn.{p}_proj.weight", "attn.qkv.kernel"),
+        "self_attn.o_proj.weight": "attn.o.kernel",
+        "self_attn.q_norm.weight": "attn.q_norm.scale",
+        "self_attn.k_norm.weight": "attn.k_norm.scale",
+        **gate_up_parts({"gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight"}, "mlp.gate_up.kernel"),
+        "mlp.down_proj.weight": "mlp.down.kernel",
+    }),
 )
 
 
@@ -224,6 +227,8 @@ def load_drafter(ckpt_dir: str | Path, target_config: ModelConfig | None = None,
     graphdef, abstract_state = nnx.split(abstract_drafter(cfg))
     expected = _flat(abstract_state)
     loaded: dict[str, jax.Array] = {}
+    seen: set[tuple[str, str]] = set()  # (param, part)
+    fused = FusedParams(cfg)
     for name, shard in open_shards(ckpt_dir).items():
         rule = _rule_for_hf(name)
         if rule is None:
@@ -234,20 +239,24 @@ def load_drafter(ckpt_dir: str | Path, target_config: ModelConfig | None = None,
         path = rule.match_hf(name)
         if path not in expected:
             raise CheckpointError(f"tensor {name!r} has no place in a drafter with num_hidden_layers={cfg.num_layers}")
-        if path in loaded:
+        if (path, rule.part) in seen:
             raise CheckpointError(f"duplicate tensor {name!r}")
+        seen.add((path, rule.part))
         array = rule.transform.to_jax(np.asarray(shard.get(name)))
-        want = tuple(expected[path].shape)
+        want = tensor_shape(rule, expected[path].shape, cfg)
         if tuple(array.shape) != want:
             torch_shape = tuple(reversed(want)) if rule.transform is TRANSPOSE else want
             raise CheckpointError(
                 f"shape mismatch for {name!r}: checkpoint {tuple(np.asarray(shard.get(name)).shape)}, config expects "
-                f"{torch_shape} (hidden_size={cfg.hidden_size}, {len(cfg.target_layer_ids)} target_layer_ids)"
+                f"{torch_shape}{expected_fields(rule)} (hidden_size={cfg.hidden_size}, "
+                f"{len(cfg.target_layer_ids)} target_layer_ids)"
             )
-        loaded[path] = jnp.asarray(array.astype(jnp.dtype(cfg.dtype)))
-    missing = sorted(set(expected) - set(loaded))
+        param = fused.add(rule, path, array)
+        if param is not None:
+            loaded[path] = jnp.asarray(param.astype(jnp.dtype(cfg.dtype)))
+    missing = set(expected) - set(loaded)
     if missing:
-        names = [next(r.match_ours(p) for r in DFLASH_RULES if r.match_ours(p)) for p in missing]
+        names = fused.missing(missing, DFLASH_RULES)
         raise CheckpointError(f"drafter checkpoint {ckpt_dir} is missing tensors {names[:8]}")
     state = nnx.from_flat_state(
         [(tuple(int(k) if k.isdigit() else k for k in p.split(".")), expected[p].replace(loaded[p])) for p in expected]
@@ -265,11 +274,10 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, *, dtype: str | None = "
     cfg = drafter.config
     tensors: dict[str, np.ndarray] = {}
     for path, var in sorted(_flat(nnx.state(drafter, nnx.Param)).items()):
-        rule = next(r for r in DFLASH_RULES if r.match_ours(path) is not None)
         value = jax.device_get(var[...])
         if dtype is not None:
             value = jnp.asarray(value).astype(jnp.dtype(dtype))
-        tensors[rule.match_ours(path)] = np.ascontiguousarray(rule.transform.to_torch(np.asarray(value)))
+        tensors.update(to_hf_tensors(path, np.asarray(value), DFLASH_RULES, cfg))
     save_file(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
     written = cfg if dtype is None else cfg.replace(dtype=dtype)
     config = to_dflash_config(written)

@@ -4,6 +4,9 @@ Import: config.json -> `ModelConfig` (strict, see dlmjax.config), then every ten
 safetensors shard is mapped by a `KeyRule` onto one model parameter. Loading fails on a tensor
 no rule claims, a parameter two tensors claim, a shape mismatch, or a parameter left unset.
 Each rule pairs its import transform with the inverse used on export, so the two cannot drift.
+Fused params (q/k/v as `attn.qkv`, gate/up as `mlp.gate_up`: dlmjax.models.fused) keep the HF
+names: one rule per part names the same param with the part's `FusedLayout`, which joins the
+parts on import and splits them on export (one definition of the layout, used both ways).
 
 Export: parameters -> safetensors shards (+ index) with metadata `format: pt`, a config.json
 from `to_hf_config`, and the tokenizer files of the source directory. Qwen3/Qwen2/Llama
@@ -15,11 +18,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -27,6 +32,7 @@ from dlmjax.config import ConfigError, FAMILIES, ModelConfig, from_hf_config, to
 from dlmjax.io import moe_weights
 from dlmjax.io.files import staged_dir, write_atomic
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
+from dlmjax.models.fused import GATE_UP, QKV, FusedLayout
 from dlmjax.models.transformer import Transformer, abstract_model
 from dlmjax.sharding import DEFAULT_RULES, ShardingRules, param_sharding, put_array
 from dlmjax.validation import read_json_file
@@ -57,11 +63,16 @@ TRANSPOSE = Transform("transpose", lambda a: a.T, lambda a: a.T)  # torch Linear
 
 @dataclass(frozen=True)
 class KeyRule:
-    """One HF tensor name template <-> one dlmjax param path template; `{i}` is the layer."""
+    """One HF tensor name template <-> one dlmjax param path template; `{i}` is the layer.
+
+    With a `layout` the param is fused and the tensor is its part `part` (in dlmjax layout, after
+    `transform`): the fused param has one rule per part, all naming the same param."""
 
     hf: str
     ours: str
     transform: Transform = IDENTITY
+    layout: FusedLayout | None = None
+    part: str = ""
 
     @staticmethod
     def _regex(template: str) -> re.Pattern:
@@ -76,11 +87,29 @@ class KeyRule:
         return None if m is None else self.hf.format(**m.groupdict())
 
 
-def _layer_rules(prefix: str, names: dict[str, str]) -> list[KeyRule]:
+def part_of(layout: FusedLayout, part: str, param: str) -> tuple[str, FusedLayout, str]:
+    """A rule target: the part `part` of the fused param `param` (e.g. q of `attn.qkv.kernel`)."""
+    return param, layout, part
+
+
+def qkv_parts(hf_name: str, param: str) -> dict[str, tuple]:
+    """HF q/k/v names (`hf_name` with `{p}` for q, k, v) -> the parts of the fused `param`."""
+    return {hf_name.format(p=p): part_of(QKV, p, param) for p in QKV.parts}
+
+
+def gate_up_parts(hf_names: dict[str, str], param: str) -> dict[str, tuple]:
+    """{gate: HF name, up: HF name} -> the parts of the fused `param`."""
+    return {hf_names[p]: part_of(GATE_UP, p, param) for p in GATE_UP.parts}
+
+
+def layer_rules(prefix: str, names: dict[str, str | tuple]) -> list[KeyRule]:
+    """Rules for one layer's tensors: HF name (after `prefix`) -> our path under `layers.{i}.`, or
+    a `part_of` a fused param. Kernels are transposed (torch Linear [out, in])."""
     out = []
     for hf_name, ours in names.items():
-        transform = TRANSPOSE if ours.endswith(".kernel") else IDENTITY
-        out.append(KeyRule(f"{prefix}{hf_name}", f"layers.{{i}}.{ours}", transform))
+        param, layout, part = ours if isinstance(ours, tuple) else (ours, None, "")
+        transform = TRANSPOSE if param.endswith(".kernel") else IDENTITY
+        out.append(KeyRule(f"{prefix}{hf_name}", f"layers.{{i}}.{param}", transform, layout, part))
     return out
 
 
@@ -88,14 +117,17 @@ HF_RULES: tuple[KeyRule, ...] = (
     KeyRule("model.embed_tokens.weight", "embed"),
     KeyRule("model.norm.weight", "final_norm.scale"),
     KeyRule("lm_head.weight", "lm_head.kernel", TRANSPOSE),
-    *_layer_rules(
+    *layer_rules(
         "model.layers.{i}.",
         {
-            **{f"self_attn.{p}_proj.weight": f"attn.{p}.kernel" for p in "qkvo"},
-            **{f"self_attn.{p}_proj.bias": f"attn.{p}.bias" for p in "qkvo"},
+            **qkv_parts("self_attn.{p}_proj.weight", "attn.qkv.kernel"),
+            **qkv_parts("self_attn.{p}_proj.bias", "attn.qkv.bias"),
+            "self_attn.o_proj.weight": "attn.o.kernel",
+            "self_attn.o_proj.bias": "attn.o.bias",
             "self_attn.q_norm.weight": "attn.q_norm.scale",
             "self_attn.k_norm.weight": "attn.k_norm.scale",
-            **{f"mlp.{p}_proj.weight": f"mlp.{p}.kernel" for p in ("gate", "up", "down")},
+            **gate_up_parts({"gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight"}, "mlp.gate_up.kernel"),
+            "mlp.down_proj.weight": "mlp.down.kernel",
             "input_layernorm.weight": "attn_norm.scale",
             "post_attention_layernorm.weight": "mlp_norm.scale",
         },
@@ -106,14 +138,14 @@ LLADA_RULES: tuple[KeyRule, ...] = (
     KeyRule("model.transformer.wte.weight", "embed"),
     KeyRule("model.transformer.ln_f.weight", "final_norm.scale"),
     KeyRule("model.transformer.ff_out.weight", "lm_head.kernel", TRANSPOSE),
-    *_layer_rules(
+    *layer_rules(
         "model.transformer.blocks.{i}.",
         {
-            **{f"{p}_proj.weight": f"attn.{p}.kernel" for p in "qkv"},
-            **{f"{p}_proj.bias": f"attn.{p}.bias" for p in "qkv"},
+            **qkv_parts("{p}_proj.weight", "attn.qkv.kernel"),
+            **qkv_parts("{p}_proj.bias", "attn.qkv.bias"),
             "attn_out.weight": "attn.o.kernel",
-            "ff_proj.weight": "mlp.gate.kernel",  # LLaDA: ff_out(silu(ff_proj x) * up_proj x)
-            "up_proj.weight": "mlp.up.kernel",
+            # LLaDA: ff_out(silu(ff_proj x) * up_proj x)
+            **gate_up_parts({"gate": "ff_proj.weight", "up": "up_proj.weight"}, "mlp.gate_up.kernel"),
             "ff_out.weight": "mlp.down.kernel",
             "attn_norm.weight": "attn_norm.scale",
             "ff_norm.weight": "mlp_norm.scale",
@@ -129,8 +161,10 @@ MOE_RULES: tuple[KeyRule, ...] = (
     KeyRule("model.layers.{i}.mlp.gate.expert_bias", "layers.{i}.mlp.expert_bias"),
     KeyRule("model.layers.{i}.mlp.experts.gate_up_proj", "layers.{i}.mlp.experts_gate_up", SWAP_LAST),
     KeyRule("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.mlp.experts_down", SWAP_LAST),
-    *(KeyRule(f"model.layers.{{i}}.mlp.shared_experts.{p}_proj.weight", f"layers.{{i}}.mlp.shared.{p}.kernel",
-              TRANSPOSE) for p in ("gate", "up", "down")),
+    *layer_rules("model.layers.{i}.mlp.shared_experts.", {
+        **gate_up_parts({"gate": "gate_proj.weight", "up": "up_proj.weight"}, "mlp.shared.gate_up.kernel"),
+        "down_proj.weight": "mlp.shared.down.kernel",
+    }),
 )
 
 
@@ -144,6 +178,62 @@ def hf_name_for(path: str, rules) -> str:
         if name is not None:
             return name
     raise KeyError(f"no key rule exports parameter {path!r}")
+
+
+def param_rules(path: str, rules) -> list[KeyRule]:
+    """The rules that export param `path`: one, or one per part of a fused param."""
+    return [rule for rule in rules if rule.match_ours(path) is not None]
+
+
+def to_hf_tensors(path: str, value, rules, cfg) -> dict[str, np.ndarray]:
+    """Param `path`'s value -> its HF tensors in torch layout (a fused param split into its parts)."""
+    out = {}
+    for rule in param_rules(path, rules):
+        part = value if rule.layout is None else rule.layout.part(value, rule.part, cfg)
+        out[rule.match_ours(path)] = np.ascontiguousarray(rule.transform.to_torch(np.asarray(part)))
+    return out
+
+
+# The config.json fields that size each part of a fused param (named in shape errors).
+PART_FIELDS = {"q": "num_attention_heads x head_dim", "k": "num_key_value_heads x head_dim",
+               "v": "num_key_value_heads x head_dim", "gate": "intermediate_size", "up": "intermediate_size"}
+
+
+def tensor_shape(rule: KeyRule, param_shape, cfg) -> tuple[int, ...]:
+    """The shape (dlmjax layout) the rule's tensor must have: the param's, or its part's."""
+    if rule.layout is None:
+        return tuple(param_shape)
+    fused = jax.ShapeDtypeStruct(tuple(param_shape), jnp.float32)
+    return tuple(jax.eval_shape(lambda a: rule.layout.part(a, rule.part, cfg), fused).shape)
+
+
+def expected_fields(rule: KeyRule) -> str:
+    """' (its columns: num_key_value_heads x head_dim)' for a part of a fused param, else ''."""
+    return f" (its columns: {PART_FIELDS[rule.part]})" if rule.layout is not None else ""
+
+
+class FusedParams:
+    """Import side of fused params: a part waits here until the param's last part arrives."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.pending: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
+
+    def add(self, rule: KeyRule, path: str, array: np.ndarray) -> np.ndarray | None:
+        """The param `path` if `array` completes it (a whole param always does), else None."""
+        if rule.layout is None:
+            return array
+        parts = self.pending[path]
+        parts[rule.part] = array
+        if len(parts) < len(rule.layout.parts):
+            return None
+        del self.pending[path]
+        return rule.layout.join(tuple(parts[p] for p in rule.layout.parts), self.cfg)
+
+    def missing(self, paths, rules) -> list[str]:
+        """The HF names of the tensors still missing for `paths` (params not complete)."""
+        return [rule.match_ours(p) for p in sorted(paths) for rule in param_rules(p, rules)
+                if rule.part not in self.pending.get(p, {})]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,7 +344,8 @@ def load_model(
     expected = _flat_params(abstract_state)
     key_map = key_rules(cfg)
     loaded: dict[str, jax.Array] = {}
-    source: dict[str, str] = {}
+    source: dict[tuple[str, str], str] = {}  # (param, part) -> the tensor that gave it
+    fused = FusedParams(cfg)
     for name, file, read in moe_weights.canonical_tensors(cfg, open_shards(ckpt_dir)):
         if name.startswith("mrp_modules."):
             continue  # an MRP head stored beside the backbone: dlmjax.heads.mrp.load_head reads it
@@ -270,21 +361,24 @@ def load_model(
                 f"(qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias}, qk_norm={cfg.qk_norm}, "
                 f"tie_word_embeddings={cfg.tie_word_embeddings}); check config.json"
             )
-        if path in source:
-            raise CheckpointError(f"duplicate: tensors {source[path]!r} and {name!r} both map to {path}")
+        if (path, rule.part) in source:
+            raise CheckpointError(f"duplicate: tensors {source[path, rule.part]!r} and {name!r} both map to {path}"
+                                  f"{f' ({rule.part})' if rule.part else ''}")
         array = rule.transform.to_jax(read())
         want = expected[path].shape
-        if tuple(array.shape) != tuple(want):
+        if tuple(array.shape) != tensor_shape(rule, want, cfg):
             raise CheckpointError(
                 f"shape mismatch for {name!r}: checkpoint {tuple(array.shape)} after {rule.transform.name}, "
-                f"config expects {tuple(want)}"
+                f"config expects {tensor_shape(rule, want, cfg)}{expected_fields(rule)}"
             )
-        sharding = param_sharding(path, want, cfg, mesh, rules) if mesh is not None else None
-        loaded[path] = put_array(np.asarray(array).astype(expected[path].dtype), sharding)  # MoE routers: fp32
-        source[path] = name
-    missing = sorted(set(expected) - set(loaded))
+        source[path, rule.part] = name
+        param = fused.add(rule, path, np.asarray(array).astype(expected[path].dtype))  # MoE routers: fp32
+        if param is not None:
+            sharding = param_sharding(path, want, cfg, mesh, rules) if mesh is not None else None
+            loaded[path] = put_array(param, sharding)
+    missing = set(expected) - set(loaded)
     if missing:
-        names = [hf_name_for(p, key_map) for p in missing]
+        names = fused.missing(missing, key_map)
         raise CheckpointError(f"checkpoint {ckpt_dir} is missing tensors {names[:8]}{' ...' if len(names) > 8 else ''}")
     state = nnx.from_flat_state(
         [(tuple(int(k) if k.isdigit() else k for k in p.split(".")), expected[p].replace(loaded[p])) for p in expected]
@@ -330,9 +424,7 @@ def _write_checkpoint(model: Transformer, out_dir: Path, tokenizer_from, max_sha
     key_map = key_rules(cfg)
     tensors: dict[str, np.ndarray] = {}
     for path, var in sorted(_flat_params(model).items()):
-        rule = next(r for r in key_map if r.match_ours(path) is not None)
-        value = np.asarray(jax.device_get(var[...]))
-        tensors[rule.match_ours(path)] = np.ascontiguousarray(rule.transform.to_torch(value))
+        tensors.update(to_hf_tensors(path, np.asarray(jax.device_get(var[...])), key_map, cfg))
     tensors = moe_weights.published_tensors(cfg, tensors)
 
     shards: list[dict[str, np.ndarray]] = [{}]

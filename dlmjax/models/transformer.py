@@ -26,6 +26,7 @@ from flax import nnx, struct
 from dlmjax import arithmetic
 from dlmjax.config import ModelConfig
 from dlmjax.models import layers
+from dlmjax.models.fused import split_gate_up, split_qkv
 from dlmjax.models.moe import MoE
 from dlmjax.sharding import constrain
 
@@ -42,10 +43,14 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x):
-        # A 2-D matmul over flattened rows: on CPU the backward of a batched 3-D matmul is ~4x slower.
-        kernel = self.kernel[...]
-        y = arithmetic.matmul(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
-        return y if self.bias is None else y + self.bias[...]
+        return linear(x, self.kernel[...], None if self.bias is None else self.bias[...])
+
+
+def linear(x, kernel, bias=None):
+    """x [..., in] @ kernel [in, out] (+ bias). A 2-D matmul over flattened rows: on CPU the
+    backward of a batched 3-D matmul is ~4x slower."""
+    y = arithmetic.matmul(x.reshape(-1, x.shape[-1]), kernel).reshape(*x.shape[:-1], kernel.shape[1])
+    return y if bias is None else y + bias
 
 
 class RMSNorm(nnx.Module):
@@ -142,23 +147,37 @@ class ModelOutput:
 
 
 class Attention(nnx.Module):
+    """Grouped-query attention. q, k and v come from one fused projection `qkv` (dlmjax.models.fused:
+    per KV group its query heads, then its key and value head)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, hkv, hd, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
-        self.q = Linear(d, h * hd, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
-        self.k = Linear(d, hkv * hd, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
-        self.v = Linear(d, hkv * hd, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+        self.qkv = Linear(d, (h + 2 * hkv) * hd, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
         self.o = Linear(h * hd, d, bias=cfg.o_bias, dtype=dt, rngs=rngs)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
 
+    def _heads(self, y_bl, heads: int):
+        return y_bl.reshape(*y_bl.shape[:2], heads, self.head_dim)
+
+    def _finish_q(self, q, cos, sin):
+        q = self._heads(q, self.num_heads)
+        return layers.apply_rope(q if self.q_norm is None else self.q_norm(q), cos, sin)
+
+    def _finish_kv(self, k, v, cos, sin):
+        k = self._heads(k, self.num_kv_heads)
+        k = k if self.k_norm is None else self.k_norm(k)
+        return layers.apply_rope(k, cos, sin), self._heads(v, self.num_kv_heads)
+
     def project_kv(self, x_bld, cos, sin):
-        b, l, _ = x_bld.shape
-        k = self.k(x_bld).reshape(b, l, self.num_kv_heads, self.head_dim)
-        v = self.v(x_bld).reshape(b, l, self.num_kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return layers.apply_rope(k, cos, sin), v
+        """k, v [B, L, Hkv, hd] alone (the drafter's context): the k and v columns of the fused
+        weight, q not computed."""
+        bias = None if self.qkv.bias is None else split_qkv(self.qkv.bias[...], self.num_kv_heads, self.head_dim)
+        _, k_w, v_w = split_qkv(self.qkv.kernel[...], self.num_kv_heads, self.head_dim)
+        k = linear(x_bld, k_w, None if bias is None else bias[1])
+        v = linear(x_bld, v_w, None if bias is None else bias[2])
+        return self._finish_kv(k, v, cos, sin)
 
     def __call__(self, x_bld, cos, sin, self_visible, cached=None, chunk_parts=()):
         """Attend to this chunk (`self_visible` [B, L, L]) and, if given, to
@@ -166,11 +185,9 @@ class Attention(nnx.Module):
         splits the chunk's keys into parts reduced on their own (see `layers.attention`).
         Returns (out, this chunk's (k, v))."""
         b, l, _ = x_bld.shape
-        q = self.q(x_bld).reshape(b, l, self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = layers.apply_rope(q, cos, sin)
-        k, v = self.project_kv(x_bld, cos, sin)
+        q, k, v = split_qkv(self.qkv(x_bld), self.num_kv_heads, self.head_dim)
+        q = self._finish_q(q, cos, sin)
+        k, v = self._finish_kv(k, v, cos, sin)
         parts, start = [] if cached is None else [cached], 0
         for size in chunk_parts or (l,):
             end = start + size
@@ -190,14 +207,15 @@ def _swiglu(gate, up):
 
 
 class MLP(nnx.Module):
+    """SwiGLU; gate and up from one fused projection `gate_up` (dlmjax.models.fused: columns paired)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None):
         d, f, dt = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.dtype
-        self.gate = Linear(d, f, bias=False, dtype=dt, rngs=rngs)
-        self.up = Linear(d, f, bias=False, dtype=dt, rngs=rngs)
+        self.gate_up = Linear(d, 2 * f, bias=False, dtype=dt, rngs=rngs)
         self.down = Linear(f, d, bias=False, dtype=dt, rngs=rngs)
 
     def __call__(self, x):
-        return self.down(arithmetic.rowwise(_swiglu, self.gate(x), self.up(x)))
+        return self.down(arithmetic.rowwise(_swiglu, *split_gate_up(self.gate_up(x))))
 
 
 class Block(nnx.Module):
