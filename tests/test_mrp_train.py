@@ -13,9 +13,11 @@ from flax import nnx
 from dlmjax.config import ModelConfig
 from dlmjax.heads.mrp import load_head
 from dlmjax.io.hf import export_model, load_model
+from dlmjax.models.fused import split_gate_up, split_qkv
 from dlmjax.models.transformer import init_model
 from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.train.config import RunConfigError, load_run_config
+from dlmjax.train import unfused
 from dlmjax.train.loop import make_optimizer, train
 from dlmjax.train.mrp import kl_per_position, per_position_loss, reveal
 
@@ -123,6 +125,54 @@ def test_interrupted_training_resumes_exactly(tmp_path, straight):
     lines = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
     assert {"loss", "kl", "kl_baseline", "grad_norm", "lr", "tokens_per_s"} <= set(lines[0])
+
+
+def _unfuse_last_checkpoint(run_dir, num_kv_heads=2, head_dim=8):
+    """Rewrite the run's last checkpoint as a run from before q/k/v and gate/up were fused wrote it
+    (params and optimiser moments under attn.{q,k,v} and mlp.{gate,up})."""
+    manager = ocp.CheckpointManager((run_dir / "checkpoints").absolute(), item_handlers=ocp.StandardCheckpointHandler())
+    step = manager.latest_step()
+    saved = manager.restore(step, args=ocp.args.StandardRestore())  # as saved: nested dicts and lists
+    splits = {"qkv": (("q", "k", "v"), lambda a: split_qkv(a, num_kv_heads, head_dim)),
+              "gate_up": (("gate", "up"), split_gate_up)}
+
+    def unfuse(node):
+        if isinstance(node, (list, tuple)):
+            return [unfuse(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key in splits:
+                names, split = splits[key]
+                for i, name in enumerate(names):
+                    out[name] = jax.tree.map(lambda a, i=i: np.ascontiguousarray(split(np.asarray(a))[i]), value)
+            else:
+                out[key] = unfuse(value)
+        return out
+
+    manager.delete(step)
+    manager.save(step, args=ocp.args.StandardSave(unfuse(saved)))
+    manager.wait_until_finished()
+    manager.close()
+    return step
+
+
+def test_a_run_saved_before_fused_projections_resumes_exactly(tmp_path, straight):
+    run, straight = straight
+    train(run, tmp_path / "old", stop_at=4, progress=False)
+    step = _unfuse_last_checkpoint(tmp_path / "old")
+    manager = ocp.CheckpointManager((tmp_path / "old" / "checkpoints").absolute(),
+                                    item_handlers=ocp.StandardCheckpointHandler())
+    assert unfused.is_unfused(manager, step)  # the old layout really is on disk
+    manager.close()
+    resumed = train(run, tmp_path / "old", progress=False)  # converted on restore
+    assert sorted(resumed.losses) == list(range(step + 1, 7))
+    for s in resumed.losses:
+        assert resumed.losses[s] == straight.losses[s]  # bit for bit
+    a, b = flat(load_head(straight.model_dir)), flat(load_head(resumed.model_dir))
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 def test_export_holds_the_frozen_backbone_and_the_trained_head(backbone, straight):

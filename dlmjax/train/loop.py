@@ -40,7 +40,7 @@ from dlmjax.presets import resolve_model
 from dlmjax.memory import check_training_memory
 from dlmjax.sharding import make_mesh, param_sharding, placement, put_array
 from dlmjax.toy.tokenizer import EOS, MASK, PAD, char_tokenizer, save_char_tokenizer
-from dlmjax.train import objectives
+from dlmjax.train import objectives, unfused
 from dlmjax.train.config import RunConfig, RunConfigError, from_dict, read_yaml
 from dlmjax.train.data import global_batch, global_width, make_batch, pad_batch, process_rows, sample_examples
 from dlmjax.train.mrp import mrp_loss
@@ -235,7 +235,8 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
 
 def _checkpoint_manager(run_dir: Path, cfg) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=False)
-    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options)
+    return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
+                                 item_handlers=ocp.StandardCheckpointHandler())  # item_metadata: dlmjax.train.unfused
 
 
 RUN_ENTRIES = ("config.yaml", "checkpoints", "metrics.jsonl", "tb", "model", "tokenizer", "drafter")  # what a run writes
@@ -328,8 +329,9 @@ def restore_checkpoint(run_dir: str | Path, mesh: Mesh, step: int | None = None)
             raise InputError(f"{run_dir} has no checkpoint{'' if step is None else f' of step {step}'}; its checkpoints: "
                              f"{sorted(manager.all_steps()) or 'none'}")
         tx, _ = make_optimizer(run.train)
-        graphdef, abstract = state_shardings(make_trainee(run, run_dir), tx, mesh)
-        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        trainee = make_trainee(run, run_dir)
+        graphdef, abstract = state_shardings(trainee, tx, mesh)
+        restored = unfused.restore(manager, step, abstract, trainee.abstract)  # a pre-fusion run converted
     finally:
         manager.close()
     return graphdef, restored["params"], restored["opt_state"]
@@ -387,7 +389,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     check_training_memory(run, mesh, cfg=getattr(trainee.frozen or trainee.abstract, "config", None),
                           abstract=abstract, frozen=frozen, frozen_shardings=frozen_sh, show=main)
     if start:  # resume: restore into the abstract structure (no init, `init_from` not read again)
-        restored = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+        restored = unfused.restore(manager, start, abstract, trainee.abstract)  # a pre-fusion run converted
         params, opt_state = restored["params"], restored["opt_state"]
     else:
         _, params = nnx.split(trainee.build())
