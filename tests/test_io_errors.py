@@ -124,6 +124,18 @@ def test_shape_mismatch(checkpoint):
         dlmjax.load_model(checkpoint)
 
 
+def test_a_fused_part_with_the_wrong_shape_is_named_with_its_config_field(checkpoint):
+    """q/k/v are one fused param in dlmjax; a bad q_proj is still reported as q_proj, not as qkv."""
+    shard = SafetensorsFile(checkpoint / "model.safetensors")
+    tensors = {k: np.array(shard.get(k)) for k in shard.keys()}
+    tensors["model.layers.0.self_attn.q_proj.weight"] = np.zeros((24, 32), np.float32)  # 3 heads of 8, not 4
+    dlmjax.io.safetensors.save_file(tensors, checkpoint / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"shape mismatch for 'model.layers.0.self_attn.q_proj.weight': checkpoint "
+                                              r"\(32, 24\) after transpose, config expects \(32, 32\) \(its columns: "
+                                              r"num_attention_heads x head_dim\)"):
+        dlmjax.load_model(checkpoint)
+
+
 def test_unexpected_tensor(checkpoint):
     shard = SafetensorsFile(checkpoint / "model.safetensors")
     tensors = {k: np.array(shard.get(k)) for k in shard.keys()}
