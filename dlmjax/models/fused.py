@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -36,11 +37,16 @@ def split_qkv(y, num_kv_heads: int, head_dim: int):
     return q, k, v
 
 
-def join_qkv(q, k, v, num_kv_heads: int, head_dim: int) -> np.ndarray:
-    """The inverse of `split_qkv` (host arrays)."""
-    lead = q.shape[:-1]
-    grouped = [np.asarray(a).reshape(*lead, num_kv_heads, -1, head_dim) for a in (q, k, v)]
-    return np.concatenate(grouped, axis=-2).reshape(*lead, -1)
+def _array_module(*arrays):
+    """numpy for host arrays (checkpoint import stays on the host), jax.numpy otherwise (init)."""
+    return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+
+
+def join_qkv(q, k, v, num_kv_heads: int, head_dim: int):
+    """The inverse of `split_qkv`."""
+    xp, lead = _array_module(q, k, v), q.shape[:-1]
+    grouped = [a.reshape(*lead, num_kv_heads, -1, head_dim) for a in (q, k, v)]
+    return xp.concatenate(grouped, axis=-2).reshape(*lead, -1)
 
 
 def split_gate_up(y):
@@ -49,9 +55,9 @@ def split_gate_up(y):
     return pairs[..., 0], pairs[..., 1]
 
 
-def join_gate_up(gate, up) -> np.ndarray:
-    """The inverse of `split_gate_up` (host arrays)."""
-    return np.stack([np.asarray(gate), np.asarray(up)], axis=-1).reshape(*np.shape(gate)[:-1], -1)
+def join_gate_up(gate, up):
+    """The inverse of `split_gate_up`."""
+    return _array_module(gate, up).stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ class FusedLayout:
     name: str
     parts: tuple[str, ...]  # the tensors, in the order `split` returns them
     split: Callable  # (fused, cfg) -> tuple of parts
-    join: Callable  # (tuple of parts, cfg) -> fused (numpy)
+    join: Callable  # (tuple of parts, cfg) -> fused
 
     def part(self, fused, which: str, cfg):
         return self.split(fused, cfg)[self.parts.index(which)]

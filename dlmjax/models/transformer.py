@@ -26,7 +26,7 @@ from flax import nnx, struct
 from dlmjax import arithmetic
 from dlmjax.config import ModelConfig
 from dlmjax.models import layers
-from dlmjax.models.fused import split_gate_up, split_qkv
+from dlmjax.models.fused import join_gate_up, join_qkv, split_gate_up, split_qkv
 from dlmjax.models.moe import MoE
 from dlmjax.sharding import constrain
 
@@ -38,8 +38,8 @@ def _normal(rngs: nnx.Rngs, shape, dtype):
 
 
 class Linear(nnx.Module):
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype))
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs, kernel=None):
+        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), dtype) if kernel is None else kernel)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x):
@@ -152,7 +152,9 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, hkv, hd, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
-        self.qkv = Linear(d, (h + 2 * hkv) * hd, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+        # drawn as separate q, k, v kernels were, so that a seed gives the weights it gave before fusion
+        qkv = join_qkv(*(_normal(rngs, (d, n * hd), dt) for n in (h, hkv, hkv)), hkv, hd)
+        self.qkv = Linear(d, (h + 2 * hkv) * hd, bias=cfg.qkv_bias, dtype=dt, rngs=rngs, kernel=qkv)
         self.o = Linear(h * hd, d, bias=cfg.o_bias, dtype=dt, rngs=rngs)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
@@ -211,7 +213,8 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None):
         d, f, dt = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.dtype
-        self.gate_up = Linear(d, 2 * f, bias=False, dtype=dt, rngs=rngs)
+        gate_up = join_gate_up(_normal(rngs, (d, f), dt), _normal(rngs, (d, f), dt))  # as gate, up were drawn
+        self.gate_up = Linear(d, 2 * f, bias=False, dtype=dt, rngs=rngs, kernel=gate_up)
         self.down = Linear(f, d, bias=False, dtype=dt, rngs=rngs)
 
     def __call__(self, x):
