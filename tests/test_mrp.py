@@ -135,7 +135,8 @@ def test_packed_verification_equals_separate_forwards(toy, prompts):
         canvas_k = jax.lax.dynamic_update_slice_in_dim(canvas, copies[:, k], geometry.prefix, axis=1)
         logits_k, hidden_k = fwd.step(canvas_k, cache, block)
         np.testing.assert_allclose(packed_logits[:, k], logits_k, rtol=1e-5, atol=1e-5)  # logits reach ~15
-        np.testing.assert_allclose(packed_hidden[:, k], hidden_k, rtol=1e-5, atol=1e-5)
+        # fp32 rounding of differently shaped matmuls (the fused qkv one too): up to ~1.1e-5 on CPU
+        np.testing.assert_allclose(packed_hidden[:, k], hidden_k, rtol=1e-5, atol=3e-5)
     # The head's packed forward over the same copies (mrp-remask's) = one unpacked head step per copy.
     packed_residual = residual_logits(head, model, fwd.head_copies(0, copies, hidden, head_cache, block))
     positions = jnp.asarray(rows.positions)[:, geometry.prefix : geometry.prefix + cfg.block_size]

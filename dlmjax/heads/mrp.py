@@ -38,6 +38,7 @@ from dlmjax.io.hf import (
     to_hf_tensors,
 )
 from dlmjax.io.files import write_atomic
+from dlmjax.models.fused import GATE_UP, QKV
 from dlmjax.io.safetensors import CheckpointError, save_file
 from dlmjax.models.transformer import Block, KVCache, Linear, RMSNorm, Transformer, run_layers
 from dlmjax.validation import InputError
@@ -164,19 +165,44 @@ def residual_step(head: MRPHead, backbone: Transformer, step: int, tokens_bl, hi
 
 def init_head(backbone: ModelConfig, *, num_layers: int = 3, num_modules: int = 1, residual_scale: float = 1.0,
               init_std: float = 0.2, seed: int = 0) -> MRPHead:
-    """A random head: matrices ~ N(0, init_std) (0.2: the reference's setting), norm scales 1."""
+    """A random head: matrices ~ N(0, init_std) (0.2: the reference's setting), norm scales 1.
+
+    One key per checkpoint tensor, in the order of the head's parameters as they were before q/k/v
+    and gate/up were fused (`_unfused_parts`), so that a seed gives the weights it gave then."""
     cfg = MRPConfig(backbone.hidden_size, backbone.vocab_size, num_modules, num_layers, residual_scale)
     head = MRPHead(backbone, cfg, rngs=nnx.Rngs(seed))
     graphdef, state = nnx.split(head)
-    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+    flat = nnx.to_flat_state(state)
+    parts = sorted((part_path, path, i) for path, var in flat for i, part_path in enumerate(_unfused_parts(path)))
+    keys = dict(zip(((path, i) for _, path, i in parts), jax.random.split(jax.random.key(seed), len(parts))))
 
-    def reinit(x):
-        key = next(keys)
+    def draw(path, var):
+        x = var[...]
         if x.ndim < 2:
-            return x
-        return (jax.random.normal(key, x.shape, jnp.float32) * init_std).astype(x.dtype)
+            return var
+        layout = _FUSED_LAYOUTS.get(path[-2])
+        if layout is None:
+            return var.replace(_normal(keys[path, 0], x.shape, init_std, x.dtype))
+        shapes = [p.shape for p in layout.split(x, backbone)]
+        return var.replace(layout.join(tuple(_normal(keys[path, i], s, init_std, x.dtype)
+                                             for i, s in enumerate(shapes)), backbone))
 
-    return nnx.merge(graphdef, jax.tree.map(reinit, state))
+    return nnx.merge(graphdef, nnx.from_flat_state([(path, draw(path, var)) for path, var in flat]))
+
+
+_FUSED_LAYOUTS = {layout.name: layout for layout in (QKV, GATE_UP)}
+
+
+def _unfused_parts(path: tuple) -> tuple[tuple, ...]:
+    """The param paths that `path` held before fusion (`(path,)` for an unfused param)."""
+    layout = _FUSED_LAYOUTS.get(path[-2]) if len(path) >= 2 else None
+    if layout is None:
+        return (path,)
+    return tuple((*path[:-2], part, path[-1]) for part in layout.parts)
+
+
+def _normal(key, shape, std: float, dtype):
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
 def abstract_head(backbone: ModelConfig, cfg: MRPConfig) -> MRPHead:
