@@ -164,7 +164,7 @@ def test_decoders_give_the_same_tokens_with_kernels_on_and_off(family, spec):
 # -- attention ---------------------------------------------------------------------------------
 
 from dlmjax.kernels.attention import attention as attention_dispatch  # noqa: E402
-from dlmjax.kernels.attention import flash  # noqa: E402
+from dlmjax.kernels.attention import flash, flash_tpu  # noqa: E402
 from dlmjax.kernels.attention import reference as attention_reference  # noqa: E402
 from dlmjax.models.layers import Visibility  # noqa: E402
 
@@ -219,6 +219,19 @@ def test_flash_attention_equals_the_xla_einsum(case):
     expected = np.asarray(attention_reference(q, parts))
     got = np.asarray(flash(q, parts, tile_q=case["tile_q"], tile_k=case["tile_k"], split_k=2 * case["tile_k"],
                            interpret=True))
+    seen = _seen(parts)
+    np.testing.assert_allclose(got[seen], expected[seen], rtol=0, atol=1e-5)
+    assert np.all(np.isfinite(got))
+
+
+@settings(max_examples=8, deadline=None)
+@given(attention_cases())
+def test_the_tpu_shaped_flash_kernel_equals_the_xla_einsum(case):
+    """kernel_tpu (key tiles on the grid, skipped past each row's length; a partial last tile) in
+    interpret mode: the same cases as the loop-over-tiles kernel."""
+    q, parts = _attention_inputs(case)
+    expected = np.asarray(attention_reference(q, parts))
+    got = np.asarray(flash_tpu(q, parts, tile_q=case["tile_q"], tile_k=case["tile_k"], interpret=True))
     seen = _seen(parts)
     np.testing.assert_allclose(got[seen], expected[seen], rtol=0, atol=1e-5)
     assert np.all(np.isfinite(got))
@@ -342,3 +355,53 @@ def test_the_kernels_lower_for_a_gpu_through_triton():
                                     tile_m=16, tile_v=128, tile_d=128, split_v=1024, interpret=False, triton=True)
     x = jnp.zeros((16, 256), jnp.bfloat16)
     assert "triton" in lowered(argmax_call, x, jnp.zeros((256, 5037), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16), x)
+
+
+def test_the_attention_kernel_lowers_for_a_tpu(monkeypatch):
+    """Lowered for a TPU from this CPU: Pallas' Mosaic lowering accepts kernel_tpu at SDAR-like shapes
+    (head dim 128, grouped heads, a decode chunk of 4 queries against a cache of 300 slots, a 512-token
+    prefill, a partial last key tile) in every topology. Mosaic's lowering asks the chip generation,
+    which a CPU has none of: a v5e's is given. This is the lowering, not the TPU compile or a run."""
+    import functools
+
+    from jax._src.pallas.mosaic import tpu_info
+
+    from dlmjax.kernels.attention import kernel_tpu
+
+    v5e = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    monkeypatch.setattr(tpu_info, "get_tpu_info", lambda *a, **k: v5e)
+    spec = jax.ShapeDtypeStruct
+    for queries, keys, tile_q in [(4, 300, 4), (512, 512, 256), (16, 1200, 16)]:
+        q, kv = spec((2, queries, 16, 128), jnp.bfloat16), spec((2, keys, 8, 128), jnp.bfloat16)
+        q_vec, k_vec = spec((2, queries), jnp.int32), spec((2, keys), jnp.int32)
+        for attention in ("block_causal", "causal", "bidirectional"):
+            call = functools.partial(kernel_tpu.flash_part, attention=attention, block_size=4, tile_q=tile_q,
+                                     tile_k=min(512, keys), interpret=False)
+            text = jax.jit(call).trace(q, kv, kv, q_vec, q_vec, k_vec, k_vec, spec((2, keys), jnp.bool_),
+                                       spec((2,), jnp.int32)).lower(lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text and "flash_attention_tpu" in text
+
+
+def test_on_a_tpu_the_dispatcher_takes_the_tpu_kernel_and_probes_it(monkeypatch, caplog):
+    """With the backend reported as a TPU, `attention` builds kernel_tpu's calls (head dim 128) and
+    compile-probes them; this CPU cannot compile a Mosaic kernel, so the reference runs, with the
+    reason logged. A head dim that is not a multiple of 128 is refused before any call is built."""
+    import logging
+
+    from dlmjax.kernels import attention as attention_module
+
+    calls, tpu_calls = [], attention_module.tpu_calls
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(attention_module, "tpu_calls", lambda *a, **k: calls.append(k) or tpu_calls(*a, **k))
+    kernels._COMPILES.clear()
+    kernels._LOGGED.clear()
+    case = dict(b=2, h=4, hkv=2, copies=2, width=3, cache=9, attention="block_causal", seed=5)
+    with caplog.at_level(logging.INFO, logger="dlmjax.kernels"), kernels.use("auto"):
+        q, parts = _attention_inputs(case)
+        assert not calls and np.array_equal(attention_dispatch(q, parts), attention_reference(q, parts))
+        assert "head dim 8 is not a multiple of 128" in caplog.text
+        wide = [(jnp.tile(k, 16), jnp.tile(v, 16), vis) for k, v, vis in parts]
+        q = jnp.tile(q, 16)
+        np.testing.assert_array_equal(attention_dispatch(q, wide), attention_reference(q, wide))
+    assert calls == [dict(tile_q=256, tile_k=512, interpret=False)]
+    assert "attention: reference path (does not compile here" in caplog.text

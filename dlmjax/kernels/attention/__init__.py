@@ -3,9 +3,11 @@
 The chain, first that serves:
 1. `jax.nn.dot_product_attention` with cuDNN's flash attention on GPU, for a plain bidirectional
    forward (one part, one segment, every key valid: LLaDA/Dream prefill without padding);
-2. the Pallas flash kernel (`kernel.py`): any topology, segments (packed copies see the shared
-   context and themselves), per-row lengths (a part is read up to the row's last valid key, so a
-   decode step reads only the written part of the cache); memory linear in length;
+2. the Pallas flash kernel: any topology, segments (packed copies see the shared context and
+   themselves), per-row lengths (a part is read up to the row's last valid key, so a decode step
+   reads only the written part of the cache); memory linear in length. On GPU `kernel.py`
+   (Triton; a loop over key tiles); on TPU `kernel_tpu.py` (Mosaic; key tiles on the grid, heads
+   as 128-lane column blocks, so head dims that are multiples of 128);
 3. the reference (`reference.py`, the XLA einsum): on CPU, in "off" mode, or for visibilities
    given as matrices (training layouts, drafters), with the reason logged.
 """
@@ -19,11 +21,13 @@ import jax.numpy as jnp
 
 from dlmjax import kernels
 from dlmjax.kernels.attention import kernel as _kernel
+from dlmjax.kernels.attention import kernel_tpu as _kernel_tpu
 from dlmjax.kernels.attention.reference import attention as reference
 
 __all__ = ["attention", "reference"]
 
 TILE_Q, TILE_K, SPLIT_K = 64, 128, 512  # SPLIT_K: keys per program when the queries fit one tile
+TPU_TILE_Q, TPU_TILE_K = 256, 512
 
 
 def _is_pow2(n: int) -> bool:
@@ -35,9 +39,16 @@ def _unsupported(q_blhd, kv_parts, interpret: bool) -> str | None:
 
     if not all(isinstance(vis, Visibility) for _, _, vis in kv_parts):
         return "visibility given as a matrix"
-    if not interpret and not _is_pow2(q_blhd.shape[-1]):
-        return f"head dim {q_blhd.shape[-1]} is not a power of two >= 16"
+    head_dim = q_blhd.shape[-1]
+    if not interpret and _on_tpu() and head_dim % _kernel_tpu.LANES:
+        return f"head dim {head_dim} is not a multiple of {_kernel_tpu.LANES} (Mosaic's lane width)"
+    if not interpret and not _on_tpu() and not _is_pow2(head_dim):
+        return f"head dim {head_dim} is not a power of two >= 16"
     return None
+
+
+def _on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
 
 
 def row_lengths(valid_bs):
@@ -68,8 +79,11 @@ def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K, s
         if error is None:
             return cudnn(q_blhd, k, v)
         kernels.fallback("attention/cudnn", error)
-    calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, split_k=split_k, interpret=how == "interpret",
-                        triton=how == "kernel" and jax.default_backend() == "gpu")
+    if how == "kernel" and _on_tpu():
+        calls = tpu_calls(q_blhd, kv_parts, tile_q=TPU_TILE_Q, tile_k=TPU_TILE_K, interpret=False)
+    else:
+        calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, split_k=split_k,
+                            interpret=how == "interpret", triton=how == "kernel" and jax.default_backend() == "gpu")
     if how == "kernel":
         for call, args in calls:
             error = kernels.compile_error("attention", call, *args)
@@ -83,6 +97,11 @@ def flash(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int = SPLIT_K,
     """The Pallas path: one flash kernel per part, merged by `kernel.combine`."""
     return _run(q_blhd, flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, split_k=split_k,
                                     interpret=interpret))
+
+
+def flash_tpu(q_blhd, kv_parts, *, tile_q: int = TPU_TILE_Q, tile_k: int = TPU_TILE_K, interpret: bool):
+    """The Mosaic-shaped Pallas path (`kernel_tpu.py`), merged by `kernel.combine`."""
+    return _run(q_blhd, tpu_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, interpret=interpret))
 
 
 def _run(q_blhd, calls):
@@ -110,6 +129,25 @@ def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int, int
         split = max(split_k // tile, 1) * tile if q.shape[1] == tile_q else -(-keys // tile) * tile
         call = functools.partial(_kernel.flash_part, attention=vis.attention, block_size=vis.block_size,
                                  tile_q=tile_q, tile_k=tile, split_k=split, interpret=interpret, triton=triton)
+        calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
+                             vis.k_valid, row_lengths(vis.k_valid))))
+    return calls
+
+
+def tpu_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
+    """[(kernel call, its arguments)] per part for `kernel_tpu`: queries in one whole tile when
+    they fit (a decode chunk is never padded), else padded to tiles of `tile_q`; keys in tiles of
+    `tile_k`, or one whole tile when the part holds fewer."""
+    l = q_blhd.shape[1]
+    tile_q = l if l <= tile_q else tile_q
+    pad = -l % tile_q
+    q = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    calls = []
+    for k, v, vis in kv_parts:
+        q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
+        k, v, vis = _at_least(1, k, v, vis)
+        call = functools.partial(_kernel_tpu.flash_part, attention=vis.attention, block_size=vis.block_size,
+                                 tile_q=tile_q, tile_k=min(tile_k, k.shape[1]), interpret=interpret)
         calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
                              vis.k_valid, row_lengths(vis.k_valid))))
     return calls

@@ -32,8 +32,14 @@ def topology(q_pos, k_pos, attention: str, block_size: int | None):
     if attention == "causal":
         return k_pos <= q_pos
     if attention == "block_causal":
-        return (k_pos // block_size) <= (q_pos // block_size)
+        return _floor_div(k_pos, block_size) <= _floor_div(q_pos, block_size)
     return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+
+
+def _floor_div(a, b: int):
+    """a // b for a positive b from truncating ops (Mosaic lowers `//` through sign(), which it
+    cannot lower off a TPU); pad slots carry negative positions."""
+    return jax.lax.div(a, b) - ((jax.lax.rem(a, b) != 0) & (a < 0)).astype(a.dtype)
 
 
 def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref, kv_len_ref,
