@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import dlmjax
 from dlmjax import kernels
 from dlmjax.kernels.residual_argmax import reference as argmax_reference
+from dlmjax.kernels.residual_argmax import _on_tpu as residual_argmax_tpu
 from dlmjax.kernels.residual_argmax import residual_argmax
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
@@ -43,11 +44,14 @@ def _argmax_inputs(case, dtype):
                       residual=residual if case["residual"] else None)
 
 
-def _check_argmax(case, dtype):
+def _check_argmax(case, dtype, tpu: bool = False):
     x, w, kw = _argmax_inputs(case, dtype)
     expected = argmax_reference(x, w, **kw)
-    with kernels.use("interpret"):
-        got = residual_argmax(x, w, tile_m=8, tile_v=case["tile_v"], tile_d=8, split_v=2 * case["tile_v"], **kw)
+    if tpu:  # kernel_tpu in interpret mode, row tiles of 8 (a partial last one padded)
+        got = residual_argmax_tpu(x, w, tile_m=8, tile_v=case["tile_v"], interpret=True, **kw)
+    else:
+        with kernels.use("interpret"):
+            got = residual_argmax(x, w, tile_m=8, tile_v=case["tile_v"], tile_d=8, split_v=2 * case["tile_v"], **kw)
     np.testing.assert_array_equal(got.tokens, expected.tokens)
     assert not np.any(np.asarray(got.tokens) == case["mask_id"])
     for name in ("confidence", "entropy", "margin"):
@@ -67,15 +71,23 @@ def test_residual_argmax_equals_its_reference_bf16(case):
     _check_argmax(case, "bfloat16")
 
 
+@settings(max_examples=5, deadline=None)
+@given(argmax_cases(), st.sampled_from(["float32", "bfloat16"]))
+def test_the_tpu_shaped_residual_argmax_equals_its_reference(case, dtype):
+    _check_argmax(case, dtype, tpu=True)
+
+
 def test_residual_argmax_keeps_the_first_of_tied_columns_across_tiles():
     """Two columns in different tiles and vocabulary slices with the same (largest) logit: the first
-    wins, as in jnp.argmax, and the margin is 0."""
+    wins, as in jnp.argmax, and the margin is 0 (both kernels)."""
     w = jnp.zeros((8, 40)).at[:, 5].set(1.0).at[:, 37].set(1.0)
     x = jnp.ones((3, 8))
     with kernels.use("interpret"):
         got = residual_argmax(x, w, mask_id=0, tile_v=16, split_v=32)
-    np.testing.assert_array_equal(got.tokens, [5, 5, 5])
-    np.testing.assert_array_equal(got.margin, [0.0, 0.0, 0.0])
+    on_tpu = residual_argmax_tpu(x, w, mask_id=0, norm=None, residual=None, tile_m=8, tile_v=16, interpret=True)
+    for scores in (got, on_tpu):
+        np.testing.assert_array_equal(scores.tokens, [5, 5, 5])
+        np.testing.assert_array_equal(scores.margin, [0.0, 0.0, 0.0])
 
 
 def test_reference_runs_where_the_kernel_cannot_with_the_reason_logged(caplog):
@@ -357,10 +369,11 @@ def test_the_kernels_lower_for_a_gpu_through_triton():
     assert "triton" in lowered(argmax_call, x, jnp.zeros((256, 5037), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16), x)
 
 
-def test_the_attention_kernel_lowers_for_a_tpu(monkeypatch):
+def test_the_kernels_lower_for_a_tpu(monkeypatch):
     """Lowered for a TPU from this CPU: Pallas' Mosaic lowering accepts kernel_tpu at SDAR-like shapes
     (head dim 128, grouped heads, a decode chunk of 4 queries against a cache of 300 slots, a 512-token
-    prefill, a partial last key tile) in every topology. Mosaic's lowering asks the chip generation,
+    prefill, a partial last key tile) in every topology, and residual_argmax's kernel_tpu at a
+    Qwen3-sized vocabulary (partial last tile), with the norm or the residual. Mosaic's lowering asks the chip generation,
     which a CPU has none of: a v5e's is given. This is the lowering, not the TPU compile or a run."""
     import functools
 
@@ -380,6 +393,15 @@ def test_the_attention_kernel_lowers_for_a_tpu(monkeypatch):
             text = jax.jit(call).trace(q, kv, kv, q_vec, q_vec, k_vec, k_vec, spec((2, keys), jnp.bool_),
                                        spec((2,), jnp.int32)).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text and "flash_attention_tpu" in text
+    from dlmjax.kernels.residual_argmax import kernel_tpu as argmax_kernel
+
+    for rows, tile_m, eps, residual in [(64, 64, 1e-6, None), (300, 256, None, 1.0)]:
+        call = functools.partial(argmax_kernel.residual_argmax_stats, mask_id=5000, eps=eps, residual_scale=residual,
+                                 tile_m=tile_m, tile_v=256, interpret=False)
+        x = spec((rows - rows % tile_m or rows, 2048), jnp.bfloat16)
+        text = jax.jit(call).trace(x, spec((2048, 151_700), jnp.bfloat16), spec((2048,), jnp.bfloat16),
+                                   x).lower(lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text and "residual_argmax_tpu" in text
 
 
 def test_on_a_tpu_the_dispatcher_takes_the_tpu_kernel_and_probes_it(monkeypatch, caplog):

@@ -1,5 +1,7 @@
 """`residual_argmax`: greedy scores of positions straight from their hidden states, without the
-[M, V] logits. Dispatches to the Pallas kernel (`kernel.py`) or the reference (`reference.py`)."""
+[M, V] logits. Dispatches to a Pallas kernel (`kernel.py` on GPU and in interpret mode: a loop over
+vocabulary tiles; `kernel_tpu.py` on TPU: vocabulary tiles on the grid, streamed through VMEM) or
+the reference (`reference.py`)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import jax.numpy as jnp
 
 from dlmjax import kernels
 from dlmjax.kernels.residual_argmax import kernel as _kernel
+from dlmjax.kernels.residual_argmax import kernel_tpu as _kernel_tpu
 from dlmjax.kernels.residual_argmax.reference import ArgmaxScores, logits
 from dlmjax.kernels.residual_argmax.reference import residual_argmax as reference
 
 __all__ = ["ArgmaxScores", "logits", "reference", "residual_argmax"]
 
 TILE_M, TILE_V, TILE_D, SPLIT_V = 16, 128, 128, 1024  # GPU-sized: 16 x 128 x 128 dots, 1024-column slices
+TPU_TILE_M, TPU_TILE_V = 256, 256  # a [D, 256] lm_head block double-buffered: 4 MiB of VMEM at D = 4096
 
 
 def _floor_pow2(n: int) -> int:
@@ -26,7 +30,7 @@ def _unsupported(x_md, w_dv, interpret: bool) -> str | None:
     d, vocab = w_dv.shape
     if vocab < 2:
         return f"vocabulary of {vocab}"
-    if not interpret and (d & (d - 1) or d < 16 or vocab < 16):
+    if not interpret and jax.default_backend() != "tpu" and (d & (d - 1) or d < 16 or vocab < 16):
         return f"hidden size {d} not a power of two >= 16, or vocabulary {vocab} < 16"
     return None
 
@@ -43,6 +47,9 @@ def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_
     how = kernels.choose("residual_argmax", _unsupported(x_md, w_dv, kernels.current() == "interpret"))
     if how is None:
         return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
+    if how == "kernel" and jax.default_backend() == "tpu":
+        return _on_tpu(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual, tile_m=TPU_TILE_M,
+                       tile_v=TPU_TILE_V, interpret=False)
     (m, d), vocab = x_md.shape, w_dv.shape[1]
     tile_v = min(tile_v, _floor_pow2(vocab))  # the last tile of a slice shifts left
     tile_d = min(tile_d, d) if d % min(tile_d, d) == 0 else d
@@ -57,6 +64,27 @@ def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_
         triton=how == "kernel" and jax.default_backend() == "gpu")
     args = (x, w_dv, None if norm is None else norm[0], h_p)
     error = None if how == "interpret" else kernels.compile_error("residual_argmax", call, *args)
+    if error is not None:
+        kernels.fallback("residual_argmax", error)
+        return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
+    return ArgmaxScores(*(a[:m] for a in _kernel.finish(*call(*args))))
+
+
+def _on_tpu(x_md, w_dv, *, mask_id: int, norm, residual, tile_m: int, tile_v: int, interpret: bool) -> ArgmaxScores:
+    """The Mosaic-shaped kernel (`kernel_tpu`): positions in one whole tile when they fit, else
+    padded to tiles of `tile_m`; the vocabulary in tiles of `tile_v` (one whole tile when smaller).
+    A real (not interpret) call is compile-probed first: the reference runs if Mosaic refuses it."""
+    m, vocab = x_md.shape[0], w_dv.shape[1]
+    tile_m = m if m <= tile_m else tile_m
+    pad = -m % tile_m
+    x = jnp.pad(x_md, ((0, pad), (0, 0)))
+    h_p = None if residual is None else jnp.pad(residual[0].astype(x_md.dtype), ((0, pad), (0, 0)))
+    call = functools.partial(
+        _kernel_tpu.residual_argmax_stats, mask_id=mask_id, eps=None if norm is None else float(norm[1]),
+        residual_scale=None if residual is None else float(residual[1]), tile_m=tile_m,
+        tile_v=min(tile_v, vocab), interpret=interpret)
+    args = (x, w_dv, None if norm is None else norm[0], h_p)
+    error = None if interpret else kernels.compile_error("residual_argmax", call, *args)
     if error is not None:
         kernels.fallback("residual_argmax", error)
         return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)

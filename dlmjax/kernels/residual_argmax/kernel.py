@@ -26,14 +26,36 @@ from jax.experimental.pallas import triton as pltriton
 NEG = -1e30  # a hidden column's logit: finite, so exp(NEG - m) * (NEG - m) is 0, not NaN
 
 
-def _tile_stats(logits_mt, valid_t, first_col):
+def _tile_stats(logits_mt, valid_1t, first_col):
     """Top-1 value/index and top-2 value of one tile's logits (invalid columns at NEG)."""
-    l = jnp.where(valid_t[None, :], logits_mt, NEG)
+    l = jnp.where(valid_1t, logits_mt, NEG)
     local = jnp.argmax(l, axis=-1)[:, None].astype(jnp.int32)
     top1 = jnp.max(l, axis=-1, keepdims=True)
     cols = jax.lax.broadcasted_iota(jnp.int32, l.shape, 1)
     top2 = jnp.max(jnp.where(cols == local, NEG, l), axis=-1, keepdims=True)
     return l, top1, local + first_col, top2
+
+
+def initial_stats(rows: int):
+    """(top1, index, top2, m, s, t) before any column, each [rows, 1]."""
+    neg, zero = jnp.full((rows, 1), NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
+    return neg, jnp.zeros((rows, 1), jnp.int32), neg, neg, zero, zero
+
+
+def update(stats, logits_mt, valid_1t, first_col):
+    """The running statistics (see the module docstring) after one tile of logits [rows, tile]
+    whose columns start at `first_col`; `valid_1t` [1, tile] marks the columns that count."""
+    top1, index, top2, m, s, t = stats
+    l, t1, i1, t2 = _tile_stats(logits_mt, valid_1t, first_col)
+    m_new = jnp.maximum(m, t1)
+    a = jnp.exp(m - m_new)
+    e = jnp.where(valid_1t, jnp.exp(l - m_new), 0.0)
+    s_new = a * s + jnp.sum(e, axis=-1, keepdims=True)
+    t_new = a * (t + (m - m_new) * s) + jnp.sum(jnp.where(valid_1t, e * (l - m_new), 0.0), axis=-1,
+                                                keepdims=True)
+    better = t1 > top1  # strict: an earlier column keeps a tie, as jnp.argmax does
+    top2 = jnp.where(better, jnp.maximum(top1, t2), jnp.maximum(top2, t1))
+    return jnp.where(better, t1, top1), jnp.where(better, i1, index), top2, m_new, s_new, t_new
 
 
 def _kernel(*refs, vocab: int, split_v: int, tile_v: int, tile_d: int, mask_id: int, eps: float | None,
@@ -78,26 +100,12 @@ def _kernel(*refs, vocab: int, split_v: int, tile_v: int, tile_d: int, mask_id: 
     end = jnp.minimum(first + split_v, vocab)
 
     def body(j, carry):
-        top1, index, top2, m, s, t = carry
         seen = first + j * tile_v
         start = jnp.minimum(seen, vocab - tile_v)
-        cols = start + jax.lax.broadcasted_iota(jnp.int32, (tile_v,), 0)
-        valid = (cols >= seen) & (cols < end) & (cols != mask_id)
-        l, t1, i1, t2 = _tile_stats(tile_logits(start), valid, start)
-        m_new = jnp.maximum(m, t1)
-        a = jnp.exp(m - m_new)
-        e = jnp.where(valid[None, :], jnp.exp(l - m_new), 0.0)
-        s_new = a * s + jnp.sum(e, axis=-1, keepdims=True)
-        t_new = a * (t + (m - m_new) * s) + jnp.sum(jnp.where(valid[None, :], e * (l - m_new), 0.0), axis=-1,
-                                                    keepdims=True)
-        better = t1 > top1  # strict: an earlier column keeps a tie, as jnp.argmax does
-        top2 = jnp.where(better, jnp.maximum(top1, t2), jnp.maximum(top2, t1))
-        return jnp.where(better, t1, top1), jnp.where(better, i1, index), top2, m_new, s_new, t_new
+        cols = start + jax.lax.broadcasted_iota(jnp.int32, (1, tile_v), 1)
+        return update(carry, tile_logits(start), (cols >= seen) & (cols < end) & (cols != mask_id), start)
 
-    neg = jnp.full((rows, 1), NEG, jnp.float32)
-    zero = jnp.zeros((rows, 1), jnp.float32)
-    init = (neg, jnp.zeros((rows, 1), jnp.int32), neg, neg, zero, zero)
-    out = jax.lax.fori_loop(0, pl.cdiv(end - first, tile_v), body, init)
+    out = jax.lax.fori_loop(0, pl.cdiv(end - first, tile_v), body, initial_stats(rows))
     for ref, value in zip((top1_ref, index_ref, top2_ref, max_ref, sum_ref, usum_ref), out):
         ref[...] = value
 

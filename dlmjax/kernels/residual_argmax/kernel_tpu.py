@@ -1,0 +1,96 @@
+"""`residual_argmax` in the shape Mosaic (Pallas on TPU) compiles: the statistics of `kernel.py`
+(the same `update` per tile), with the vocabulary tiled by the grid instead of a loop.
+
+The lm_head does not fit VMEM, so the grid is (tile of `tile_m` positions, tile of `tile_v`
+columns) and Pallas streams one [D, tile_v] block of it per step; the column axis is sequential
+("arbitrary") and carries the statistics in VMEM scratch, lane-replicated ([tile_m, 128]) as
+Mosaic stores rows. The final norm is applied once per row tile, at its first column tile, into
+scratch. Each column tile is one [tile_m, D] x [D, tile_v] dot (plus the residual's). A vocabulary
+that is not a multiple of the tile gets a partial last tile whose columns past V are ignored.
+
+It returns the six statistics as `kernel.residual_argmax_stats` does with one slice ([M, 1]
+each), so `kernel.finish` merges them alike.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from dlmjax.kernels.residual_argmax.kernel import initial_stats, update
+
+LANES = 128
+DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.float32)  # top1 index top2 m s t
+
+
+def _kernel(*refs, vocab: int, mask_id: int, eps: float | None, residual_scale: float | None):
+    it = iter(refs)
+    x_ref = next(it)
+    scale_ref = next(it) if eps is not None else None
+    r_ref = next(it) if residual_scale is not None else None
+    w_ref = next(it)
+    outs = [next(it) for _ in DTYPES]
+    hidden_ref = next(it)
+    stats = list(it)
+    tile = pl.program_id(1)
+    rows, tile_v = x_ref.shape[0], w_ref.shape[1]
+
+    @pl.when(tile == 0)
+    def _():
+        x = x_ref[...]
+        if eps is None:
+            hidden_ref[...] = x
+        else:  # the model's RMSNorm (layers.rms_norm): statistics in f32 over the whole row
+            x32 = x.astype(jnp.float32)
+            inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+            hidden_ref[...] = scale_ref[...] * (x32 * inv_rms).astype(x.dtype)
+        for ref, value in zip(stats, initial_stats(rows)):
+            ref[...] = jnp.broadcast_to(value, ref.shape)
+
+    w = w_ref[...]
+    logits = jnp.dot(hidden_ref[...], w, preferred_element_type=jnp.float32)
+    if r_ref is not None:
+        logits = logits + residual_scale * jnp.dot(r_ref[...], w, preferred_element_type=jnp.float32)
+    first = tile * tile_v
+    cols = first + jax.lax.broadcasted_iota(jnp.int32, (1, tile_v), 1)
+    new = update([ref[...][:, :1] for ref in stats], logits, (cols < vocab) & (cols != mask_id), first)
+    for ref, value in zip(stats, new):
+        ref[...] = jnp.broadcast_to(value, ref.shape)
+
+    @pl.when(tile == pl.num_programs(1) - 1)
+    def _():
+        for out, ref in zip(outs, stats):
+            out[...] = ref[...]
+
+
+@functools.partial(jax.jit, static_argnames=("mask_id", "eps", "residual_scale", "tile_m", "tile_v", "interpret"))
+def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int, eps: float | None,
+                          residual_scale: float | None, tile_m: int, tile_v: int, interpret: bool):
+    """The six running statistics, each [M, 1]; M % tile_m == 0 with tile_m a multiple of 8 or M,
+    tile_v a multiple of 128 or V."""
+    m, d = x_md.shape
+    vocab = w_dv.shape[1]
+    rows = pl.BlockSpec((tile_m, d), lambda i, j: (i, 0))
+    inputs, specs = [x_md], [rows]
+    if eps is not None:
+        inputs.append(scale_d.reshape(1, d))
+        specs.append(pl.BlockSpec((1, d), lambda i, j: (0, 0)))
+    if residual_scale is not None:
+        inputs.append(h_p_md)
+        specs.append(rows)
+    inputs.append(w_dv)
+    specs.append(pl.BlockSpec((d, tile_v), lambda i, j: (0, j)))
+    stat = pl.BlockSpec((tile_m, LANES), lambda i, j: (i, 0))
+    kernel = functools.partial(_kernel, vocab=vocab, mask_id=mask_id, eps=eps, residual_scale=residual_scale)
+    out = pl.pallas_call(
+        kernel, grid=(m // tile_m, pl.cdiv(vocab, tile_v)), in_specs=specs, out_specs=[stat] * len(DTYPES),
+        out_shape=[jax.ShapeDtypeStruct((m, LANES), dtype) for dtype in DTYPES],
+        scratch_shapes=[pltpu.VMEM((tile_m, d), x_md.dtype)] + [pltpu.VMEM((tile_m, LANES), t) for t in DTYPES],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret, name="residual_argmax_tpu",
+    )(*inputs)
+    return [a[:, :1] for a in out]
