@@ -226,6 +226,10 @@ def section_transformers(model, args):
 
     cfg = model.config
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and jax.default_backend() != "cpu":  # a TPU host: torch has no kernel on jax's device
+        line = f"transformers' eager forward skipped: torch has no {jax.default_backend()} device here"
+        print(line, flush=True)
+        return [line], []
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[str(jnp.dtype(cfg.dtype))]
     hf = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
