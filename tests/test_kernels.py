@@ -4,6 +4,7 @@ CPU, over hypothesis-drawn shapes; the switch and its logged fallbacks."""
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -149,26 +150,78 @@ def test_a_bad_DLMJAX_KERNELS_is_an_input_error_when_read_not_at_import(monkeypa
     assert help_run.returncode == 0 and "generate" in help_run.stdout, help_run.stderr
 
 
-@pytest.mark.parametrize("family,spec", [("sdar", "threshold:tau=0.5"), ("llada", "entropy:block=4,cache=dual"),
-                                         ("sdar", "psd:depth=2"), ("sdar", "mrp-spec:drafts=2")])
-def test_decoders_give_the_same_tokens_with_kernels_on_and_off(family, spec):
-    """Interpret mode on CPU: the greedy policy decoders score from the hidden state through
-    residual_argmax (their forwards keep no logits), the attention goes through its kernels; every
-    decoder's tokens and NFE equal those with the kernels off."""
-    from test_decoding import MAX_NEW, PROMPTS, peaky_model
+KERNEL_CASES = {  # every decoder -> (model, spec): toy-sdar carries an MRP head and a TSPD controller
+    "static": ("toy-sdar", "static"),
+    "threshold": ("toy-sdar", "threshold:tau=0.5"),
+    "entropy": ("peaky-llada", "entropy:block=4,cache=dual"),
+    "psd": ("toy-sdar", "psd:depth=2"),
+    "mrp-direct": ("toy-sdar", "mrp-direct:mrp_steps=1"),
+    "mrp-spec": ("toy-sdar", "mrp-spec:drafts=2"),
+    "mrp-remask": ("toy-sdar", "mrp-remask:tau=0.5,delta=1.0"),
+    "tspd": ("toy-sdar", "tspd:controller=toy-sdar"),
+    "ce": ("toy-sdar", "ce:tau=0.7,depth=2"),
+    "tspd+ce": ("toy-sdar", "tspd+ce:controller=toy-sdar,depth=2"),
+    "learn2pd": ("toy-sdar", "learn2pd:controller={block_filter},threshold=0.5"),
+    "llada2": ("toy-sdar", "llada2:tau=0.7,editing_threshold=0.3,max_post_steps=2"),
+    "fast-dllm-v2": ("random-fast-dllm-v2", "fast-dllm-v2"),
+    "ar": ("toy-ar", "ar"),
+    "drafter": ("toy-ar", "drafter"),
+}
 
+
+def test_every_decoder_has_a_kernel_case():
+    from dlmjax.decoding.spec import decoder_names
+
+    assert sorted(KERNEL_CASES) == decoder_names()
+
+
+@pytest.fixture(scope="module")
+def kernel_models(tmp_path_factory):
+    """name -> (model, prompts as token ids, MRP head, drafter); a random Learn2PD block filter."""
+    from test_decoding import PROMPTS, peaky_model
+
+    from dlmjax.heads.controller import BLOCK_FEATURES, Controller, model_fingerprint, save_controller
+    from dlmjax.io.dflash import resolve_drafter
+    from dlmjax.presets import load_checkpoint
+
+    cache = tmp_path_factory.mktemp("cache")
+    models = {"peaky-llada": (peaky_model("llada", seed=3), PROMPTS[:3], None, None)}
+    for name in ("toy-sdar", "toy-ar", "random-fast-dllm-v2"):
+        old = os.environ.get("DLMJAX_CACHE")
+        os.environ["DLMJAX_CACHE"] = str(cache)  # where the random preset is written
+        try:
+            path, model, tokenizer, head = load_checkpoint(name)
+        finally:
+            os.environ.pop("DLMJAX_CACHE") if old is None else os.environ.__setitem__("DLMJAX_CACHE", old)
+        drafter = resolve_drafter(path, model.config) if name == "toy-ar" else None
+        prompts = [tokenizer.encode(p) for p in ("12+7=", "3*4=", "ab")]
+        models[name] = (model, prompts, head, drafter)
+    sdar = models["toy-sdar"][0].config
+    block_filter = save_controller(Controller(sdar.block_size, seed=1), cache / "block_filter.safetensors",
+                                   features=BLOCK_FEATURES, threshold=0.5, model=model_fingerprint(sdar))
+    return models, str(block_filter)
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_decoders_give_the_same_tokens_with_kernels_on_and_off(kernel_models, name):
+    """Interpret mode on CPU, every decoder: the greedy policy decoders (and llada2) score from the
+    hidden state through residual_argmax (their forwards keep no logits), every attention goes
+    through the flash kernel; tokens and NFE equal those with the kernels off."""
     from dlmjax.decoding.api import generate
     from dlmjax.decoding.spec import parse_decoder
 
-    from dlmjax.heads.mrp import init_head
-
-    model = peaky_model(family, seed=3)
-    head = init_head(model.config, num_layers=1, init_std=0.2, seed=3) if spec.startswith("mrp") else None
+    models, block_filter = kernel_models
+    source, spec = KERNEL_CASES[name]
+    spec = spec.format(block_filter=block_filter)
+    model, prompts, head, drafter = models[source]
+    kw = dict(decoder=spec, max_new_tokens=8, head=head, drafter=drafter)
     with kernels.use("off"):
-        off = generate(model, PROMPTS[:3], decoder=spec, max_new_tokens=MAX_NEW, head=head)
+        off = generate(model, prompts, **kw)
     with kernels.use("interpret"):
-        assert parse_decoder(spec).scores_from_hidden(model) == (spec.split(":")[0] in ("threshold", "entropy"))
-        on = generate(model, PROMPTS[:3], decoder=spec, max_new_tokens=MAX_NEW, head=head)
+        greedy = name in ("static", "threshold", "entropy", "llada2")
+        scores_from_hidden = getattr(parse_decoder(spec), "scores_from_hidden", lambda model: False)  # ar, drafter
+        assert scores_from_hidden(model) == (greedy and not model.config.shift_logits)
+        on = generate(model, prompts, **kw)
     assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows]
     assert [r.nfe for r in on.rows] == [r.nfe for r in off.rows]
 
