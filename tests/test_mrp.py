@@ -10,7 +10,7 @@ from flax import nnx
 
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
-from dlmjax.decoding.mrp import MRPRemask, MRPSpec
+from dlmjax.decoding.mrp import MRPRemask, MRPSpec, head_copies
 from dlmjax.decoding.policies import Scores
 from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
 from dlmjax.evaluation.tasks import load_eval_set
@@ -138,7 +138,7 @@ def test_packed_verification_equals_separate_forwards(toy, prompts):
         # fp32 rounding of differently shaped matmuls (the fused qkv one too): up to ~1.1e-5 on CPU
         np.testing.assert_allclose(packed_hidden[:, k], hidden_k, rtol=1e-5, atol=3e-5)
     # The head's packed forward over the same copies (mrp-remask's) = one unpacked head step per copy.
-    packed_residual = residual_logits(head, model, fwd.head_copies(0, copies, hidden, head_cache, block))
+    packed_residual = residual_logits(head, model, head_copies(fwd, 0, copies, hidden, head_cache, block))
     positions = jnp.asarray(rows.positions)[:, geometry.prefix : geometry.prefix + cfg.block_size]
     valid = jnp.asarray(rows.valid)[:, geometry.prefix : geometry.prefix + cfg.block_size]
     for k in range(5):

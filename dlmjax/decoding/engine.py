@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +53,6 @@ import numpy as np
 from flax import nnx, struct
 
 from dlmjax import arithmetic
-from dlmjax.heads.mrp import MRPHead, apply_residual, head_output
 from dlmjax.models.transformer import KVCache, Transformer, put_rows, take_rows
 from dlmjax.validation import InputError, positive_int
 
@@ -90,7 +89,7 @@ class DecodeState:
     logits: jax.Array  # [B, K, V] float32: each row's current block's latest logits (seed of its next round)
     hidden: jax.Array  # [B, K, D] the backbone's final-normed hidden state behind `logits` (MRP's input)
     cache: KVCache | None
-    head_cache: tuple[KVCache, ...] | None  # an MRP head's own KV cache of finished blocks, per module
+    head_cache: Any  # the head's own cache of finished blocks (BlockHead.empty_caches), or None
     done: jax.Array  # [B] bool
     rounds: jax.Array  # [B] int32 rounds in which the row committed (its sampling-key counter)
     nfe: jax.Array  # [B] int32 forwards that yielded denoising logits for the row
@@ -164,19 +163,34 @@ def plan_layout(
     return geometry, canvas, rows
 
 
+class BlockHead(Protocol):
+    """What the engine asks of a head that runs beside the backbone on the block (the MRP head,
+    dlmjax.heads.mrp.MRPHead): its own KV cache of finished blocks, created with the backbone's
+    and written by the same forwards that write the backbone's (prefill, stores). Its forwards
+    over the block are its decoders' business (dlmjax.decoding.mrp), not the engine's."""
+
+    def empty_caches(self, batch: int, capacity: int) -> Any:
+        """The head's empty cache for `batch` rows of `capacity` slots."""
+
+    def write_context(self, backbone: Transformer, caches, tokens_bl, hidden_bld, positions_bl, valid_bl, start_b,
+                      write_b=None) -> Any:
+        """`caches` with a finished chunk (clean tokens and the backbone's hidden state on them)
+        written at each row's slot `start_b` (rows with `write_b` False left as they are)."""
+
+
 @dataclass(frozen=True)
 class BlockForwards:
     """The forwards of one decoding run, every row at its own block (`block_b` [B]): the first
     forward, the round forward over candidate copies (carrying finished blocks to store), per
-    cache mode; with an MRP head, its iterations over the block and its own cache of finished
-    blocks."""
+    cache mode; with a head (`BlockHead`), its cache of finished blocks kept beside the
+    backbone's."""
 
     model: Transformer
     rows: Rows
     geometry: Geometry
     cache_mode: str  # "exact" (block-causal KV cache) | "none" | "prefix" | "dual"
     mask_id: int
-    head: MRPHead | None = None
+    head: BlockHead | None = None
     # The decoder needs greedy scores only (`DiffusionDecoder.scores_from_hidden`): forwards then
     # return empty [..., 0] logits and the scores come from the hidden state (kernels.residual_argmax).
     scores_from_hidden: bool = False
@@ -202,7 +216,7 @@ class BlockForwards:
     def put_block(self, canvas, block_b, tokens_bk):
         return put_rows(canvas, self.block_start(block_b), tokens_bk)
 
-    def _columns(self, first_b, width: int):
+    def columns(self, first_b, width: int):
         """(positions, valid) [B, width] of each row's columns [first_b, first_b + width)."""
         return take_rows(self.rows.positions, first_b, width), take_rows(self.rows.valid, first_b, width)
 
@@ -264,7 +278,7 @@ class BlockForwards:
 
     def _store(self, cache, head_cache, tokens_bl, hidden_bld, chunk_kv, start_b, width, write_b=None):
         """Write a clean chunk of `width` columns from `start_b` into the backbone's cache (and the head's)."""
-        positions, valid = self._columns(start_b, width)
+        positions, valid = self.columns(start_b, width)
         cache = cache.write_rows(chunk_kv, start_b, positions, valid, write_b)
         if head_cache is not None:
             head_cache = self.head.write_context(self.model, head_cache, tokens_bl, hidden_bld, positions, valid,
@@ -311,9 +325,9 @@ class BlockForwards:
         block's KV is written for those rows."""
         b, n, k = copies_bnk.shape
         start = self.block_start(block_b)
-        prev_positions, prev_valid = self._columns(start - k, k)
+        prev_positions, prev_valid = self.columns(start - k, k)
         prev_valid = prev_valid & store_b[:, None]
-        positions, valid = self._columns(start, k)
+        positions, valid = self.columns(start, k)
         tokens = jnp.concatenate([self.block_tokens(canvas, block_b - 1), copies_bnk.reshape(b, n * k)], axis=1)
         segments = jnp.concatenate([jnp.zeros((b, k), jnp.int32), copy_segments(b, n, k)], axis=1)
         out = self.model(tokens, jnp.concatenate([prev_positions, jnp.tile(positions, (1, n))], axis=1),
@@ -363,7 +377,7 @@ class BlockForwards:
         b, n, k = candidates_bnk.shape
         start = self.block_start(block_b)
         first, width = self._window(block_b)
-        positions, valid = self._columns(first, width)
+        positions, valid = self.columns(first, width)
         if self.cache_mode in ("prefix", "dual"):  # what lies before the block is in the cache
             valid = valid & (first[:, None] + jnp.arange(width)[None, :] >= start[:, None])
         window = take_rows(canvas, first, width)
@@ -388,25 +402,6 @@ class BlockForwards:
         """(logits [B, K, V], hidden [B, K, D]) of each row's block for the canvas as it is now."""
         logits, hidden = self.verify(canvas, self.block_tokens(canvas, block_b)[:, None], cache, block_b)
         return logits[:, 0], hidden[:, 0]
-
-    def head_step(self, step: int, tokens_bk, hidden_bkd, logits_bkv, head_cache, block_b):
-        """One MRP head iteration over each row's block (chain step `step`, 0-based): returns
-        (corrected logits, next head input h, residual logits). The head attends to its own
-        cache of finished blocks and to the block itself."""
-        h_p = self.head_copies(step, tokens_bk[:, None, :], hidden_bkd, head_cache, block_b)[:, 0]
-        return apply_residual(self.head, self.model, h_p, logits_bkv, hidden_bkd)
-
-    def head_copies(self, step: int, copies_bnk, hidden_bkd, head_cache, block_b):
-        """h_p [B, N, K, D] of N versions of each row's block in ONE head forward (chain step
-        `step`): packed side by side like `verify`, each copy seeing the head's cache and itself,
-        all reading the same hidden state."""
-        b, n, k = copies_bnk.shape
-        positions, valid = self._columns(self.block_start(block_b), k)
-        h_p = head_output(self.head, self.model, step, copies_bnk.reshape(b, n * k), jnp.tile(hidden_bkd, (1, n, 1)),
-                          jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, k),
-                          valid_bl=jnp.tile(valid, (1, n)), cache=head_cache[self.head.module_index(step)],
-                          chunk_parts=copy_parts(n, k))
-        return h_p.reshape(b, n, k, -1)
 
 
 def copy_parts(copies: int, width: int) -> tuple[int, ...]:

@@ -43,13 +43,34 @@ import jax.numpy as jnp
 
 from dlmjax import arithmetic
 from dlmjax.decoding import policies
-from dlmjax.decoding.engine import BlockForwards, DecodeState, Plan
+from dlmjax.decoding.engine import BlockForwards, DecodeState, Plan, copy_parts, copy_segments
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, POSITIVE, OneOf
-from dlmjax.heads.mrp import residual_logits
+from dlmjax.heads.mrp import apply_residual, head_output, residual_logits
 
 REMASK_RULES = ("residual", "confidence", "both")
 REMASK_HEAD_INPUTS = ("others", "pre")
+
+
+def head_step(fwd: BlockForwards, step: int, tokens_bk, hidden_bkd, logits_bkv, head_cache, block_b):
+    """One MRP head iteration over each row's block (chain step `step`, 0-based): returns
+    (corrected logits, next head input h, residual logits). The head attends to its own
+    cache of finished blocks and to the block itself."""
+    h_p = head_copies(fwd, step, tokens_bk[:, None, :], hidden_bkd, head_cache, block_b)[:, 0]
+    return apply_residual(fwd.head, fwd.model, h_p, logits_bkv, hidden_bkd)
+
+
+def head_copies(fwd: BlockForwards, step: int, copies_bnk, hidden_bkd, head_cache, block_b):
+    """h_p [B, N, K, D] of N versions of each row's block in ONE head forward (chain step
+    `step`): packed side by side like `BlockForwards.verify`, each copy seeing the head's cache
+    and itself, all reading the same hidden state."""
+    b, n, k = copies_bnk.shape
+    positions, valid = fwd.columns(fwd.block_start(block_b), k)
+    h_p = head_output(fwd.head, fwd.model, step, copies_bnk.reshape(b, n * k), jnp.tile(hidden_bkd, (1, n, 1)),
+                      jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, k),
+                      valid_bl=jnp.tile(valid, (1, n)), cache=head_cache[fwd.head.module_index(step)],
+                      chunk_parts=copy_parts(n, k))
+    return h_p.reshape(b, n, k, -1)
 
 
 def static_pick(logits_bkv, masked_bk, mask_id: int):
@@ -90,7 +111,7 @@ class MRPDirect(MRPDecoder):
             commit, proposed = static_pick(logits, masked_bk & (tokens_bk == fwd.mask_id), fwd.mask_id)
             tokens_bk = jnp.where(commit, proposed, tokens_bk)
             if step < self.mrp_steps:
-                logits, hidden, _ = fwd.head_step(step, tokens_bk, hidden, logits, state.head_cache, state.block)
+                logits, hidden, _ = head_step(fwd, step, tokens_bk, hidden, logits, state.head_cache, state.block)
         return Plan(tokens=tokens_bk, copies=tokens_bk[:, None])
 
 
@@ -119,7 +140,7 @@ class MRPSpec(MRPDecoder):
             commit, proposed = static_pick(logits, (copies[-1] == fwd.mask_id) & ~state.done[:, None], fwd.mask_id)
             copies.append(jnp.where(commit, proposed, copies[-1]))
             if step < self.drafts - 1:
-                logits, hidden, _ = fwd.head_step(step, copies[-1], hidden, logits, state.head_cache, state.block)
+                logits, hidden, _ = head_step(fwd, step, copies[-1], hidden, logits, state.head_cache, state.block)
         return jnp.stack(copies, axis=1)
 
     def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
@@ -186,11 +207,11 @@ class MRPRemask(MRPDecoder):
     def residual(self, fwd: BlockForwards, state: DecodeState, before_bk, proposed_after_bk):
         """C [B, K, V]: the head's residual at every position of the block, read as `head_input` says."""
         if self.head_input == "pre":
-            return fwd.head_step(0, before_bk, state.hidden, state.logits, state.head_cache, state.block)[2]
+            return head_step(fwd, 0, before_bk, state.hidden, state.logits, state.head_cache, state.block)[2]
         k = before_bk.shape[1]
         # Copy j: every proposal committed except position j, which keeps its pre-commit token.
         copies = jnp.where(jnp.eye(k, dtype=bool)[None], before_bk[:, None, :], proposed_after_bk[:, None, :])
-        h_p = fwd.head_copies(0, copies, state.hidden, state.head_cache, state.block)  # [B, K(copy), K, D]
+        h_p = head_copies(fwd, 0, copies, state.hidden, state.head_cache, state.block)  # [B, K(copy), K, D]
         own = h_p[:, jnp.arange(k), jnp.arange(k)]  # copy j's output at position j
         return residual_logits(fwd.head, fwd.model, own)
 
