@@ -43,10 +43,10 @@ from dlmjax import kernels
 from dlmjax.heads.mrp import init_head
 from dlmjax.kernels.residual_argmax import residual_argmax
 
-# dense, by the first key that is a substring of device_kind (TPUs name v5e/v6e "TPU v5 lite"/"TPU v6 lite",
-# v5p "TPU v5": the lite ones come first)
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "TPU v5 lite": 197.0,
-                    "TPU v6 lite": 918.0, "TPU v5": 459.0, "TPU v4": 275.0}
+# dense, by the first key that is a substring of device_kind (a v5e reports "TPU v5 lite" or "TPU v5e", a v5p
+# "TPU v5" or "TPU v5p": the lite and e names come first)
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0,
+                    "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU v5": 459.0, "TPU v4": 275.0}
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
 
 
