@@ -38,8 +38,8 @@ from dlmjax.io.hf import (
     to_hf_tensors,
 )
 from dlmjax.io.files import write_atomic
-from dlmjax.models.fused import GATE_UP, QKV
 from dlmjax.io.safetensors import CheckpointError, save_file
+from dlmjax.models.fused import GATE_UP, QKV
 from dlmjax.models.transformer import Block, KVCache, Linear, RMSNorm, Transformer, run_layers
 from dlmjax.validation import InputError
 
