@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 import dlmjax
 from dlmjax import kernels
 from dlmjax.kernels.residual_argmax import reference as argmax_reference
-from dlmjax.kernels.residual_argmax import _on_tpu as residual_argmax_tpu
-from dlmjax.kernels.residual_argmax import residual_argmax
+from dlmjax.kernels.residual_argmax import residual_argmax, residual_argmax_tpu
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 

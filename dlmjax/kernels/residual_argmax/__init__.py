@@ -16,7 +16,7 @@ from dlmjax.kernels.residual_argmax import kernel_tpu as _kernel_tpu
 from dlmjax.kernels.residual_argmax.reference import ArgmaxScores, logits
 from dlmjax.kernels.residual_argmax.reference import residual_argmax as reference
 
-__all__ = ["ArgmaxScores", "logits", "reference", "residual_argmax"]
+__all__ = ["ArgmaxScores", "logits", "reference", "residual_argmax", "residual_argmax_tpu"]
 
 TILE_M, TILE_V, TILE_D, SPLIT_V = 16, 128, 128, 1024  # GPU-sized: 16 x 128 x 128 dots, 1024-column slices
 TPU_TILE_M, TPU_TILE_V = 256, 256  # a [D, 256] lm_head block double-buffered: 4 MiB of VMEM at D = 4096
@@ -48,44 +48,49 @@ def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_
     if how is None:
         return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
     if how == "kernel" and jax.default_backend() == "tpu":
-        return _on_tpu(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual, tile_m=TPU_TILE_M,
-                       tile_v=TPU_TILE_V, interpret=False)
-    (m, d), vocab = x_md.shape, w_dv.shape[1]
+        return residual_argmax_tpu(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual, tile_m=TPU_TILE_M,
+                                   tile_v=TPU_TILE_V, interpret=False)
+    d, vocab = w_dv.shape
     tile_v = min(tile_v, _floor_pow2(vocab))  # the last tile of a slice shifts left
     tile_d = min(tile_d, d) if d % min(tile_d, d) == 0 else d
     split_v = max(split_v // tile_v, 1) * tile_v
-    pad = -m % tile_m
-    x = jnp.pad(x_md, ((0, pad), (0, 0)))
-    h_p = None if residual is None else jnp.pad(residual[0].astype(x_md.dtype), ((0, pad), (0, 0)))
-    call = functools.partial(
-        _kernel.residual_argmax_stats, mask_id=mask_id, eps=None if norm is None else float(norm[1]),
-        residual_scale=None if residual is None else float(residual[1]), tile_m=tile_m, tile_v=tile_v,
-        tile_d=tile_d, split_v=split_v, interpret=how == "interpret",
-        triton=how == "kernel" and jax.default_backend() == "gpu")
-    args = (x, w_dv, None if norm is None else norm[0], h_p)
-    error = None if how == "interpret" else kernels.compile_error("residual_argmax", call, *args)
-    if error is not None:
-        kernels.fallback("residual_argmax", error)
-        return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
-    return ArgmaxScores(*(a[:m] for a in _kernel.finish(*call(*args))))
+    call = functools.partial(_kernel.residual_argmax_stats, mask_id=mask_id, **_static(norm, residual), tile_m=tile_m,
+                             tile_v=tile_v, tile_d=tile_d, split_v=split_v, interpret=how == "interpret",
+                             triton=how == "kernel" and jax.default_backend() == "gpu")
+    return _probed(call, _inputs(x_md, w_dv, norm, residual, tile_m), how == "interpret", x_md, w_dv,
+                   mask_id=mask_id, norm=norm, residual=residual)
 
 
-def _on_tpu(x_md, w_dv, *, mask_id: int, norm, residual, tile_m: int, tile_v: int, interpret: bool) -> ArgmaxScores:
-    """The Mosaic-shaped kernel (`kernel_tpu`): positions in one whole tile when they fit, else
-    padded to tiles of `tile_m`; the vocabulary in tiles of `tile_v` (one whole tile when smaller).
-    A real (not interpret) call is compile-probed first: the reference runs if Mosaic refuses it."""
-    m, vocab = x_md.shape[0], w_dv.shape[1]
-    tile_m = m if m <= tile_m else tile_m
-    pad = -m % tile_m
-    x = jnp.pad(x_md, ((0, pad), (0, 0)))
-    h_p = None if residual is None else jnp.pad(residual[0].astype(x_md.dtype), ((0, pad), (0, 0)))
-    call = functools.partial(
-        _kernel_tpu.residual_argmax_stats, mask_id=mask_id, eps=None if norm is None else float(norm[1]),
-        residual_scale=None if residual is None else float(residual[1]), tile_m=tile_m,
-        tile_v=min(tile_v, vocab), interpret=interpret)
-    args = (x, w_dv, None if norm is None else norm[0], h_p)
+def _static(norm, residual) -> dict:
+    """The kernels' static options: the norm's eps and the residual's scale (None: not applied)."""
+    return dict(eps=None if norm is None else float(norm[1]),
+                residual_scale=None if residual is None else float(residual[1]))
+
+
+def _inputs(x_md, w_dv, norm, residual, tile_m: int) -> tuple:
+    """The kernels' arguments (x, w, norm scale, h_p), rows padded to a multiple of `tile_m`."""
+    pad = ((0, -x_md.shape[0] % tile_m), (0, 0))
+    h_p = None if residual is None else jnp.pad(residual[0].astype(x_md.dtype), pad)
+    return jnp.pad(x_md, pad), w_dv, None if norm is None else norm[0], h_p
+
+
+def _probed(call, args, interpret: bool, x_md, w_dv, **options) -> ArgmaxScores:
+    """The kernel `call`'s scores of the first M rows, compile-probed first when real (not
+    interpret): the reference runs, with the reason logged, where the device refuses it."""
     error = None if interpret else kernels.compile_error("residual_argmax", call, *args)
     if error is not None:
         kernels.fallback("residual_argmax", error)
-        return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
-    return ArgmaxScores(*(a[:m] for a in _kernel.finish(*call(*args))))
+        return reference(x_md, w_dv, **options)
+    return ArgmaxScores(*(a[: x_md.shape[0]] for a in _kernel.finish(*call(*args))))
+
+
+def residual_argmax_tpu(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_m: int = TPU_TILE_M,
+                        tile_v: int = TPU_TILE_V, interpret: bool) -> ArgmaxScores:
+    """`residual_argmax` through the Mosaic-shaped kernel (`kernel_tpu`): positions in one whole
+    tile when they fit, else padded to tiles of `tile_m`; the vocabulary in tiles of `tile_v`
+    (one whole tile when smaller)."""
+    tile_m = min(tile_m, x_md.shape[0])
+    call = functools.partial(_kernel_tpu.residual_argmax_stats, mask_id=mask_id, **_static(norm, residual),
+                             tile_m=tile_m, tile_v=min(tile_v, w_dv.shape[1]), interpret=interpret)
+    return _probed(call, _inputs(x_md, w_dv, norm, residual, tile_m), interpret, x_md, w_dv, mask_id=mask_id,
+                   norm=norm, residual=residual)
