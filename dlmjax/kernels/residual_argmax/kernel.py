@@ -110,6 +110,21 @@ def _kernel(*refs, vocab: int, split_v: int, tile_v: int, tile_d: int, mask_id: 
         ref[...] = value
 
 
+def row_inputs(x_md, scale_d, h_p_md, *, tile_m: int, eps: float | None, residual_scale: float | None):
+    """([x, norm scale, h_p] as used, their BlockSpecs): rows in tiles of `tile_m` on the first grid
+    axis, the norm scale whole; the lm_head's spec is the caller's."""
+    d = x_md.shape[1]
+    rows = pl.BlockSpec((tile_m, d), lambda i, j: (i, 0))
+    inputs, specs = [x_md], [rows]
+    if eps is not None:
+        inputs.append(scale_d.reshape(1, d))
+        specs.append(pl.BlockSpec((1, d), lambda i, j: (0, 0)))
+    if residual_scale is not None:
+        inputs.append(h_p_md)
+        specs.append(rows)
+    return inputs, specs
+
+
 @functools.partial(jax.jit, static_argnames=("mask_id", "eps", "residual_scale", "tile_m", "tile_v", "tile_d",
                                              "split_v", "interpret", "triton"))
 def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int, eps: float | None,
@@ -122,14 +137,7 @@ def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int
     m, d = x_md.shape
     vocab = w_dv.shape[1]
     slices = pl.cdiv(vocab, split_v)
-    rows = pl.BlockSpec((tile_m, d), lambda i, j: (i, 0))
-    inputs, specs = [x_md], [rows]
-    if eps is not None:
-        inputs.append(scale_d.reshape(1, d))
-        specs.append(pl.BlockSpec((1, d), lambda i, j: (0, 0)))
-    if residual_scale is not None:
-        inputs.append(h_p_md)
-        specs.append(rows)
+    inputs, specs = row_inputs(x_md, scale_d, h_p_md, tile_m=tile_m, eps=eps, residual_scale=residual_scale)
     inputs.append(w_dv)
     specs.append(pl.BlockSpec((d, vocab), lambda i, j: (0, 0)))
     stat = pl.BlockSpec((tile_m, 1), lambda i, j: (i, j))

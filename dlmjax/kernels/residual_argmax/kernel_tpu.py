@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dlmjax.kernels.residual_argmax.kernel import initial_stats, update
+from dlmjax.kernels.residual_argmax.kernel import initial_stats, row_inputs, update
 
 LANES = 128
 DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.float32)  # top1 index top2 m s t
@@ -74,14 +74,7 @@ def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int
     tile_v a multiple of 128 or V."""
     m, d = x_md.shape
     vocab = w_dv.shape[1]
-    rows = pl.BlockSpec((tile_m, d), lambda i, j: (i, 0))
-    inputs, specs = [x_md], [rows]
-    if eps is not None:
-        inputs.append(scale_d.reshape(1, d))
-        specs.append(pl.BlockSpec((1, d), lambda i, j: (0, 0)))
-    if residual_scale is not None:
-        inputs.append(h_p_md)
-        specs.append(rows)
+    inputs, specs = row_inputs(x_md, scale_d, h_p_md, tile_m=tile_m, eps=eps, residual_scale=residual_scale)
     inputs.append(w_dv)
     specs.append(pl.BlockSpec((d, tile_v), lambda i, j: (0, j)))
     stat = pl.BlockSpec((tile_m, LANES), lambda i, j: (i, 0))
