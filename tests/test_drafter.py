@@ -14,7 +14,8 @@ import torch
 import dlmjax
 from dlmjax.config import ConfigError
 from dlmjax.heads.drafter import (
-    DrafterConfig, DrafterMismatchError, block_logits, context_features, default_target_layer_ids, init_drafter,
+    DrafterConfig, DrafterMismatchError, block_logits, block_visibilities, context_features, default_target_layer_ids,
+    init_drafter, visibilities,
 )
 from dlmjax.io.dflash import from_dflash_config, load_drafter, resolve_drafter, save_drafter, to_dflash_config
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
@@ -254,6 +255,26 @@ def test_draft_logits_match_reference(target, tmp_path, layer_types, window):
     got = _dlmjax_draft_logits(drafter, ours, feats.numpy(), block)
     assert np.abs(got - expected).max() <= 1e-5
     assert np.abs(expected).max() > 0.1  # the logits are not trivially small
+
+
+def test_block_visibilities_are_the_matrices_full_layers_as_kernel_visibilities():
+    """Decoding's visibilities: a full-attention layer's come as `layers.Visibility` (what the flash
+    kernels read), a sliding one's as matrices, and each is the matrix `visibilities` gives: rows
+    whose blocks start at different positions, context keys past the block start and invalid ones."""
+    from dlmjax.models.layers import Visibility
+
+    cfg = from_dflash_config(tiny_drafter_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3))
+    rng = np.random.default_rng(0)
+    starts = jnp.asarray([[5], [9], [2]], jnp.int32)
+    positions = starts + jnp.arange(4, dtype=jnp.int32)[None]
+    ctx_pos = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (3, 12))
+    ctx_valid = jnp.asarray(rng.random((3, 12)) > 0.2)
+    ctx, blk = block_visibilities(cfg, positions, ctx_pos, ctx_valid)
+    want_ctx, want_blk = visibilities(cfg, positions, jnp.zeros((3, 4), jnp.int32), ctx_pos,
+                                      jnp.broadcast_to(starts, (3, 4)), ctx_valid)
+    assert [isinstance(v, Visibility) for v in ctx + blk] == [False, True, False, True]
+    for got, want in zip(ctx + blk, want_ctx + want_blk):
+        np.testing.assert_array_equal(got.matrix() if isinstance(got, Visibility) else got, want)
 
 
 def test_context_features_are_hf_hidden_states_id_plus_one(target, tmp_path):

@@ -198,7 +198,8 @@ class Drafter(nnx.Module):
         """The drafter's forward over block embeddings.
 
         ctx_kv: per layer (k, v) [B, S, Hkv, hd] of the context (from `context_kv`, or a cache);
-        ctx_visible, self_visible: per layer [B, L, S] and [B, L, L] bool (`visibilities`).
+        ctx_visible, self_visible: per layer [B, L, S] and [B, L, L] bool (`visibilities`), or
+        `layers.Visibility` (`block_visibilities`).
         Returns the final-normed hidden state [B, L, D]; score it with the target's lm_head.
         """
         cfg = self.config
@@ -234,14 +235,29 @@ def visibilities(cfg: DrafterConfig, q_pos_bl, q_group_bl, ctx_pos_bs, ctx_limit
     return tuple(out_ctx), tuple(out_blk)
 
 
+def block_visibilities(cfg: DrafterConfig, positions_bl, ctx_pos_bs, ctx_valid_bs):
+    """`visibilities` of one block per row (the block starts at positions_bl[b, 0]): a
+    full-attention layer's as `layers.Visibility` (bidirectional; the context keys at or after
+    the block's start are invalid for the whole row), which the flash kernels take, reading each
+    row's context only up to its last visible key; a sliding-window layer's as matrices."""
+    b, l = positions_bl.shape
+    zeros = jnp.zeros((b, l), jnp.int32)
+    ctx_mat, blk_mat = visibilities(cfg, positions_bl, zeros, ctx_pos_bs, jnp.broadcast_to(positions_bl[:, :1], (b, l)),
+                                    ctx_valid_bs)
+    ctx_vis = layers.Visibility(positions_bl, zeros, ctx_pos_bs, jnp.zeros_like(ctx_pos_bs),
+                                ctx_valid_bs & (ctx_pos_bs < positions_bl[:, :1]), attention="bidirectional",
+                                block_size=None)
+    blk_vis = layers.Visibility(positions_bl, zeros, positions_bl, zeros, jnp.ones((b, l), bool),
+                                attention="bidirectional", block_size=None)
+    full = [kind != SLIDING for kind in cfg.layer_types]
+    return (tuple(ctx_vis if f else m for f, m in zip(full, ctx_mat)),
+            tuple(blk_vis if f else m for f, m in zip(full, blk_mat)))
+
+
 def block_logits(drafter: Drafter, target: Transformer, block_bl, positions_bl, ctx_kv, ctx_pos_bs, ctx_valid_bs):
     """Draft logits [B, L, V] (float32) for one block per row against a context (or its cache).
     Row b's block starts at positions_bl[b, 0]; context keys at or after it are not seen."""
-    b, l = block_bl.shape
-    ctx_vis, blk_vis = visibilities(
-        drafter.config, positions_bl, jnp.zeros((b, l), jnp.int32), ctx_pos_bs,
-        jnp.broadcast_to(positions_bl[:, :1], (b, l)), ctx_valid_bs,
-    )
+    ctx_vis, blk_vis = block_visibilities(drafter.config, positions_bl, ctx_pos_bs, ctx_valid_bs)
     h = drafter(target.embed_tokens(block_bl), positions_bl, ctx_kv, ctx_vis, blk_vis)
     return target.lm_logits(h)
 

@@ -9,7 +9,7 @@ The chain, first that serves:
    (Triton; a loop over key tiles); on TPU `kernel_tpu.py` (Mosaic; key tiles on the grid, heads
    as 128-lane column blocks, so head dims that are multiples of 128);
 3. the reference (`reference.py`, the XLA einsum): on CPU, in "off" mode, or for visibilities
-   given as matrices (training layouts, drafters), with the reason logged.
+   given as matrices (training layouts, a drafter's sliding-window layers), with the reason logged.
 """
 
 from __future__ import annotations
