@@ -27,6 +27,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers (tiny_models.py)
 
+# Hypothesis draws the same examples on every run (seeded from each test), and keeps no example
+# database: a run neither depends on nor writes what an earlier run found.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("dlmjax", derandomize=True, database=None)
+_hypothesis_settings.load_profile("dlmjax")
+
 
 import jax  # noqa: E402  (after the XLA flags above)
 import pytest  # noqa: E402

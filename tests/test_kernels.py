@@ -236,14 +236,15 @@ from dlmjax.models.layers import Visibility  # noqa: E402
 @st.composite
 def attention_cases(draw):
     """Rows of different written lengths (and holes: left padding, unwritten slots), packed copies
-    (query segments 1..N over a shared context of segment 0), every topology, several parts. The
+    (query segments 1..N over a shared context of segment 0), every topology with or without a
+    sliding window, several parts. The
     shapes come from a few (each compiles once in interpret mode); what they hold is drawn."""
     shape = draw(st.sampled_from([  # (rows, kv heads, group, copies, width, cache slots, tile_q, tile_k)
         (1, 1, 2, 1, 3, 0, 4, 4), (3, 2, 2, 3, 2, 21, 4, 8), (2, 2, 1, 2, 4, 13, 8, 4)]))
     b, hkv, group, copies, width, cache, tile_q, tile_k = shape
     return dict(b=b, hkv=hkv, h=hkv * group, copies=copies, width=width, cache=cache, tile_q=tile_q, tile_k=tile_k,
                 attention=draw(st.sampled_from(["causal", "block_causal", "bidirectional"])),
-                seed=draw(st.integers(0, 2**16)))
+                window=draw(st.sampled_from([None, None, 1, 3])), seed=draw(st.integers(0, 2**16)))
 
 
 def _attention_inputs(case, dtype=jnp.float32):
@@ -262,7 +263,7 @@ def _attention_inputs(case, dtype=jnp.float32):
     kvs = [jnp.asarray(rng.normal(size=shape), dtype) for shape in [(b, l, h, d), (b, s, hkv, d), (b, s, hkv, d),
                                                                      (b, l, hkv, d), (b, l, hkv, d)]]
     q, k_cache, v_cache, k_self, v_self = kvs
-    topo = dict(attention=case["attention"], block_size=2)
+    topo = dict(attention=case["attention"], block_size=2, window=case.get("window"))
     parts = [] if s == 0 else [(k_cache, v_cache, Visibility(
         jnp.asarray(q_pos), jnp.asarray(q_seg), jnp.asarray(k_pos), jnp.zeros((b, s), jnp.int32), jnp.asarray(k_valid),
         **topo))]
@@ -299,6 +300,22 @@ def test_the_tpu_shaped_flash_kernel_equals_the_xla_einsum(case):
     seen = _seen(parts)
     np.testing.assert_allclose(got[seen], expected[seen], rtol=0, atol=1e-5)
     assert np.all(np.isfinite(got))
+
+
+@pytest.mark.parametrize("kernel", ["loop", "tpu"])
+def test_a_sliding_window_hides_the_keys_behind_it(kernel):
+    """A drafter's sliding-window layers: both kernels equal the einsum with a window of 2 over a
+    cache and packed copies (whatever hypothesis draws, this case always runs)."""
+    case = dict(b=3, h=4, hkv=2, copies=2, width=3, cache=11, attention="causal", window=2, seed=7)
+    q, parts = _attention_inputs(case)
+    expected = np.asarray(attention_reference(q, parts))
+    if kernel == "tpu":
+        got = np.asarray(flash_tpu(q, parts, tile_q=4, tile_k=4, interpret=True))
+    else:
+        got = np.asarray(flash(q, parts, tile_q=4, tile_k=4, split_k=8, interpret=True))
+    seen = _seen(parts)
+    assert seen.sum() > 0 and not np.asarray(parts[0][2].matrix()).all()
+    np.testing.assert_allclose(got[seen], expected[seen], rtol=0, atol=1e-5)
 
 
 def test_a_part_with_every_key_hidden_adds_exact_zeros():

@@ -236,22 +236,23 @@ def visibilities(cfg: DrafterConfig, q_pos_bl, q_group_bl, ctx_pos_bs, ctx_limit
 
 
 def block_visibilities(cfg: DrafterConfig, positions_bl, ctx_pos_bs, ctx_valid_bs):
-    """`visibilities` of one block per row (the block starts at positions_bl[b, 0]): a
-    full-attention layer's as `layers.Visibility` (bidirectional; the context keys at or after
-    the block's start are invalid for the whole row), which the flash kernels take, reading each
-    row's context only up to its last visible key; a sliding-window layer's as matrices."""
+    """`visibilities` of one block per row (the block starts at positions_bl[b, 0]) as
+    `layers.Visibility`, which the flash kernels take, reading each row's context only up to its
+    last visible key: the context keys at or after the block's start are invalid for the whole
+    row; a full-attention layer sees the rest and its block bidirectionally, a sliding-window one
+    causally within its window (the context lies before every query, so causal there is no
+    restriction)."""
     b, l = positions_bl.shape
     zeros = jnp.zeros((b, l), jnp.int32)
-    ctx_mat, blk_mat = visibilities(cfg, positions_bl, zeros, ctx_pos_bs, jnp.broadcast_to(positions_bl[:, :1], (b, l)),
-                                    ctx_valid_bs)
-    ctx_vis = layers.Visibility(positions_bl, zeros, ctx_pos_bs, jnp.zeros_like(ctx_pos_bs),
-                                ctx_valid_bs & (ctx_pos_bs < positions_bl[:, :1]), attention="bidirectional",
-                                block_size=None)
-    blk_vis = layers.Visibility(positions_bl, zeros, positions_bl, zeros, jnp.ones((b, l), bool),
-                                attention="bidirectional", block_size=None)
-    full = [kind != SLIDING for kind in cfg.layer_types]
-    return (tuple(ctx_vis if f else m for f, m in zip(full, ctx_mat)),
-            tuple(blk_vis if f else m for f, m in zip(full, blk_mat)))
+    ctx_valid = ctx_valid_bs & (ctx_pos_bs < positions_bl[:, :1])
+    out_ctx, out_blk = [], []
+    for kind in cfg.layer_types:
+        topo = dict(attention="causal", window=cfg.sliding_window) if kind == SLIDING else dict(attention="bidirectional")
+        out_ctx.append(layers.Visibility(positions_bl, zeros, ctx_pos_bs, jnp.zeros_like(ctx_pos_bs), ctx_valid,
+                                         block_size=None, **topo))
+        out_blk.append(layers.Visibility(positions_bl, zeros, positions_bl, zeros, jnp.ones((b, l), bool),
+                                         block_size=None, **topo))
+    return tuple(out_ctx), tuple(out_blk)
 
 
 def block_logits(drafter: Drafter, target: Transformer, block_bl, positions_bl, ctx_kv, ctx_pos_bs, ctx_valid_bs):

@@ -56,7 +56,8 @@ def _rotate_half(x, cos, sin):
 
 
 def visibility(
-    q_pos_bq, q_seg_bq, k_pos_bk, k_seg_bk, k_valid_bk, *, attention: str, block_size: int | None
+    q_pos_bq, q_seg_bq, k_pos_bk, k_seg_bk, k_valid_bk, *, attention: str, block_size: int | None,
+    window: int | None = None,
 ):
     """Which keys each query may attend to: [B, Lq, Lk] bool.
 
@@ -65,7 +66,7 @@ def visibility(
     - segment 0 is shared context that every query sees; otherwise query and key segments must
       match (packed candidate copies use segments 1..K+1 and never see each other);
     - the topology on positions: causal (k <= q), block_causal (block(k) <= block(q)),
-      bidirectional (all).
+      bidirectional (all); with a `window`, also q - k < window (sliding-window layers).
     """
     q_pos, k_pos = q_pos_bq[:, :, None], k_pos_bk[:, None, :]
     if attention == "causal":
@@ -76,6 +77,8 @@ def visibility(
         topo = jnp.ones_like(k_pos <= q_pos)
     else:
         raise ValueError(f"attention={attention!r}; choose causal, bidirectional or block_causal")
+    if window is not None:
+        topo = topo & (q_pos - k_pos < window)
     k_seg = k_seg_bk[:, None, :]
     same_segment = (k_seg == 0) | (k_seg == q_seg_bq[:, :, None])
     return topo & same_segment & k_valid_bk[:, None, :]
@@ -94,10 +97,11 @@ class Visibility:
     attention: str = struct.field(pytree_node=False)
     block_size: int | None = struct.field(pytree_node=False)
     plain: bool = struct.field(pytree_node=False, default=False)  # one segment, every key valid
+    window: int | None = struct.field(pytree_node=False, default=None)  # sliding window: q - k < window
 
     def matrix(self):
         return visibility(self.q_pos, self.q_seg, self.k_pos, self.k_seg, self.k_valid, attention=self.attention,
-                          block_size=self.block_size)
+                          block_size=self.block_size, window=self.window)
 
     def keys(self, start: int, end: int) -> "Visibility":
         """The visibility of keys [start, end) only."""

@@ -9,7 +9,7 @@ The chain, first that serves:
    (Triton; a loop over key tiles); on TPU `kernel_tpu.py` (Mosaic; key tiles on the grid, heads
    as 128-lane column blocks, so head dims that are multiples of 128);
 3. the reference (`reference.py`, the XLA einsum): on CPU, in "off" mode, or for visibilities
-   given as matrices (training layouts, a drafter's sliding-window layers), with the reason logged.
+   given as matrices (training layouts), with the reason logged.
 """
 
 from __future__ import annotations
@@ -128,7 +128,8 @@ def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int, int
         tile = min(tile_k, _floor_pow2(keys))
         split = max(split_k // tile, 1) * tile if q.shape[1] == tile_q else -(-keys // tile) * tile
         call = functools.partial(_kernel.flash_part, attention=vis.attention, block_size=vis.block_size,
-                                 tile_q=tile_q, tile_k=tile, split_k=split, interpret=interpret, triton=triton)
+                                 window=vis.window, tile_q=tile_q, tile_k=tile, split_k=split, interpret=interpret,
+                                 triton=triton)
         calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
                              vis.k_valid, row_lengths(vis.k_valid))))
     return calls
@@ -147,7 +148,8 @@ def tpu_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
         q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
         k, v, vis = _at_least(1, k, v, vis)
         call = functools.partial(_kernel_tpu.flash_part, attention=vis.attention, block_size=vis.block_size,
-                                 tile_q=tile_q, tile_k=min(tile_k, k.shape[1]), interpret=interpret)
+                                 window=vis.window, tile_q=tile_q, tile_k=min(tile_k, k.shape[1]),
+                                 interpret=interpret)
         calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
                              vis.k_valid, row_lengths(vis.k_valid))))
     return calls

@@ -27,13 +27,16 @@ from jax.experimental.pallas import triton as pltriton
 MASK_VALUE = -1e30  # as layers.MASK_VALUE: a hidden key's score
 
 
-def topology(q_pos, k_pos, attention: str, block_size: int | None):
-    """[Lq, Lk] bool (broadcast): causal, block_causal or bidirectional, as layers.visibility."""
+def topology(q_pos, k_pos, attention: str, block_size: int | None, window: int | None = None):
+    """[Lq, Lk] bool (broadcast): causal, block_causal or bidirectional, within `window` if one
+    is given, as layers.visibility."""
     if attention == "causal":
-        return k_pos <= q_pos
-    if attention == "block_causal":
-        return _floor_div(k_pos, block_size) <= _floor_div(q_pos, block_size)
-    return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+        topo = k_pos <= q_pos
+    elif attention == "block_causal":
+        topo = _floor_div(k_pos, block_size) <= _floor_div(q_pos, block_size)
+    else:
+        topo = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+    return topo if window is None else topo & (q_pos - k_pos < window)
 
 
 def _floor_div(a, b: int):
@@ -43,7 +46,8 @@ def _floor_div(a, b: int):
 
 
 def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref, kv_len_ref,
-            acc_ref, max_ref, sum_ref, *, tile_k: int, split_k: int, attention: str, block_size: int | None):
+            acc_ref, max_ref, sum_ref, *, tile_k: int, split_k: int, attention: str, block_size: int | None,
+            window: int | None):
     keys = k_ref.shape[0]
     first = pl.program_id(3) * split_k
     end = jnp.minimum(first + split_k, kv_len_ref[0])
@@ -60,7 +64,7 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
         k_pos, k_seg = k_pos_ref[pl.ds(start, tile_k)][None, :], k_seg_ref[pl.ds(start, tile_k)][None, :]
         # keys not seen yet (a slice is whole tiles, so no tile reaches into the next slice)
         fresh = (start + jax.lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)) >= seen
-        visible = (topology(q_pos, k_pos, attention, block_size) & ((k_seg == 0) | (k_seg == q_seg))
+        visible = (topology(q_pos, k_pos, attention, block_size, window) & ((k_seg == 0) | (k_seg == q_seg))
                    & (k_valid_ref[pl.ds(start, tile_k)][None, :] != 0))
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         s = jnp.where(visible & fresh, s, MASK_VALUE)
@@ -80,10 +84,10 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "split_k", "interpret",
-                                             "triton"))
+                                             "triton", "window"))
 def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_len_b, *,
                attention: str, block_size: int | None, tile_q: int, tile_k: int, split_k: int, interpret: bool,
-               triton: bool = False):
+               triton: bool = False, window: int | None = None):
     """(acc [slices, B, L, H, hd] f32, m [slices, B, H, L], l [slices, B, H, L]) of one part;
     L % tile_q == 0, S >= tile_k, split_k % tile_k == 0.
     `triton`: lower with Pallas' Triton backend (GPU): its blocks stay in global memory and the
@@ -98,7 +102,8 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
     k_vec = pl.BlockSpec((None, s), lambda r, hd, i, j: (r, 0))
     acc_spec = pl.BlockSpec((None, None, tile_q, None, d), lambda r, hd, i, j: (j, r, i, hd, 0))
     stat = pl.BlockSpec((None, None, None, tile_q), lambda r, hd, i, j: (j, r, hd, i))
-    kernel = functools.partial(_kernel, tile_k=tile_k, split_k=split_k, attention=attention, block_size=block_size)
+    kernel = functools.partial(_kernel, tile_k=tile_k, split_k=split_k, attention=attention, block_size=block_size,
+                               window=window)
     return pl.pallas_call(
         kernel, grid=(b, h, l // tile_q, slices),
         in_specs=[q_spec, kv_spec, kv_spec, q_vec, q_vec, k_vec, k_vec, k_vec,

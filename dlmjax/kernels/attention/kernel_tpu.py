@@ -33,7 +33,7 @@ LANES = 128
 
 def _kernel(kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref,
             acc_ref, max_ref, sum_ref, m_scratch, l_scratch, acc_scratch, *, keys: int, attention: str,
-            block_size: int | None):
+            block_size: int | None, window: int | None):
     row, tile = pl.program_id(0), pl.program_id(3)
     tile_k = k_ref.shape[0]
     start = tile * tile_k
@@ -47,7 +47,7 @@ def _kernel(kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_
     @pl.when(start < kv_len_ref[row])
     def _():
         q, v = q_ref[...], v_ref[...]
-        visible = (topology(q_pos_ref[...], k_pos_ref[...], attention, block_size)
+        visible = (topology(q_pos_ref[...], k_pos_ref[...], attention, block_size, window)
                    & ((k_seg_ref[...] == 0) | (k_seg_ref[...] == q_seg_ref[...])) & (k_valid_ref[...] != 0))
         if keys % tile_k:  # a partial last tile: what lies past S is hidden, and its values zeroed
             visible &= (start + jax.lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)) < keys
@@ -70,9 +70,10 @@ def _kernel(kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_
         sum_ref[...] = l_scratch[...]
 
 
-@functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "interpret", "window"))
 def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_len_b, *,
-               attention: str, block_size: int | None, tile_q: int, tile_k: int, interpret: bool):
+               attention: str, block_size: int | None, tile_q: int, tile_k: int, interpret: bool,
+               window: int | None = None):
     """(acc [1, B, L, H, hd] f32, m [1, B, H, L], l [1, B, H, L]) of one part, as kernel.flash_part.
     L % tile_q == 0; tile_q a multiple of 8 or L; tile_k a multiple of 128 or S."""
     b, l, h, d = q_blhd.shape
@@ -95,7 +96,7 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
         scratch_shapes=[pltpu.VMEM((tile_q, LANES), jnp.float32), pltpu.VMEM((tile_q, LANES), jnp.float32),
                         pltpu.VMEM((tile_q, d), jnp.float32)],
     )
-    kernel = functools.partial(_kernel, keys=s, attention=attention, block_size=block_size)
+    kernel = functools.partial(_kernel, keys=s, attention=attention, block_size=block_size, window=window)
     acc, m, l_sum = pl.pallas_call(
         kernel, grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct((b, l, h * d), jnp.float32),
