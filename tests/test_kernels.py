@@ -441,7 +441,7 @@ def test_the_kernels_lower_for_a_gpu_through_triton():
 def test_the_kernels_lower_for_a_tpu(monkeypatch):
     """Lowered for a TPU from this CPU: Pallas' Mosaic lowering accepts kernel_tpu at SDAR-like shapes
     (head dim 128, grouped heads, a decode chunk of 4 queries against a cache of 300 slots, a 512-token
-    prefill, a partial last key tile) in every topology, and residual_argmax's kernel_tpu at a
+    prefill, a partial last key tile) in every topology and with a sliding window, and residual_argmax's kernel_tpu at a
     Qwen3-sized vocabulary (partial last tile), with the norm or the residual. Mosaic's lowering asks the chip generation,
     which a CPU has none of: a v5e's is given. This is the lowering, not the TPU compile or a run."""
     import functools
@@ -456,9 +456,9 @@ def test_the_kernels_lower_for_a_tpu(monkeypatch):
     for queries, keys, tile_q in [(4, 300, 4), (512, 512, 256), (16, 1200, 16)]:
         q, kv = spec((2, queries, 16, 128), jnp.bfloat16), spec((2, keys, 8, 128), jnp.bfloat16)
         q_vec, k_vec = spec((2, queries), jnp.int32), spec((2, keys), jnp.int32)
-        for attention in ("block_causal", "causal", "bidirectional"):
+        for attention, window in [("block_causal", None), ("causal", None), ("bidirectional", None), ("causal", 64)]:
             call = functools.partial(kernel_tpu.flash_part, attention=attention, block_size=4, tile_q=tile_q,
-                                     tile_k=min(512, keys), interpret=False)
+                                     tile_k=min(512, keys), interpret=False, window=window)
             text = jax.jit(call).trace(q, kv, kv, q_vec, q_vec, k_vec, k_vec, spec((2, keys), jnp.bool_),
                                        spec((2,), jnp.int32)).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text and "flash_attention_tpu" in text
