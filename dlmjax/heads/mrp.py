@@ -39,7 +39,7 @@ from dlmjax.io.hf import (
 )
 from dlmjax.io.files import write_atomic
 from dlmjax.io.safetensors import CheckpointError, save_file
-from dlmjax.models.fused import GATE_UP, QKV
+from dlmjax.models.fused import FUSED_LAYOUTS
 from dlmjax.models.transformer import Block, KVCache, Linear, RMSNorm, Transformer, run_layers
 from dlmjax.validation import InputError
 
@@ -180,7 +180,7 @@ def init_head(backbone: ModelConfig, *, num_layers: int = 3, num_modules: int = 
         x = var[...]
         if x.ndim < 2:
             return var
-        layout = _FUSED_LAYOUTS.get(path[-2])
+        layout = FUSED_LAYOUTS.get(path[-2])
         if layout is None:
             return var.replace(_normal(keys[path, 0], x.shape, init_std, x.dtype))
         shapes = [p.shape for p in layout.split(x, backbone)]
@@ -190,12 +190,9 @@ def init_head(backbone: ModelConfig, *, num_layers: int = 3, num_modules: int = 
     return nnx.merge(graphdef, nnx.from_flat_state([(path, draw(path, var)) for path, var in flat]))
 
 
-_FUSED_LAYOUTS = {layout.name: layout for layout in (QKV, GATE_UP)}
-
-
 def _unfused_parts(path: tuple) -> tuple[tuple, ...]:
     """The param paths that `path` held before fusion (`(path,)` for an unfused param)."""
-    layout = _FUSED_LAYOUTS.get(path[-2]) if len(path) >= 2 else None
+    layout = FUSED_LAYOUTS.get(path[-2]) if len(path) >= 2 else None
     if layout is None:
         return (path,)
     return tuple((*path[:-2], part, path[-1]) for part in layout.parts)

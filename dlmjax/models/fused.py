@@ -84,3 +84,4 @@ GATE_UP = FusedLayout(
     split=lambda y, cfg: split_gate_up(y),
     join=lambda parts, cfg: join_gate_up(*parts),
 )
+FUSED_LAYOUTS = {layout.name: layout for layout in (QKV, GATE_UP)}  # a fused param's module name -> its layout

@@ -18,12 +18,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dlmjax.models.fused import GATE_UP, QKV
+from dlmjax.models.fused import FUSED_LAYOUTS
 from dlmjax.models.transformer import Attention
 from dlmjax.sharding import put_array
 
 _UNFUSED = re.compile(r"(^|.*\.)(attn\.(q|k|v)\.(kernel|bias)|mlp\.(shared\.)?(gate|up)\.kernel)(\..*|$)")
-_FUSED = {"qkv": QKV, "gate_up": GATE_UP}
 
 
 def leaf_name(path) -> str:
@@ -50,7 +49,7 @@ def _head_shape(module) -> SimpleNamespace:
 
 def _fused_value(name: str, saved: dict[str, np.ndarray], cfg) -> np.ndarray:
     """The value of the fused leaf `name` joined from its saved parts."""
-    for fused, layout in _FUSED.items():
+    for fused, layout in FUSED_LAYOUTS.items():
         if f".{fused}." in name:
             parts = [saved[name.replace(f".{fused}.", f".{part}.")] for part in layout.parts]
             return layout.join(tuple(parts), cfg)
