@@ -116,22 +116,17 @@ def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int, int
     tiles (a decode chunk: one tile of 16), keys tiled by the largest power of two up to `tile_k`
     that the part holds (the last tile shifted left, so the cache is never padded). Queries that fit
     one tile split the keys into slices of `split_k` over programs; more queries keep one slice."""
-    l = q_blhd.shape[1]
-    tile_q = min(tile_q, max(MIN_KEYS, 1 << (l - 1).bit_length()))
-    pad = -l % tile_q
-    q = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    tile_q = min(tile_q, max(MIN_KEYS, 1 << (q_blhd.shape[1] - 1).bit_length()))
+    q = _padded(q_blhd, tile_q)
     calls = []
     for k, v, vis in kv_parts:
-        q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
         k, v, vis = _at_least(MIN_KEYS, k, v, vis)
         keys = k.shape[1]
         tile = min(tile_k, _floor_pow2(keys))
         split = max(split_k // tile, 1) * tile if q.shape[1] == tile_q else -(-keys // tile) * tile
-        call = functools.partial(_kernel.flash_part, attention=vis.attention, block_size=vis.block_size,
-                                 window=vis.window, tile_q=tile_q, tile_k=tile, split_k=split, interpret=interpret,
-                                 triton=triton)
-        calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
-                             vis.k_valid, row_lengths(vis.k_valid))))
+        call = functools.partial(_kernel.flash_part, **_topology(vis), tile_q=tile_q, tile_k=tile, split_k=split,
+                                 interpret=interpret, triton=triton)
+        calls.append((call, _part_args(q, k, v, vis)))
     return calls
 
 
@@ -139,20 +134,34 @@ def tpu_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
     """[(kernel call, its arguments)] per part for `kernel_tpu`: queries in one whole tile when
     they fit (a decode chunk is never padded), else padded to tiles of `tile_q`; keys in tiles of
     `tile_k`, or one whole tile when the part holds fewer."""
-    l = q_blhd.shape[1]
-    tile_q = l if l <= tile_q else tile_q
-    pad = -l % tile_q
-    q = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    tile_q = min(tile_q, q_blhd.shape[1])
+    q = _padded(q_blhd, tile_q)
     calls = []
     for k, v, vis in kv_parts:
-        q_pos, q_seg = (jnp.pad(a, ((0, 0), (0, pad))).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
         k, v, vis = _at_least(1, k, v, vis)
-        call = functools.partial(_kernel_tpu.flash_part, attention=vis.attention, block_size=vis.block_size,
-                                 window=vis.window, tile_q=tile_q, tile_k=min(tile_k, k.shape[1]),
-                                 interpret=interpret)
-        calls.append((call, (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32),
-                             vis.k_valid, row_lengths(vis.k_valid))))
+        call = functools.partial(_kernel_tpu.flash_part, **_topology(vis), tile_q=tile_q,
+                                 tile_k=min(tile_k, k.shape[1]), interpret=interpret)
+        calls.append((call, _part_args(q, k, v, vis)))
     return calls
+
+
+def _topology(vis) -> dict:
+    """A part's static visibility options, as both kernels take them."""
+    return dict(attention=vis.attention, block_size=vis.block_size, window=vis.window)
+
+
+def _padded(q_blhd, tile_q: int):
+    """q [B, L, H, hd] padded with zero queries to a whole number of `tile_q` tiles."""
+    return jnp.pad(q_blhd, ((0, 0), (0, -q_blhd.shape[1] % tile_q), (0, 0), (0, 0)))
+
+
+def _part_args(q, k, v, vis) -> tuple:
+    """A part's kernel arguments: the padded queries, their positions and segments padded alike,
+    then the keys, values, their visibility inputs and each row's length."""
+    pad = ((0, 0), (0, q.shape[1] - vis.q_pos.shape[1]))
+    q_pos, q_seg = (jnp.pad(a, pad).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
+    return (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32), vis.k_valid,
+            row_lengths(vis.k_valid))
 
 
 def _floor_pow2(n: int) -> int:
