@@ -19,11 +19,13 @@ MASK_VALUE = -1e30
 
 def rms_norm(x, scale, eps: float):
     """HF RMSNorm: statistics in float32, cast back, then scale."""
-    def normalize(rows):
-        x32 = rows.astype(jnp.float32)
-        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return scale * arithmetic.rowwise(lambda rows: normalize_rows(rows, eps), x)
 
-    return scale * arithmetic.rowwise(normalize, x)
+
+def normalize_rows(rows, eps: float):
+    """RMSNorm without its scale: each row over its last axis, statistics in float32, cast back."""
+    x32 = rows.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(rows.dtype)
 
 
 def rope_angles(positions_bl, head_dim: int, theta: float):

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dlmjax.kernels.residual_argmax.kernel import initial_stats, row_inputs, update
+from dlmjax.models.layers import normalize_rows
 
 LANES = 128
 DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.float32)  # top1 index top2 m s t
@@ -41,13 +42,8 @@ def _kernel(*refs, vocab: int, mask_id: int, eps: float | None, residual_scale: 
 
     @pl.when(tile == 0)
     def _():
-        x = x_ref[...]
-        if eps is None:
-            hidden_ref[...] = x
-        else:  # the model's RMSNorm (layers.rms_norm): statistics in f32 over the whole row
-            x32 = x.astype(jnp.float32)
-            inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-            hidden_ref[...] = scale_ref[...] * (x32 * inv_rms).astype(x.dtype)
+        x = x_ref[...]  # the model's final RMSNorm (layers.rms_norm), if asked for
+        hidden_ref[...] = x if eps is None else scale_ref[...] * normalize_rows(x, eps)
         for ref, value in zip(stats, initial_stats(rows)):
             ref[...] = jnp.broadcast_to(value, ref.shape)
 
