@@ -1,15 +1,15 @@
-"""CPU: one MoE layer at LLaDA-MoE-7B-A1B shape, grouped experts (ragged_dot) vs all experts (dense).
+"""CPU: one MoE layer at LLaDA-MoE-7B-A1B shape: the grouped experts as they run on CPU (tiled),
+through ragged_dot (what runs on GPU/TPU), and every expert on every token (dense).
 
 LLaDA-MoE-7B-A1B's MoE layer: hidden 2048, 64 experts of width 1024, top-8, softmax router with no
-renormalisation. For each batch of `--batches` tokens (one token per row, the decode regime) it
-times `dlmjax.models.moe.moe_forward` with `implementation="grouped"` (assignments sorted by expert,
-`jax.lax.ragged_dot`) and `"dense"` (every expert on every token, then the chosen outputs), jitted,
-median of `--repeats` calls after `--warmup`, on random fp32 weights. It checks that both give the
-same output (max |diff|) and writes a JSON results file with the command that made it.
-
-Note: on CPU (jax 0.10) `ragged_dot` is lowered as a masked dense dot over all groups, so the
-grouped path does the dense path's arithmetic plus the sort; on GPU/TPU it lowers to a grouped
-matmul kernel. The numbers below say what CPU users get today.
+renormalisation. For each count of `--tokens` tokens it times the routed layer (router, experts,
+weighted sum) with the experts computed by `dlmjax.models.moe.tiled_rows` (the CPU path of
+"grouped": each expert's rows in tiles, only the chosen experts read), `moe.ragged_rows`
+(`jax.lax.ragged_dot`, which jax 0.10 lowers on CPU to a masked dense dot over every expert) and
+`moe.dense_expert_outputs`, jitted, median of `--repeats` calls after `--warmup`, on random fp32
+weights. It checks that all give the same output (max |diff| against dense) and writes a JSON
+results file with the command that made it. A decode forward of a diffusion LM carries a block of
+tokens per row (32 for LLaDA-MoE), so 256 tokens is 8 rows.
 
     python benchmarks/moe_cpu.py --json benchmarks/results/moe_cpu/results.json
 """
@@ -43,6 +43,23 @@ def layer_config(args) -> dlmjax.ModelConfig:
                               norm_topk_prob=False)
 
 
+def rows_through(rows_fn):
+    """An experts function (x [T, D], experts [T, k], ...) -> [T, k, D] from a rows function."""
+    def experts_fn(x_td, experts_tk, gate_up, down):
+        t, k = experts_tk.shape
+        return rows_fn(jnp.repeat(x_td, k, axis=0), experts_tk.reshape(-1), gate_up, down).reshape(t, k, -1)
+    return experts_fn
+
+
+EXPERTS = {"tiled": rows_through(moe.tiled_rows), "ragged": rows_through(moe.ragged_rows),
+           "dense": moe.dense_expert_outputs}
+
+
+def routed_layer(x_td, router_de, gate_up, down, cfg, experts_fn):
+    weights_tk, experts_tk = moe.route(cfg, x_td @ router_de)
+    return moe.combine(experts_fn(x_td, experts_tk, gate_up, down), weights_tk)
+
+
 def time_call(fn, *xs, warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         jax.block_until_ready(fn(*xs))
@@ -60,7 +77,7 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
@@ -72,17 +89,17 @@ def main(argv=None):
     router = jnp.asarray(rng.normal(size=(d, e)) * 0.02, jnp.float32)
     gate_up = jnp.asarray(rng.normal(size=(e, d, 2 * f)) * 0.02, jnp.float32)
     down = jnp.asarray(rng.normal(size=(e, f, d)) * 0.02, jnp.float32)
-    paths = {name: jax.jit(lambda x, r, g, w, name=name: moe.moe_forward(x, r, None, g, w, cfg, name))
-             for name in ("grouped", "dense")}
+    paths = {name: jax.jit(lambda x, r, g, w, fn=fn: routed_layer(x, r, g, w, cfg, fn)) for name, fn in EXPERTS.items()}
     rows = []
-    for batch in args.batches:
-        x = jnp.asarray(rng.normal(size=(batch, d)), jnp.float32)
+    for tokens in args.tokens:
+        x = jnp.asarray(rng.normal(size=(tokens, d)), jnp.float32)
         out = {name: fn(x, router, gate_up, down) for name, fn in paths.items()}
         ms = {name: time_call(fn, x, router, gate_up, down, warmup=args.warmup, repeats=args.repeats)
               for name, fn in paths.items()}
-        row = dict(batch=batch, grouped_ms=round(ms["grouped"], 2), dense_ms=round(ms["dense"], 2),
-                   dense_over_grouped=round(ms["dense"] / ms["grouped"], 2),
-                   max_abs_diff=float(jnp.abs(out["grouped"] - out["dense"]).max()))
+        row = dict(tokens=tokens, **{f"{name}_ms": round(t, 2) for name, t in ms.items()},
+                   dense_over_tiled=round(ms["dense"] / ms["tiled"], 2),
+                   ragged_over_tiled=round(ms["ragged"] / ms["tiled"], 2),
+                   max_abs_diff={name: float(jnp.abs(out[name] - out["dense"]).max()) for name in ("tiled", "ragged")})
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = dict(command="python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),

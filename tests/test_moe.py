@@ -55,6 +55,34 @@ def test_grouped_experts_equal_all_experts(router, tokens):
         assert len(used) < E, "some expert must receive no token"
 
 
+@pytest.mark.parametrize("rows_fn", [moe.tiled_rows, moe.ragged_rows], ids=["tiled", "ragged"])
+@pytest.mark.parametrize("rows", [1, 9, 70, 300])
+def test_grouped_rows_equal_each_row_through_its_own_expert(rows_fn, rows):
+    """Both grouped implementations against one row at a time: experts with no row, expert 2 with
+    more rows than a tile (so its rows span tiles, the last one part empty), padding rows (id E)."""
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.normal(size=(rows, D)), jnp.float32)
+    expert_m = rng.integers(0, E // 2, size=rows)
+    expert_m[rng.random(rows) < 0.4] = 2
+    expert_m[rng.random(rows) < 0.1] = E
+    gate_up, down = expert_weights()
+    y = rows_fn(x, jnp.asarray(expert_m, jnp.int32), gate_up, down)
+    for row, expert in enumerate(expert_m):
+        want = (np.zeros(D) if expert == E else
+                moe.dense_expert_outputs(x[row:row + 1], jnp.asarray([[expert]], jnp.int32), gate_up, down)[0, 0])
+        np.testing.assert_allclose(np.asarray(y[row]), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+def test_tiled_rows_use_only_the_chosen_experts():
+    """The CPU path computes a tile against its own expert only: experts no row chose may hold NaN."""
+    gate_up, down = expert_weights()
+    expert_m = jnp.asarray([5, 1, 5, 5, 9, 1], jnp.int32)
+    unused = np.setdiff1d(np.arange(E), np.asarray(expert_m))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(6, D)), jnp.float32)
+    poisoned = moe.tiled_rows(x, expert_m, gate_up.at[unused].set(jnp.nan), down.at[unused].set(jnp.nan))
+    np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(moe.tiled_rows(x, expert_m, gate_up, down)))
+
+
 def test_router_ties_go_to_the_lower_expert_and_routing_is_per_token():
     cfg = moe_config(router="softmax", num_experts_per_tok=2)
     logits = jnp.zeros((3, E)).at[:, 5].set(1.0).at[:, 9].set(1.0).at[1, 2].set(1.0)

@@ -12,7 +12,8 @@ Routers (`ModelConfig.router`), each as its family's modeling code computes it:
   `routed_scaling_factor`.
 
 Experts are computed grouped: the T*k (token, expert) assignments are sorted by expert and each
-expert's rows go through one `jax.lax.ragged_dot` against the stacked expert weights. Nothing is
+expert's rows go through one `jax.lax.ragged_dot` against the stacked expert weights on GPU/TPU,
+and in tiles through a scan that reads only the chosen experts on CPU (`grouped_rows`). Nothing is
 dropped and there is no capacity: a token's output depends on its own hidden state only, never on
 which or how many tokens share the batch. `dense_expert_outputs` runs every expert on every token
 (the reference in tests and the baseline of benchmarks/moe_cpu.py).
@@ -96,10 +97,17 @@ def _swiglu(h_m2f):
 
 
 def grouped_rows(x_md, expert_m, gate_up_ed2f, down_efd):
-    """Each row's output [M, D] through its own expert (unweighted), rows kept in their order: the
-    rows sorted by expert, one ragged_dot per projection over the experts' row groups, then put
-    back. A row whose expert id is E (one past the last) is padding: it sorts last, falls in no
-    group and gives zeros."""
+    """Each row's output [M, D] through its own expert (unweighted), rows kept in their order. A
+    row whose expert id is E (one past the last) is padding: it falls in no group and gives zeros.
+    On CPU `tiled_rows` (jax lowers ragged_dot there to a dense dot over every expert), elsewhere
+    `ragged_rows`."""
+    rows_fn = tiled_rows if jax.default_backend() == "cpu" else ragged_rows
+    return rows_fn(x_md, expert_m, gate_up_ed2f, down_efd)
+
+
+def ragged_rows(x_md, expert_m, gate_up_ed2f, down_efd):
+    """`grouped_rows` by the rows sorted by expert, one ragged_dot per projection over the experts'
+    row groups, then put back (padding rows sort last, past every group)."""
     num_experts = gate_up_ed2f.shape[0]
     order_m = jnp.argsort(expert_m, stable=True)  # sorted row -> row
     sizes_e = jnp.bincount(expert_m, length=num_experts).astype(jnp.int32)
@@ -107,6 +115,51 @@ def grouped_rows(x_md, expert_m, gate_up_ed2f, down_efd):
     y_md = jax.lax.ragged_dot(_swiglu(h_m2f).astype(x_md.dtype), down_efd, sizes_e,
                               preferred_element_type=jnp.float32)
     return jnp.zeros_like(y_md).at[order_m].set(y_md).astype(x_md.dtype)  # back to row order
+
+
+def row_tile(num_rows: int, num_experts: int) -> int:
+    """Rows per tile of `tiled_rows`: about the mean rows per expert, a power of two in [8, 128]; 8
+    in the batch-invariant mode, where a row's matmul must not change shape with the batch."""
+    if arithmetic.current().invariant:
+        return 8
+    mean = -(-num_rows // num_experts)
+    return min(max(8, 1 << (mean - 1).bit_length()), 128)
+
+
+def tiled_rows(x_md, expert_m, gate_up_ed2f, down_efd):
+    """`grouped_rows` reading only the chosen experts: each expert's rows cut into tiles of
+    `row_tile` rows (its last tile part empty), and a scan over the tiles that computes a used tile
+    against its one expert's weights and skips the unused ones. At most ceil(M / t) + min(E, M)
+    tiles exist, so the work is about the assignments', not every expert's on every row."""
+    m, num_experts = expert_m.shape[0], gate_up_ed2f.shape[0]
+    t = row_tile(m, num_experts)
+    max_tiles = -(-m // t) + min(num_experts, m)
+    order_m = jnp.argsort(expert_m, stable=True)  # sorted row -> row
+    sizes_e = jnp.bincount(expert_m, length=num_experts).astype(jnp.int32)
+    tiles_e = -(-sizes_e // t)
+    tiles_end_e = jnp.cumsum(tiles_e)
+    tile_i = jnp.arange(max_tiles, dtype=jnp.int32)
+    expert_i = jnp.minimum(jnp.searchsorted(tiles_end_e, tile_i, side="right"), num_experts - 1).astype(jnp.int32)
+    used_i = tile_i < tiles_end_e[-1]
+    within_it = (tile_i - (tiles_end_e - tiles_e)[expert_i])[:, None] * t + jnp.arange(t, dtype=jnp.int32)
+    valid_it = used_i[:, None] & (within_it < sizes_e[expert_i][:, None])
+    sorted_it = (jnp.cumsum(sizes_e) - sizes_e)[expert_i][:, None] + within_it
+    row_it = jnp.where(valid_it, order_m[jnp.where(valid_it, sorted_it, 0)], m)  # m: no row
+
+    def tile_output(x_td, expert):
+        h_t2f = jnp.dot(x_td, gate_up_ed2f[expert], preferred_element_type=jnp.float32)
+        return jnp.dot(_swiglu(h_t2f).astype(x_td.dtype), down_efd[expert], preferred_element_type=jnp.float32)
+
+    def step(_, tile):
+        row_t, expert, used = tile
+        x_td = x_md[jnp.minimum(row_t, m - 1)]
+        y_td = jax.lax.cond(used, tile_output, lambda x, e: jnp.zeros(x.shape, jnp.float32), x_td, expert)
+        return None, y_td
+
+    _, y_itd = jax.lax.scan(step, None, (row_it, expert_i, used_i))
+    y_md = jnp.zeros((m, x_md.shape[-1]), jnp.float32).at[row_it.reshape(-1)].set(
+        y_itd.reshape(-1, x_md.shape[-1]), mode="drop")
+    return y_md.astype(x_md.dtype)
 
 
 def grouped_expert_outputs(x_td, experts_tk, gate_up_ed2f, down_efd):
@@ -236,7 +289,7 @@ def _shard_mapped(mode, x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, me
     """Tokens stay split over the batch axes; each device then takes its slice of its tokens (over
     the other axes: 'expert', 'model', ...), routes it, and either
     - "all_to_all": sends each assignment's row to the device holding its expert
-      (`_all_to_all_expert_outputs`), which computes its local experts with ragged_dot and sends the
+      (`_all_to_all_expert_outputs`), which computes its local experts grouped and sends the
       outputs back; or
     - "gather": computes all experts itself on weights all-gathered over 'expert';
     then the slices are all-gathered, so the layer's output is laid out as its input."""
