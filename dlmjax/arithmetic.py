@@ -99,12 +99,15 @@ def jit(fun=None, **jit_kwargs):
 
     compiled = jax.jit(traced, static_argnames=static, **jit_kwargs)
 
-    @functools.wraps(fun)
-    def call(*args, **kwargs):
-        setting = current()
-        with _matmul_precision(setting):
-            return compiled(*args, _numerics=setting, _kernels=kernels.current(), **kwargs)
+    def under_current(method):
+        def run(*args, **kwargs):
+            setting = current()
+            with _matmul_precision(setting):
+                return method(*args, _numerics=setting, _kernels=kernels.current(), **kwargs)
+        return run
 
+    call = functools.wraps(fun)(under_current(compiled))
+    call.lower = under_current(compiled.lower)  # as jax.jit's: the program this call would run
     return call
 
 

@@ -155,8 +155,10 @@ def test_head_kv_cache_equals_a_full_forward():
     positions = jnp.arange(12, dtype=jnp.int32)[None]
     out = model(tokens, positions)
     full, full_hidden, _ = residual_step(head, model, 0, tokens, out.hidden, out.logits, positions)
-    caches = head.write_context(model, head.empty_caches(1, 16), tokens[:, :8], out.hidden[:, :8], positions[:, :8],
-                                jnp.ones((1, 8), bool), jnp.zeros((1,), jnp.int32))
+    empty, start = head.empty_caches(1, 16), jnp.zeros((1,), jnp.int32)
+    chunks = head.context_chunks(model, empty, tokens[:, :8], out.hidden[:, :8], positions[:, :8],
+                                 jnp.ones((1, 8), bool), start)
+    caches = tuple(cache.put_chunk(chunk, start) for cache, chunk in zip(empty, chunks))
     part, part_hidden, _ = residual_step(head, model, 0, tokens[:, 8:], out.hidden[:, 8:], out.logits[:, 8:],
                                          positions[:, 8:], cache=caches[0])
     np.testing.assert_allclose(part, full[:, 8:], atol=1e-4)

@@ -136,21 +136,24 @@ def test_fused_store_equals_a_store_forward_then_a_step():
     copies = jnp.stack([fwd.block_tokens(canvas, block1), fwd.block_tokens(canvas, block1).at[:, 1].set(5)], axis=1)
     store = jnp.ones((3,), bool)
 
-    fused_logits, fused_hidden, fused_cache, fused_head = fwd.verify_and_store(canvas, copies, state.cache,
-                                                                               state.head_cache, block1, store)
+    fused_logits, fused_hidden, writes = fwd.verify_with_finished(canvas, copies, state.cache, state.head_cache,
+                                                                  block1, store)
+    fused_cache, fused_head = fwd.write(state.cache, state.head_cache, writes, block1)
     start = fwd.block_start(block0)
     positions, valid = (engine.take_rows(x, start, 4) for x in (fwd.rows.positions, fwd.rows.valid))
     out = model(finished, positions, valid_bl=valid, cache=state.cache)
     cache = state.cache.write_rows(out.chunk_kv, start, positions, valid)
-    head_cache = head.write_context(model, state.head_cache, finished, out.hidden, positions, valid, start)
+    head_chunks = head.context_chunks(model, state.head_cache, finished, out.hidden, positions, valid, start)
+    head_cache = tuple(c.put_chunk(chunk, start) for c, chunk in zip(state.head_cache, head_chunks))
     logits, hidden = fwd.verify(canvas, copies, cache, block1)
     np.testing.assert_allclose(fused_logits, logits, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(fused_hidden, hidden, atol=1e-5, rtol=1e-5)
     for got, want in zip(jax.tree.leaves((fused_cache, fused_head)), jax.tree.leaves((cache, head_cache))):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     # A row that does not store leaves its cache as it was.
-    _, _, kept, kept_head = fwd.verify_and_store(canvas, copies, state.cache, state.head_cache, block1,
-                                                 jnp.asarray([True, False, True]))
+    _, _, writes = fwd.verify_with_finished(canvas, copies, state.cache, state.head_cache, block1,
+                                            jnp.asarray([True, False, True]))
+    kept, kept_head = fwd.write(state.cache, state.head_cache, writes, block1)
     for got, before in zip(jax.tree.leaves((kept, kept_head)), jax.tree.leaves((state.cache, state.head_cache))):
         if got.ndim:
             np.testing.assert_array_equal(got[1], before[1])
@@ -168,6 +171,36 @@ def test_a_masked_store_part_changes_no_bit():
     state = engine.start(fwd, jnp.asarray(canvas))
     copies = jnp.stack([fwd.block_tokens(state.canvas, state.block)] * 4, axis=1)
     plain, _ = fwd.verify(state.canvas, copies, state.cache, state.block)
-    with_store, _, _, _ = fwd.verify_and_store(state.canvas, copies, state.cache, None, state.block,
-                                               jnp.zeros((4,), bool))
+    with_store, _, _ = fwd.verify_with_finished(state.canvas, copies, state.cache, None, state.block,
+                                                jnp.zeros((4,), bool))
     np.testing.assert_array_equal(np.asarray(with_store), np.asarray(plain))
+
+
+def loop_copies(hlo_text: str, shape: str) -> int:
+    """Copy instructions of arrays `shape` (e.g. "f32[3,24,2,16]") in a compiled program's
+    computations other than its entry: what runs again in every round of the decode loop."""
+    copies, in_entry = 0, False
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            in_entry = line.startswith("ENTRY")
+        elif not in_entry and f"= {shape}{{" in line and " copy(" in line:
+            copies += 1
+    return copies
+
+
+@pytest.mark.parametrize("spec", ["static", "psd:policy=threshold,tau=0.5,depth=3", "mrp-spec:drafts=3"])
+def test_the_decode_loop_updates_the_caches_in_place(peaky, spec, monkeypatch):
+    """No round copies a KV cache, the backbone's or the head's. The finished block's chunk is
+    written after the round's branches: a cache returned from a lax.cond is copied whole by XLA
+    (two copies of the whole cache per round, whatever the block size, before this was so)."""
+    model, head = peaky
+    calls = []
+    real = engine.decode
+    monkeypatch.setattr(engine, "decode", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
+    generate(model, PROMPTS[:3], decoder=spec, head=head, max_new_tokens=MAX_NEW)
+    args, kwargs = calls[0]
+    hlo = real.lower(*args, **kwargs).compile().as_text()
+    cfg, capacity = model.config, kwargs["geometry"].total
+    cache = f"f32[3,{capacity},{cfg.num_kv_heads},{cfg.head_dim}]"
+    assert f"{cache}{{" in hlo, "the program must hold the caches this test looks for"
+    assert loop_copies(hlo, cache) == 0

@@ -165,17 +165,19 @@ def plan_layout(
 
 class BlockHead(Protocol):
     """What the engine asks of a head that runs beside the backbone on the block (the MRP head,
-    dlmjax.heads.mrp.MRPHead): its own KV cache of finished blocks, created with the backbone's
-    and written by the same forwards that write the backbone's (prefill, stores). Its forwards
-    over the block are its decoders' business (dlmjax.decoding.mrp), not the engine's."""
+    dlmjax.heads.mrp.MRPHead): its own KV caches of finished blocks (one per module), created
+    with the backbone's and written by the same forwards that write the backbone's (prefill, the
+    round forward that starts a block). Its forwards over the block are its decoders' business
+    (dlmjax.decoding.mrp), not the engine's."""
 
-    def empty_caches(self, batch: int, capacity: int) -> Any:
-        """The head's empty cache for `batch` rows of `capacity` slots."""
+    def empty_caches(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
+        """The head's empty caches for `batch` rows of `capacity` slots."""
 
-    def write_context(self, backbone: Transformer, caches, tokens_bl, hidden_bld, positions_bl, valid_bl, start_b,
-                      write_b=None) -> Any:
-        """`caches` with a finished chunk (clean tokens and the backbone's hidden state on them)
-        written at each row's slot `start_b` (rows with `write_b` False left as they are)."""
+    def context_chunks(self, backbone: Transformer, caches, tokens_bl, hidden_bld, positions_bl, valid_bl, start_b,
+                       write_b=None) -> tuple[KVCache, ...]:
+        """Per cache, the chunk (`KVCache.chunk`) a finished chunk of clean tokens and the
+        backbone's hidden state on them makes at each row's slot `start_b` (rows with `write_b`
+        False: their slots as they are)."""
 
 
 @dataclass(frozen=True)
@@ -269,21 +271,23 @@ class BlockForwards:
                          compute_logits=False)
         cache = self._empty_cache(batch)
         if c:
-            cache, head_cache = self._store(cache, head_cache, canvas[:, :c], out.hidden[:, :c],
-                                            [(kk[:, :c], vv[:, :c]) for kk, vv in out.chunk_kv], zeros, c)
+            chunks = self._finished_chunks(cache, head_cache, canvas[:, :c], out.hidden[:, :c],
+                                           [(kk[:, :c], vv[:, :c]) for kk, vv in out.chunk_kv], zeros, c)
+            cache, head_cache = _put_chunks(cache, head_cache, chunks, zeros)
         if self.shifted_blocks:  # position p of the block reads the hidden state at p - 1 (the prompt's last at 0)
             lead = out.hidden[:, c - 1] if c else out.hidden[:, c]
             return self._shifted_logits(out.hidden[:, None, c:], lead[:, None])[:, 0], out.hidden[:, c:], cache, head_cache
         return self._logits(out.hidden[:, c:]), out.hidden[:, c:], cache, head_cache
 
-    def _store(self, cache, head_cache, tokens_bl, hidden_bld, chunk_kv, start_b, width, write_b=None):
-        """Write a clean chunk of `width` columns from `start_b` into the backbone's cache (and the head's)."""
+    def _finished_chunks(self, cache, head_cache, tokens_bl, hidden_bld, chunk_kv, start_b, width, write_b=None):
+        """(the backbone's cache chunk, the head's or None) of a clean chunk of `width` columns
+        from `start_b` (rows with `write_b` False: their slots as they are); `_put_chunks` writes them."""
         positions, valid = self.columns(start_b, width)
-        cache = cache.write_rows(chunk_kv, start_b, positions, valid, write_b)
-        if head_cache is not None:
-            head_cache = self.head.write_context(self.model, head_cache, tokens_bl, hidden_bld, positions, valid,
-                                                 start_b, write_b)
-        return cache, head_cache
+        chunk = cache.chunk(chunk_kv, start_b, positions, valid, write_b)
+        if head_cache is None:
+            return chunk, None
+        return chunk, self.head.context_chunks(self.model, head_cache, tokens_bl, hidden_bld, positions, valid,
+                                               start_b, write_b)
 
     def refresh(self, canvas, block_b):
         """prefix/dual: one full-canvas forward that rewrites the whole cache; (logits, hidden) of
@@ -297,32 +301,53 @@ class BlockForwards:
         return logits, hidden, out.cache
 
     def evaluate(self, canvas, copies_bnk, cache, head_cache, block_b, store_b):
-        """The round forward: (logits [B, N, K, V], hidden [B, N, K, D], cache, head cache) of every
-        row's N candidate copies of its block `block_b`. Rows with `store_b` have just moved to
-        this block: exact mode writes their finished previous block in the same forward;
-        prefix/dual refresh instead (their rows move together)."""
+        """The round forward: (logits [B, N, K, V], hidden [B, N, K, D], writes) of every row's N
+        candidate copies of its block `block_b`. Rows with `store_b` have just moved to this
+        block: exact mode computes the KV of their finished previous block in the same forward
+        (writes: that block's cache slots, the other rows' as they are); prefix/dual refresh
+        instead (their rows move together; writes: the refreshed cache). `write` applies the
+        writes outside this function's branches: a cache returned from a `lax.cond` is copied
+        whole by XLA, one written after it is updated in place."""
         n = copies_bnk.shape[1]
+
+        def plain():
+            return *self.verify(canvas, copies_bnk, cache, block_b), self.unchanged(cache, head_cache, block_b)
+
         if self.cache_mode == "none":
-            return *self.verify(canvas, copies_bnk, cache, block_b), cache, head_cache
+            return plain()
         if self.cache_mode in ("prefix", "dual"):
             def refreshed():
                 logits, hidden, fresh = self.refresh(canvas, block_b)
-                return (jnp.repeat(logits[:, None], n, axis=1), jnp.repeat(hidden[:, None], n, axis=1), fresh,
-                        head_cache)
+                return jnp.repeat(logits[:, None], n, axis=1), jnp.repeat(hidden[:, None], n, axis=1), fresh
 
-            return jax.lax.cond(jnp.any(store_b), refreshed,
-                                lambda: (*self.verify(canvas, copies_bnk, cache, block_b), cache, head_cache))
+            return jax.lax.cond(jnp.any(store_b), refreshed, plain)
         return jax.lax.cond(
-            jnp.any(store_b),
-            lambda: self.verify_and_store(canvas, copies_bnk, cache, head_cache, block_b, store_b),
-            lambda: (*self.verify(canvas, copies_bnk, cache, block_b), cache, head_cache),
-        )
+            jnp.any(store_b), lambda: self.verify_with_finished(canvas, copies_bnk, cache, head_cache, block_b, store_b),
+            plain)
 
-    def verify_and_store(self, canvas, copies_bnk, cache, head_cache, block_b, store_b):
+    def unchanged(self, cache, head_cache, block_b):
+        """The writes of a round that stores nothing (see `evaluate`): none without a cache, the
+        cache itself (prefix/dual), the slots of the block before `block_b` as they are (exact)."""
+        if self.cache_mode == "none":
+            return None
+        if self.cache_mode in ("prefix", "dual"):
+            return cache
+        start, k = self.block_start(block_b) - self.geometry.block, self.geometry.block
+        return cache.slots(start, k), None if head_cache is None else tuple(c.slots(start, k) for c in head_cache)
+
+    def write(self, cache, head_cache, writes, block_b):
+        """(cache, head cache) with a round's `writes` (from `evaluate` or `unchanged`) written."""
+        if self.cache_mode == "none":
+            return cache, head_cache
+        if self.cache_mode in ("prefix", "dual"):
+            return writes, head_cache
+        return _put_chunks(cache, head_cache, writes, self.block_start(block_b) - self.geometry.block)
+
+    def verify_with_finished(self, canvas, copies_bnk, cache, head_cache, block_b, store_b):
         """Exact mode: [block b-1 (clean, rows with `store_b` only) ; N copies of block b] in one
         forward. Block-causal visibility lets the copies see the clean block as they would see it
-        in the cache, so their logits equal a store forward followed by `verify`; the clean
-        block's KV is written for those rows."""
+        in the cache, so their logits equal a store forward followed by `verify`. Returns (logits,
+        hidden, writes): the clean block's cache chunks (`evaluate`)."""
         b, n, k = copies_bnk.shape
         start = self.block_start(block_b)
         prev_positions, prev_valid = self.columns(start - k, k)
@@ -333,12 +358,12 @@ class BlockForwards:
         out = self.model(tokens, jnp.concatenate([prev_positions, jnp.tile(positions, (1, n))], axis=1),
                          segments_bl=segments, valid_bl=jnp.concatenate([prev_valid, jnp.tile(valid, (1, n))], axis=1),
                          cache=cache, compute_logits=False, chunk_parts=(k,) + (copy_parts(n, k) or (n * k,)))
-        cache, head_cache = self._store(cache, head_cache, tokens[:, :k], out.hidden[:, :k],
-                                        [(kk[:, :k], vv[:, :k]) for kk, vv in out.chunk_kv], start - k, k, store_b)
+        writes = self._finished_chunks(cache, head_cache, tokens[:, :k], out.hidden[:, :k],
+                                       [(kk[:, :k], vv[:, :k]) for kk, vv in out.chunk_kv], start - k, k, store_b)
         hidden = out.hidden[:, k:].reshape(b, n, k, -1)
         if self.shifted_blocks:  # each copy's position 0 reads the stored block's last hidden state
-            return self._shifted_logits(hidden, jnp.repeat(out.hidden[:, None, k - 1], n, axis=1)), hidden, cache, head_cache
-        return self._logits(hidden), hidden, cache, head_cache
+            return self._shifted_logits(hidden, jnp.repeat(out.hidden[:, None, k - 1], n, axis=1)), hidden, writes
+        return self._logits(hidden), hidden, writes
 
     def _window(self, block_b):
         """(first column [B], static width) of what a forward of the block reads: the block alone
@@ -404,6 +429,15 @@ class BlockForwards:
         return logits[:, 0], hidden[:, 0]
 
 
+def _put_chunks(cache: KVCache, head_cache, chunks, start_b):
+    """`cache` and the head's caches with their chunks (`BlockForwards._finished_chunks`) written at `start_b`."""
+    chunk, head_chunks = chunks
+    cache = cache.put_chunk(chunk, start_b)
+    if head_cache is not None:
+        head_cache = tuple(c.put_chunk(h, start_b) for c, h in zip(head_cache, head_chunks))
+    return cache, head_cache
+
+
 def copy_parts(copies: int, width: int) -> tuple[int, ...]:
     """Attention key parts of `copies` packed copies: in the invariant numerics mode one part per
     copy, so a copy's keys are summed exactly as in a forward of that copy alone (the other
@@ -465,10 +499,12 @@ def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos)
 
     def skipped():
         return (jnp.zeros((*copies.shape, st.logits.shape[-1]), st.logits.dtype),
-                jnp.zeros((*copies.shape, st.hidden.shape[-1]), st.hidden.dtype), st.cache, st.head_cache)
+                jnp.zeros((*copies.shape, st.hidden.shape[-1]), st.hidden.dtype),
+                fwd.unchanged(st.cache, st.head_cache, block))
 
-    logits, hidden, cache, head_cache = jax.lax.cond(
+    logits, hidden, writes = jax.lax.cond(
         jnp.any(need), lambda: fwd.evaluate(canvas, copies, st.cache, st.head_cache, block, moves), skipped)
+    cache, head_cache = fwd.write(st.cache, st.head_cache, writes, block)
     if plan.carry is None:  # the decoder keeps its carry this round: resolve sees (and may return) the current one
         plan = plan.replace(carry=st.carry)
     resolved, seed_logits, seed_hidden, resolved_carry = decoder.resolve(fwd, st, plan, logits, hidden)

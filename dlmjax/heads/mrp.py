@@ -105,15 +105,16 @@ class MRPHead(nnx.Module):
         cfg = self.backbone_config.replace(num_layers=self.config.num_layers)
         return tuple(KVCache.init(cfg, batch, capacity) for _ in self.mrp_modules)
 
-    def write_context(self, backbone: Transformer, caches, tokens_bl, hidden_bld, positions_bl, valid_bl, start_b,
-                      write_b=None):
-        """Write a finished chunk (clean tokens and the backbone's hidden state on them) into every
-        module's KV cache at each row's slot offset `start_b` (rows with `write_b` False are left
-        as they are): the context later blocks' head forwards attend to."""
+    def context_chunks(self, backbone: Transformer, caches, tokens_bl, hidden_bld, positions_bl, valid_bl, start_b,
+                       write_b=None):
+        """Per module, the cache chunk (`KVCache.chunk`) a finished chunk of clean tokens and the
+        backbone's hidden state on them makes at each row's slot offset `start_b` (rows with
+        `write_b` False: their slots as they are): the context later blocks' head forwards attend
+        to, once written with `KVCache.put_chunk`."""
         embeds = backbone.embed_tokens(tokens_bl)
         return tuple(
-            cache.write_rows(module(embeds, hidden_bld, positions_bl, valid_bl=valid_bl, cache=cache)[1], start_b,
-                             positions_bl, valid_bl, write_b)
+            cache.chunk(module(embeds, hidden_bld, positions_bl, valid_bl=valid_bl, cache=cache)[1], start_b,
+                        positions_bl, valid_bl, write_b)
             for module, cache in zip(self.mrp_modules, caches)
         )
 

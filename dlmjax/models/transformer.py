@@ -110,20 +110,36 @@ class KVCache:
     def write_rows(self, layer_kv, start_b, positions_bl, valid_bl, write_b=None) -> "KVCache":
         """Write one chunk of L slots per row at that row's own offset `start_b` [B] (the
         row-asynchronous engine: slot = canvas column). Rows with `write_b` False keep their slots."""
+        return self.put_chunk(self.chunk(layer_kv, start_b, positions_bl, valid_bl, write_b), start_b)
 
-        def put(buf, new):
-            new = new.astype(buf.dtype)
-            if write_b is not None:
-                old = take_rows(buf, start_b, new.shape[1])
-                new = jnp.where(write_b.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-            return put_rows(buf, start_b, new)
+    def chunk(self, layer_kv, start_b, positions_bl, valid_bl, write_b=None) -> "KVCache":
+        """The L slots per row from `start_b` as `write_rows` would leave them, as a cache of
+        capacity L (written with `put_chunk`): the new keys/values, or for rows with `write_b`
+        False the slots' current contents."""
+        new = KVCache(k=tuple(k.astype(buf.dtype) for buf, (k, _) in zip(self.k, layer_kv)),
+                      v=tuple(v.astype(buf.dtype) for buf, (_, v) in zip(self.v, layer_kv)),
+                      positions=positions_bl.astype(jnp.int32), valid=valid_bl, length=self.length)
+        if write_b is None:
+            return new
+        old = self.slots(start_b, positions_bl.shape[1])
+        keep = lambda x_new, x_old: jnp.where(write_b.reshape((-1,) + (1,) * (x_new.ndim - 1)), x_new, x_old)
+        k, v, positions, valid = jax.tree.map(keep, (new.k, new.v, new.positions, new.valid),
+                                              (old.k, old.v, old.positions, old.valid))
+        return new.replace(k=k, v=v, positions=positions, valid=valid)
 
-        return self.replace(
-            k=tuple(put(buf, k) for buf, (k, _) in zip(self.k, layer_kv)),
-            v=tuple(put(buf, v) for buf, (_, v) in zip(self.v, layer_kv)),
-            positions=put(self.positions, positions_bl.astype(jnp.int32)),
-            valid=put(self.valid, valid_bl),
-        )
+    def slots(self, start_b, width: int) -> "KVCache":
+        """The `width` slots per row from `start_b`, as they are, as a cache of capacity `width`."""
+        return self.replace(k=tuple(take_rows(buf, start_b, width) for buf in self.k),
+                            v=tuple(take_rows(buf, start_b, width) for buf in self.v),
+                            positions=take_rows(self.positions, start_b, width),
+                            valid=take_rows(self.valid, start_b, width))
+
+    def put_chunk(self, chunk: "KVCache", start_b) -> "KVCache":
+        """This cache with `chunk` (from `chunk` or `slots`) written at each row's `start_b`."""
+        return self.replace(k=tuple(put_rows(buf, start_b, new) for buf, new in zip(self.k, chunk.k)),
+                            v=tuple(put_rows(buf, start_b, new) for buf, new in zip(self.v, chunk.v)),
+                            positions=put_rows(self.positions, start_b, chunk.positions),
+                            valid=put_rows(self.valid, start_b, chunk.valid))
 
 
 def take_rows(x_bt, start_b, width: int):
