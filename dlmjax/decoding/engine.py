@@ -25,6 +25,9 @@ and yields block 0's logits in the same forward. A finished block is never writt
 of its own: the forward that runs a row's next block's first step carries the finished block in
 front of it ([clean block b ; block b+1 copies], block-causal visibility), writes its KV (and the
 MRP head's) and yields block b+1's logits. A decode thus runs exactly its denoising forwards.
+The forward sits in `lax.cond` branches (skip a round no row needs, carry a finished block or
+not); the caches are written after them (`BlockForwards.write`), as XLA copies a whole cache a
+branch returns: the caches are updated in place, every round.
 
 A round (`decode_round`), per row:
 1. the decoder's `plan` commits from the row's latest logits (the certain commits) and names the
