@@ -153,6 +153,24 @@ def test_batch_invariance_ar():
         assert generate(model, [prompt], decoder="ar", max_new_tokens=MAX_NEW).rows[0].tokens == together.rows[i].tokens
 
 
+def test_ar_decoding_updates_its_cache_in_place(monkeypatch):
+    """No step of the `ar` loop copies a KV cache: the new token's KV is written after the branch
+    that skips the last step's forward (XLA copies a whole cache a lax.cond returns)."""
+    from dlmjax.decoding import ar
+    from hlo import loop_copies
+
+    model = peaky_model("qwen3", seed=7)
+    calls, real = [], ar._generate
+    monkeypatch.setattr(ar, "_generate", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
+    generate(model, PROMPTS[:3], decoder="ar", max_new_tokens=MAX_NEW)
+    args, kwargs = calls[0]
+    hlo = real.lower(*args, **kwargs).compile().as_text()
+    cfg = model.config
+    cache = f"f32[3,{args[2].shape[1] + MAX_NEW},{cfg.num_kv_heads},{cfg.head_dim}]"
+    assert f"{cache}{{" in hlo, "the program must hold the cache this test looks for"
+    assert loop_copies(hlo, cache) == 0
+
+
 @pytest.mark.parametrize("spec", ["static:temperature=1.0", "ar:temperature=1.0,top_p=0.9"])
 def test_same_seed_same_output_when_sampling(spec):
     model = peaky_model("qwen3" if spec.startswith("ar") else "sdar", seed=8)

@@ -24,6 +24,7 @@ from dlmjax.decoding import engine
 from dlmjax.decoding.api import Stream, generate
 from dlmjax.heads.mrp import init_head
 from dlmjax.presets import load_checkpoint
+from hlo import loop_copies
 from test_decoding import MASK, MAX_NEW, PAD, PROMPTS, peaky_model
 
 DATA = Path(__file__).parent / "data"
@@ -174,18 +175,6 @@ def test_a_masked_store_part_changes_no_bit():
     with_store, _, _ = fwd.verify_with_finished(state.canvas, copies, state.cache, None, state.block,
                                                 jnp.zeros((4,), bool))
     np.testing.assert_array_equal(np.asarray(with_store), np.asarray(plain))
-
-
-def loop_copies(hlo_text: str, shape: str) -> int:
-    """Copy instructions of arrays `shape` (e.g. "f32[3,24,2,16]") in a compiled program's
-    computations other than its entry: what runs again in every round of the decode loop."""
-    copies, in_entry = 0, False
-    for line in hlo_text.splitlines():
-        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-            in_entry = line.startswith("ENTRY")
-        elif not in_entry and f"= {shape}{{" in line and " copy(" in line:
-            copies += 1
-    return copies
 
 
 @pytest.mark.parametrize("spec", ["static", "psd:policy=threshold,tau=0.5,depth=3", "mrp-spec:drafts=3"])

@@ -83,11 +83,18 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         done = done | jnp.isin(token, eos)
         more = (step + 1 < max_new_tokens) & ~jnp.all(done)
 
-        def forward():
-            out = model(token[:, None], (next_pos + step)[:, None], cache=cache, write_cache=True)
-            return out.logits[:, -1], out.cache
+        positions = (next_pos + step)[:, None]
 
-        logits, cache = jax.lax.cond(more, forward, lambda: (logits, cache))
+        def forward():
+            out = model(token[:, None], positions, cache=cache)
+            return out.logits[:, -1], out.chunk_kv
+
+        def last():  # the loop ends after this step: no forward, and what is written is never read
+            return logits, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(forward)[1])
+
+        # The token's KV is written after the branch: XLA copies a whole cache a branch returns.
+        logits, new_kv = jax.lax.cond(more, forward, last)
+        cache = cache.append(new_kv, positions, jnp.ones(positions.shape, bool))
         return step + 1, generated, done, logits, cache, key, nfe + more
 
     init = (

@@ -1,0 +1,13 @@
+"""Reading a compiled program's text (XLA's optimised HLO) in tests."""
+
+
+def loop_copies(hlo_text: str, shape: str) -> int:
+    """Copy instructions of arrays `shape` (e.g. "f32[3,24,2,16]") in a compiled program's
+    computations other than its entry: what runs again in every round of a decode loop."""
+    copies, in_entry = 0, False
+    for line in hlo_text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            in_entry = line.startswith("ENTRY")
+        elif not in_entry and f"= {shape}{{" in line and " copy(" in line:
+            copies += 1
+    return copies
