@@ -9,13 +9,15 @@ import dlmjax
 
 def peaked_random_model(family: str, args, *, num_kv_heads: int) -> dlmjax.Transformer:
     """A random `family` model sized by args.vocab/hidden/layers (head_dim 32), head x args.head_scale.
-    sdar is block-causal with block args.block; llada is bidirectional."""
+    sdar is block-causal with block args.block; qwen3 causal (an autoregressive target); llada
+    bidirectional."""
     block_causal = family == "sdar"
     cfg = dlmjax.ModelConfig(
         family=family, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
         num_layers=args.layers, num_heads=args.hidden // 32, num_kv_heads=num_kv_heads, head_dim=32,
-        attention="block_causal" if block_causal else "bidirectional",
-        block_size=args.block if block_causal else None, qk_norm=block_causal, mask_token_id=args.vocab - 1,
+        attention={"sdar": "block_causal", "qwen3": "causal"}.get(family, "bidirectional"),
+        block_size=args.block if block_causal else None, qk_norm=family in ("sdar", "qwen3"),
+        mask_token_id=args.vocab - 1,
         eos_token_ids=(), pad_token_id=0, max_position_embeddings=2048,
     )
     model = dlmjax.init_model(cfg, seed=0)

@@ -2,9 +2,10 @@
 `--long` new tokens minus that of `--short`, over the extra forwards (prefill and compile cancel
 out; best of `--repeats` warmed-up runs each). A random SDAR-shaped model (benchmarks/common.py),
 static decoding, one token per forward, so every extra round is one forward over the block
-against a cache of about `--prompt-len` slots per row.
+against a cache of about `--prompt-len` slots per row; with `--family qwen3 --decoder ar`, a
+causal model decoded token by token.
 
-    python benchmarks/round_cost_cpu.py [--prompt-len 1024] [--batch 32]
+    python benchmarks/round_cost_cpu.py [--prompt-len 1024] [--batch 32] [--family qwen3 --decoder ar]
 """
 
 from __future__ import annotations
@@ -44,15 +45,16 @@ def main(argv=None):
     parser.add_argument("--short", type=int, default=8)
     parser.add_argument("--long", type=int, default=40)
     parser.add_argument("--decoder", default="static")
+    parser.add_argument("--family", default="sdar", choices=["sdar", "qwen3"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     shape = types.SimpleNamespace(vocab=512, hidden=args.hidden, layers=args.layers, block=args.block, head_scale=30.0)
-    model = peaked_random_model("sdar", shape, num_kv_heads=2)
+    model = peaked_random_model(args.family, shape, num_kv_heads=2)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 500, args.prompt_len).tolist() for _ in range(args.batch)]
     short_wall, short_forwards = best_wall(model, prompts, args.decoder, args.short, args.repeats)
     long_wall, long_forwards = best_wall(model, prompts, args.decoder, args.long, args.repeats)
-    row = dict(prompt_len=args.prompt_len, batch=args.batch, decoder=args.decoder,
+    row = dict(prompt_len=args.prompt_len, batch=args.batch, family=args.family, decoder=args.decoder,
                ms_per_round=round(1e3 * (long_wall - short_wall) / (long_forwards - short_forwards), 2),
                forwards=[short_forwards, long_forwards], wall_ms=[round(1e3 * short_wall), round(1e3 * long_wall)],
                jax=jax.__version__, backend=jax.default_backend())
