@@ -1,6 +1,16 @@
 """Reading a compiled program's text (XLA's optimised HLO) in tests."""
 
 
+def first_program(monkeypatch, owner, name: str, run):
+    """(optimised HLO text, args, kwargs) of the first call `run()` makes to `owner.name` (a
+    `dlmjax.arithmetic.jit` function)."""
+    calls, real = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
+    run()
+    args, kwargs = calls[0]
+    return real.lower(*args, **kwargs).compile().as_text(), args, kwargs
+
+
 def loop_copies(hlo_text: str, shape: str) -> int:
     """Copy instructions of arrays `shape` (e.g. "f32[3,24,2,16]") in a compiled program's
     computations other than its entry: what runs again in every round of a decode loop."""

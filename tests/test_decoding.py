@@ -157,16 +157,13 @@ def test_ar_decoding_updates_its_cache_in_place(monkeypatch):
     """No step of the `ar` loop copies a KV cache: the new token's KV is written after the branch
     that skips the last step's forward (XLA copies a whole cache a lax.cond returns)."""
     from dlmjax.decoding import ar
-    from hlo import loop_copies
+    from hlo import first_program, loop_copies
 
     model = peaky_model("qwen3", seed=7)
-    calls, real = [], ar._generate
-    monkeypatch.setattr(ar, "_generate", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
-    generate(model, PROMPTS[:3], decoder="ar", max_new_tokens=MAX_NEW)
-    args, kwargs = calls[0]
-    hlo = real.lower(*args, **kwargs).compile().as_text()
-    cfg = model.config
-    cache = f"f32[3,{args[2].shape[1] + MAX_NEW},{cfg.num_kv_heads},{cfg.head_dim}]"
+    hlo, args, _ = first_program(monkeypatch, ar, "_generate",
+                                 lambda: generate(model, PROMPTS[:3], decoder="ar", max_new_tokens=MAX_NEW))
+    cfg, prompt_len = model.config, args[2].shape[1]
+    cache = f"f32[3,{prompt_len + MAX_NEW},{cfg.num_kv_heads},{cfg.head_dim}]"
     assert f"{cache}{{" in hlo, "the program must hold the cache this test looks for"
     assert loop_copies(hlo, cache) == 0
 

@@ -24,7 +24,7 @@ from dlmjax.decoding import engine
 from dlmjax.decoding.api import Stream, generate
 from dlmjax.heads.mrp import init_head
 from dlmjax.presets import load_checkpoint
-from hlo import loop_copies
+from hlo import first_program, loop_copies
 from test_decoding import MASK, MAX_NEW, PAD, PROMPTS, peaky_model
 
 DATA = Path(__file__).parent / "data"
@@ -183,13 +183,9 @@ def test_the_decode_loop_updates_the_caches_in_place(peaky, spec, monkeypatch):
     written after the round's branches: a cache returned from a lax.cond is copied whole by XLA
     (two copies of the whole cache per round, whatever the block size, before this was so)."""
     model, head = peaky
-    calls = []
-    real = engine.decode
-    monkeypatch.setattr(engine, "decode", lambda *a, **kw: calls.append((a, kw)) or real(*a, **kw))
-    generate(model, PROMPTS[:3], decoder=spec, head=head, max_new_tokens=MAX_NEW)
-    args, kwargs = calls[0]
-    hlo = real.lower(*args, **kwargs).compile().as_text()
-    cfg, capacity = model.config, kwargs["geometry"].total
-    cache = f"f32[3,{capacity},{cfg.num_kv_heads},{cfg.head_dim}]"
+    hlo, _, kwargs = first_program(
+        monkeypatch, engine, "decode",
+        lambda: generate(model, PROMPTS[:3], decoder=spec, head=head, max_new_tokens=MAX_NEW))
+    cache = f"f32[3,{kwargs['geometry'].total},{model.config.num_kv_heads},{model.config.head_dim}]"
     assert f"{cache}{{" in hlo, "the program must hold the caches this test looks for"
     assert loop_copies(hlo, cache) == 0

@@ -26,8 +26,8 @@ of its own: the forward that runs a row's next block's first step carries the fi
 front of it ([clean block b ; block b+1 copies], block-causal visibility), writes its KV (and the
 MRP head's) and yields block b+1's logits. A decode thus runs exactly its denoising forwards.
 The forward sits in `lax.cond` branches (skip a round no row needs, carry a finished block or
-not); the caches are written after them (`BlockForwards.write`), as XLA copies a whole cache a
-branch returns: the caches are updated in place, every round.
+not); the caches are written after them (`BlockForwards.write`), so they are updated in place:
+when the branches returned the written caches, XLA copied them whole, twice a round.
 
 A round (`decode_round`), per row:
 1. the decoder's `plan` commits from the row's latest logits (the certain commits) and names the
@@ -309,8 +309,8 @@ class BlockForwards:
         block: exact mode computes the KV of their finished previous block in the same forward
         (writes: that block's cache slots, the other rows' as they are); prefix/dual refresh
         instead (their rows move together; writes: the refreshed cache). `write` applies the
-        writes outside this function's branches: a cache returned from a `lax.cond` is copied
-        whole by XLA, one written after it is updated in place."""
+        writes after this function's branches, which keeps the exact caches' updates in place (see
+        the module docstring)."""
         n = copies_bnk.shape[1]
 
         def plain():
@@ -324,9 +324,11 @@ class BlockForwards:
                 return jnp.repeat(logits[:, None], n, axis=1), jnp.repeat(hidden[:, None], n, axis=1), fresh
 
             return jax.lax.cond(jnp.any(store_b), refreshed, plain)
-        return jax.lax.cond(
-            jnp.any(store_b), lambda: self.verify_with_finished(canvas, copies_bnk, cache, head_cache, block_b, store_b),
-            plain)
+
+        def with_finished():
+            return self.verify_with_finished(canvas, copies_bnk, cache, head_cache, block_b, store_b)
+
+        return jax.lax.cond(jnp.any(store_b), with_finished, plain)
 
     def unchanged(self, cache, head_cache, block_b):
         """The writes of a round that stores nothing (see `evaluate`): none without a cache, the

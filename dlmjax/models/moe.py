@@ -108,16 +108,21 @@ def grouped_rows(x_md, expert_m, gate_up_ed2f, down_efd):
 def ragged_rows(x_md, expert_m, gate_up_ed2f, down_efd):
     """`grouped_rows` by the rows sorted by expert, one ragged_dot per projection over the experts'
     row groups, then put back (padding rows sort last, past every group)."""
-    num_experts = gate_up_ed2f.shape[0]
-    order_m = jnp.argsort(expert_m, stable=True)  # sorted row -> row
-    sizes_e = jnp.bincount(expert_m, length=num_experts).astype(jnp.int32)
+    order_m, sizes_e = _expert_groups(expert_m, gate_up_ed2f.shape[0])
     h_m2f = jax.lax.ragged_dot(x_md[order_m], gate_up_ed2f, sizes_e, preferred_element_type=jnp.float32)
     y_md = jax.lax.ragged_dot(_swiglu(h_m2f).astype(x_md.dtype), down_efd, sizes_e,
                               preferred_element_type=jnp.float32)
     return jnp.zeros_like(y_md).at[order_m].set(y_md).astype(x_md.dtype)  # back to row order
 
 
-def row_tile(num_rows: int, num_experts: int) -> int:
+def _expert_groups(expert_m, num_experts: int):
+    """(order [M]: sorted row -> row, rows sorted by expert (stable); sizes [E]: rows per expert).
+    Padding rows (id E) sort last and count in no expert."""
+    order_m = jnp.argsort(expert_m, stable=True)
+    return order_m, jnp.bincount(expert_m, length=num_experts).astype(jnp.int32)
+
+
+def expert_tile(num_rows: int, num_experts: int) -> int:
     """Rows per tile of `tiled_rows`: about the mean rows per expert, a power of two in [8, 128]; 8
     in the batch-invariant mode, where a row's matmul must not change shape with the batch."""
     if arithmetic.current().invariant:
@@ -128,14 +133,13 @@ def row_tile(num_rows: int, num_experts: int) -> int:
 
 def tiled_rows(x_md, expert_m, gate_up_ed2f, down_efd):
     """`grouped_rows` reading only the chosen experts: each expert's rows cut into tiles of
-    `row_tile` rows (its last tile part empty), and a scan over the tiles that computes a used tile
+    `expert_tile` rows (its last tile part empty), and a scan over the tiles that computes a used tile
     against its one expert's weights and skips the unused ones. At most ceil(M / t) + min(E, M)
     tiles exist, so the work is about the assignments', not every expert's on every row."""
     m, num_experts = expert_m.shape[0], gate_up_ed2f.shape[0]
-    t = row_tile(m, num_experts)
+    t = expert_tile(m, num_experts)
     max_tiles = -(-m // t) + min(num_experts, m)
-    order_m = jnp.argsort(expert_m, stable=True)  # sorted row -> row
-    sizes_e = jnp.bincount(expert_m, length=num_experts).astype(jnp.int32)
+    order_m, sizes_e = _expert_groups(expert_m, num_experts)
     tiles_e = -(-sizes_e // t)
     tiles_end_e = jnp.cumsum(tiles_e)
     tile_i = jnp.arange(max_tiles, dtype=jnp.int32)
