@@ -71,6 +71,26 @@ def test_rows_hitting_eos_at_different_steps(pair):
     assert len(set(np.asarray(ar.num_generated).tolist())) >= 3
 
 
+def test_the_drafter_loop_updates_the_caches_in_place(pair, monkeypatch):
+    """No round copies the target's or the drafter's KV cache (or its positions): each round's
+    write waits for the verification's outcome, after the forwards have read the cache (written
+    as soon as a layer's keys were ready, every cache tensor was copied twice a round)."""
+    from dlmjax.decoding import speculative
+    from hlo import first_program, loop_copies
+
+    _, ours, make = pair
+    _, drafter = make(block_size=4)
+    prompts = _prompts(2, SMALL_VOCAB, seed=3)
+    hlo, args, _ = first_program(monkeypatch, speculative, "_generate", lambda: generate_with_drafter(
+        ours, drafter, prompts, max_new_tokens=16, eos_ids=(), pad_id=0))
+    capacity = args[4].shape[1] + 16 + 4
+    caches = {f"f32[2,{capacity},{cfg.num_kv_heads},{cfg.head_dim}]"
+              for cfg in (ours.config, drafter.config.layer_model_config())}
+    for shape in caches | {f"s32[2,{capacity}]"}:
+        assert f"{shape}{{" in hlo, f"the program must hold the {shape} this test looks for"
+        assert loop_copies(hlo, shape) == 0, shape
+
+
 @pytest.mark.parametrize(
     "block_size, layer_types, window",
     [(4, None, None), (8, None, None), (16, None, None), (8, ["sliding_attention", "full_attention"], 6)],

@@ -11,11 +11,11 @@ and the prompt's context features; then a `lax.while_loop` runs rounds of
             sampled: each draft token with probability min(1, p/q); at the first rejection a
                      token from norm(max(0, p - q)); after a full accept a bonus from p.
 
-Rows advance by their own accepted length: both caches are written at per-row offsets. The
-target cache gets the K verified tokens' KV with only the accepted ones valid (the next round
-overwrites the rest: "crop after rejection"); the drafter cache likewise keeps the context K/V of
-accepted tokens, from the verification forward's hidden states. A row stops at its first EOS
-(padded after it, like `generate_ar`) or at `max_new_tokens`.
+Rows advance by their own accepted length: both caches are written at per-row offsets, in place.
+The target cache gets the K verified slots with only the accepted tokens' KV valid (the rest
+zeroed, for the next round to overwrite: "crop after rejection"); the drafter cache likewise
+keeps the context K/V of accepted tokens, from the verification forward's hidden states. A row
+stops at its first EOS (padded after it, like `generate_ar`) or at `max_new_tokens`.
 
 Counts: `target_forwards` = verification rounds (the prefill not counted); `accepted[b, r]` =
 tokens row b gained in round r (accepted drafts + 1); `mean_accepted_length` = their mean over
@@ -101,6 +101,20 @@ def accept_sampled(draft_bk1, q_bk1v, p_bkv, key):
     return n, bonus
 
 
+def _write_verified(cache: KVCache, layer_kv, start_b, positions_bk, valid_bk) -> KVCache:
+    """`cache` with a round's K slots per row written at `start_b`: the accepted ones as given,
+    the rest (rejected drafts, rows already done) zeroed and invalid, for the next round to
+    overwrite.
+
+    Zeroing by `valid_bk` makes the written values depend on the verification's outcome, so XLA
+    orders the write after the round's forwards have read the cache and updates it in place;
+    written as they come (the keys of a layer are ready before its attention reads the cache),
+    every cache tensor was copied twice a round."""
+    keep = valid_bk[:, :, None, None]
+    accepted = [(jnp.where(keep, k, 0), jnp.where(keep, v, 0)) for k, v in layer_kv]
+    return cache.write_rows(accepted, start_b, jnp.where(valid_bk, positions_bk, 0), valid_bk)
+
+
 @partial(
     arithmetic.jit,
     static_argnames=("t_graph", "d_graph", "max_new_tokens", "block", "temperature", "top_p", "eos_ids", "pad_id"),
@@ -170,9 +184,9 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
         done = c["done"] | (is_eos & keep).any(axis=1) | (count >= max_new_tokens)
 
         valid = in_round & active[:, None]
-        tcache = c["tcache"].write_rows(out.chunk_kv, c["offset"], bpos, valid)
+        tcache = _write_verified(c["tcache"], out.chunk_kv, c["offset"], bpos, valid)
         ctx = drafter.context(context_features(target, dcfg, out.layer_hidden))
-        dcache = c["dcache"].write_rows(drafter.context_kv(ctx, bpos), c["offset"], bpos, valid)
+        dcache = _write_verified(c["dcache"], drafter.context_kv(ctx, bpos), c["offset"], bpos, valid)
         gained = jnp.where(active, n + 1, 0)
         return dict(
             round=c["round"] + 1, generated=generated, count=count, done=done,
