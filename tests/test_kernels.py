@@ -312,6 +312,28 @@ def test_a_sliding_window_hides_the_keys_behind_it(kernel):
     _check_flash(q, parts, got)
 
 
+@pytest.mark.parametrize("kernel", ["loop", "tpu"])
+def test_a_sliding_window_layer_reads_only_its_window(kernel):
+    """Key tiles wholly behind every query's window are not read: keys and values there are NaN,
+    which any read would carry into the output (0 x NaN), and both kernels still equal the einsum
+    over clean keys. 40 cached slots in tiles of 4, window 3 at the cache's end; decode-like
+    chunks (split over programs) and a two-tile query chunk."""
+    for width, split_k in [(3, 8), (8, 8)]:
+        case = dict(b=3, h=4, hkv=2, copies=2, width=width, cache=40, attention="causal", window=3, seed=11)
+        q, parts = _attention_inputs(case)
+        (k, v, vis), rest = parts[0], parts[1:]
+        seen_by_any = np.asarray(vis.matrix()).any(axis=1)  # [B, S]
+        first = np.where(seen_by_any.any(axis=1), seen_by_any.argmax(axis=1), 40)
+        assert first.max() >= 8, "the case must hold whole tiles behind the window"
+        behind = (np.arange(40)[None] < (first // 4 * 4)[:, None])[:, :, None, None]
+        poisoned = [(jnp.where(behind, jnp.nan, k), jnp.where(behind, jnp.nan, v), vis)] + rest
+        if kernel == "tpu":
+            got = flash_tpu(q, poisoned, tile_q=4, tile_k=4, interpret=True)
+        else:
+            got = flash(q, poisoned, tile_q=4, tile_k=4, split_k=split_k, interpret=True)
+        _check_flash(q, parts, got)
+
+
 def test_a_part_with_every_key_hidden_adds_exact_zeros():
     """What the row-asynchronous engine relies on (tests/test_row_async.py): a store part whose
     keys are all hidden changes no bit of the kernel path's output either."""
@@ -425,7 +447,7 @@ def test_the_kernels_lower_for_a_gpu_through_triton():
     flash_call = functools.partial(attention_kernel.flash_part, attention="block_causal", block_size=4, tile_q=16,
                                    tile_k=128, split_k=128, interpret=False, triton=True)
     assert "triton" in lowered(flash_call, q, kv, kv, pos, pos, k_pos, k_pos, jnp.ones((1, 300), bool),
-                               jnp.full((1,), 250, jnp.int32))
+                               jnp.full((1,), 130, jnp.int32), jnp.full((1,), 250, jnp.int32))
     argmax_call = functools.partial(argmax_kernel.residual_argmax_stats, mask_id=5000, eps=1e-6, residual_scale=1.0,
                                     tile_m=16, tile_v=128, tile_d=128, split_v=1024, interpret=False, triton=True)
     x = jnp.zeros((16, 256), jnp.bfloat16)
@@ -453,8 +475,9 @@ def test_the_kernels_lower_for_a_tpu(monkeypatch):
         for attention, window in [("block_causal", None), ("causal", None), ("bidirectional", None), ("causal", 64)]:
             call = functools.partial(kernel_tpu.flash_part, attention=attention, block_size=4, tile_q=tile_q,
                                      tile_k=min(512, keys), interpret=False, window=window)
-            text = jax.jit(call).trace(q, kv, kv, q_vec, q_vec, k_vec, k_vec, spec((2, keys), jnp.bool_),
-                                       spec((2,), jnp.int32)).lower(lowering_platforms=("tpu",)).as_text()
+            row = spec((2,), jnp.int32)  # each row's first and one-past-last key
+            text = jax.jit(call).trace(q, kv, kv, q_vec, q_vec, k_vec, k_vec, spec((2, keys), jnp.bool_), row,
+                                       row).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text and "flash_attention_tpu" in text
     from dlmjax.kernels.residual_argmax import kernel_tpu as argmax_kernel
 

@@ -4,8 +4,9 @@ The chain, first that serves:
 1. `jax.nn.dot_product_attention` with cuDNN's flash attention on GPU, for a plain bidirectional
    forward (one part, one segment, every key valid: LLaDA/Dream prefill without padding);
 2. the Pallas flash kernel: any topology, segments (packed copies see the shared context and
-   themselves), per-row lengths (a part is read up to the row's last valid key, so a decode step
-   reads only the written part of the cache); memory linear in length. On GPU `kernel.py`
+   themselves), per-row key ranges (a part is read up to the row's last valid key, so a decode
+   step reads only the written part of the cache, and from the first key a sliding window shows,
+   so a sliding-window layer reads only its window); memory linear in length. On GPU `kernel.py`
    (Triton; a loop over key tiles); on TPU `kernel_tpu.py` (Mosaic; key tiles on the grid, heads
    as 128-lane column blocks, so head dims that are multiples of 128);
 3. the reference (`reference.py`, the XLA einsum): on CPU, in "off" mode, or for visibilities
@@ -55,6 +56,18 @@ def row_lengths(valid_bs):
     """[B] int32: one past each row's last valid key (0 for a row with none): the keys a row reads."""
     idx = jnp.arange(1, valid_bs.shape[1] + 1, dtype=jnp.int32)
     return jnp.max(jnp.where(valid_bs, idx, 0), axis=1)
+
+
+def row_starts(vis):
+    """[B] int32: each row's first key that a sliding window lets any of its queries see (every
+    key before it is hidden: q - k >= window for the row's earliest query); 0 without a window.
+    With `row_lengths`, the keys a row reads: a sliding-window layer reads only its window."""
+    b, s = vis.k_valid.shape
+    if vis.window is None:
+        return jnp.zeros((b,), jnp.int32)
+    earliest = jnp.min(vis.q_pos, axis=1, keepdims=True)
+    in_window = vis.k_valid & (earliest - vis.k_pos < vis.window)
+    return jnp.where(in_window.any(axis=1), jnp.argmax(in_window, axis=1), s).astype(jnp.int32)
 
 
 def _cudnn_serves(kv_parts) -> bool:
@@ -161,7 +174,7 @@ def _part_args(q, k, v, vis) -> tuple:
     pad = ((0, 0), (0, q.shape[1] - vis.q_pos.shape[1]))
     q_pos, q_seg = (jnp.pad(a, pad).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
     return (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32), vis.k_valid,
-            row_lengths(vis.k_valid))
+            row_starts(vis), row_lengths(vis.k_valid))
 
 
 def _floor_pow2(n: int) -> int:

@@ -1,13 +1,14 @@
 """Pallas flash attention over one key/value part: online softmax over key tiles, the visibility
 computed per tile from positions, segments and validity (never a [L, S] mask or score matrix in
-memory), and per row only the key tiles below that row's written length read.
+memory), and per row only the key tiles in that row's range read: from the tile holding its first
+key a sliding window shows (kv_start_b; 0 without a window) to its written length (kv_len_b).
 
 One program per (row, query head, tile of `tile_q` queries, slice of `split_k` keys) loops over
-the key tiles of its slice below the row's length kv_len_b (a decode step's few queries split the
-keys over programs, flash-decoding style; a prefill has one slice). A key count that is not a
-multiple of the tile gets a last tile that starts at S - tile_k and hides the keys already seen:
-every read is in bounds and the cache is never padded or copied. Grouped-query heads read their
-shared key/value head in place.
+the key tiles of its slice within the row's range (a decode step's few queries split the keys over
+programs, flash-decoding style; a prefill has one slice; a slice outside the range reads
+nothing). A key count that is not a multiple of the tile gets a last tile that starts at
+S - tile_k and hides the keys already seen: every read is in bounds and the cache is never padded
+or copied. Grouped-query heads read their shared key/value head in place.
 
 It returns each slice's unnormalised accumulators (sum_s e_s v_s [slices, B, L, H, hd] and the max
 m and sum l = sum_s e_s [slices, B, H, L], e_s = exp(score_s - m)); `combine` merges slices and
@@ -45,12 +46,14 @@ def _floor_div(a, b: int):
     return jax.lax.div(a, b) - ((jax.lax.rem(a, b) != 0) & (a < 0)).astype(a.dtype)
 
 
-def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref, kv_len_ref,
+def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref, kv_start_ref, kv_len_ref,
             acc_ref, max_ref, sum_ref, *, tile_k: int, split_k: int, attention: str, block_size: int | None,
             window: int | None):
     keys = k_ref.shape[0]
-    first = pl.program_id(3) * split_k
-    end = jnp.minimum(first + split_k, kv_len_ref[0])
+    # whole tiles from the slice's start or the row's first tile, so no tile reaches into the next slice
+    slice_start = pl.program_id(3) * split_k
+    first = jnp.maximum(slice_start, jax.lax.div(kv_start_ref[0], tile_k) * tile_k)
+    end = jnp.minimum(slice_start + split_k, kv_len_ref[0])
     q = q_ref[...]
     tile_q, head_dim = q.shape
     q_pos, q_seg = q_pos_ref[...][:, None], q_seg_ref[...][:, None]
@@ -62,7 +65,7 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
         start = jnp.minimum(seen, keys - tile_k)
         k, v = k_ref[pl.ds(start, tile_k), :], v_ref[pl.ds(start, tile_k), :]
         k_pos, k_seg = k_pos_ref[pl.ds(start, tile_k)][None, :], k_seg_ref[pl.ds(start, tile_k)][None, :]
-        # keys not seen yet (a slice is whole tiles, so no tile reaches into the next slice)
+        # keys not seen yet (the last tile of the cache starts at S - tile_k)
         fresh = (start + jax.lax.broadcasted_iota(jnp.int32, (1, tile_k), 1)) >= seen
         visible = (topology(q_pos, k_pos, attention, block_size, window) & ((k_seg == 0) | (k_seg == q_seg))
                    & (k_valid_ref[pl.ds(start, tile_k)][None, :] != 0))
@@ -85,7 +88,7 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
 
 @functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "split_k", "interpret",
                                              "triton", "window"))
-def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_len_b, *,
+def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_start_b, kv_len_b, *,
                attention: str, block_size: int | None, tile_q: int, tile_k: int, split_k: int, interpret: bool,
                triton: bool = False, window: int | None = None):
     """(acc [slices, B, L, H, hd] f32, m [slices, B, H, L], l [slices, B, H, L]) of one part;
@@ -102,12 +105,12 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
     k_vec = pl.BlockSpec((None, s), lambda r, hd, i, j: (r, 0))
     acc_spec = pl.BlockSpec((None, None, tile_q, None, d), lambda r, hd, i, j: (j, r, i, hd, 0))
     stat = pl.BlockSpec((None, None, None, tile_q), lambda r, hd, i, j: (j, r, hd, i))
+    row_scalar = pl.BlockSpec((None, 1), lambda r, hd, i, j: (r, 0))
     kernel = functools.partial(_kernel, tile_k=tile_k, split_k=split_k, attention=attention, block_size=block_size,
                                window=window)
     return pl.pallas_call(
         kernel, grid=(b, h, l // tile_q, slices),
-        in_specs=[q_spec, kv_spec, kv_spec, q_vec, q_vec, k_vec, k_vec, k_vec,
-                  pl.BlockSpec((None, 1), lambda r, hd, i, j: (r, 0))],
+        in_specs=[q_spec, kv_spec, kv_spec, q_vec, q_vec, k_vec, k_vec, k_vec, row_scalar, row_scalar],
         out_specs=[acc_spec, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((slices, b, l, h, d), jnp.float32),
                    jax.ShapeDtypeStruct((slices, b, h, l), jnp.float32),
@@ -115,7 +118,7 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
         interpret=interpret, name="flash_attention",
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2) if triton else None,
     )(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs.astype(jnp.int32),
-      kv_len_b.reshape(b, 1))
+      kv_start_b.reshape(b, 1), kv_len_b.reshape(b, 1))
 
 
 def combine(parts):

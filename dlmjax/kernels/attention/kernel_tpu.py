@@ -7,9 +7,11 @@ VMEM holds a few MiB, not a row of a long cache. So:
 - heads are column blocks of free reshapes (q [B, L, H hd], k/v [B, S, Hkv hd]): a block is one
   head's [tile, hd] (hd a multiple of 128), and a grouped-query head reads its KV head in place;
 - the grid is (row, head, query tile, key tile); the key axis is sequential ("arbitrary") and
-  carries m, l and the accumulator in VMEM scratch. Each row's written length kv_len_b is
-  prefetched into SMEM: key tiles at or past it are skipped, and their index map repeats the row's
-  last tile, so Pallas fetches nothing for them (a decode step reads only the written cache);
+  carries m, l and the accumulator in VMEM scratch. Each row's key range (kv_start_b, the first
+  key a sliding window shows, and kv_len_b, its written length) is prefetched into SMEM: key tiles
+  outside it are skipped, and their index map repeats the row's nearest tile in range, so Pallas
+  fetches nothing for them (a decode step reads only the written cache, a sliding-window layer
+  only its window);
 - a key count that is not a multiple of the tile gets a partial last tile whose slots past S are
   hidden and zeroed (never padded or copied);
 - m and l leave the kernel lane-replicated ([B, L, H 128]), as Mosaic stores rows of 128 lanes.
@@ -31,7 +33,7 @@ from dlmjax.kernels.attention.kernel import MASK_VALUE, topology
 LANES = 128
 
 
-def _kernel(kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref,
+def _kernel(kv_start_ref, kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref,
             acc_ref, max_ref, sum_ref, m_scratch, l_scratch, acc_scratch, *, keys: int, attention: str,
             block_size: int | None, window: int | None):
     row, tile = pl.program_id(0), pl.program_id(3)
@@ -44,7 +46,7 @@ def _kernel(kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_
         l_scratch[...] = jnp.zeros(l_scratch.shape, jnp.float32)
         acc_scratch[...] = jnp.zeros(acc_scratch.shape, jnp.float32)
 
-    @pl.when(start < kv_len_ref[row])
+    @pl.when((start < kv_len_ref[row]) & (start + tile_k > kv_start_ref[row]))
     def _():
         q, v = q_ref[...], v_ref[...]
         visible = (topology(q_pos_ref[...], k_pos_ref[...], attention, block_size, window)
@@ -71,7 +73,7 @@ def _kernel(kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "interpret", "window"))
-def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_len_b, *,
+def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_start_b, kv_len_b, *,
                attention: str, block_size: int | None, tile_q: int, tile_k: int, interpret: bool,
                window: int | None = None):
     """(acc [1, B, L, H, hd] f32, m [1, B, H, L], l [1, B, H, L]) of one part, as kernel.flash_part.
@@ -80,17 +82,20 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
     s, hkv = k_bshd.shape[1], k_bshd.shape[2]
     group, key_tiles = h // hkv, pl.cdiv(s, tile_k)
 
-    def last_tile(kv_len, r):  # the row's last key tile holding a written key (0 for an empty row)
-        return jnp.maximum(jax.lax.div(kv_len[r] + tile_k - 1, tile_k) - 1, 0)  # lengths >= 0: truncation is floor
+    def in_range(j, starts, lens, r):
+        """Key tile j, or row r's nearest tile from its start's tile to its last written one (0 for
+        an empty row). Starts and lengths are >= 0, so truncating division is floor."""
+        last = jnp.maximum(jax.lax.div(lens[r] + tile_k - 1, tile_k) - 1, 0)
+        return jnp.minimum(jnp.maximum(j, jax.lax.div(starts[r], tile_k)), last)
 
-    q_spec = pl.BlockSpec((None, tile_q, d), lambda r, hd, i, j, n: (r, i, hd))
-    q_vec = pl.BlockSpec((None, tile_q, 1), lambda r, hd, i, j, n: (r, i, 0))
-    kv_spec = pl.BlockSpec((None, tile_k, d), lambda r, hd, i, j, n: (r, jnp.minimum(j, last_tile(n, r)), hd // group))
-    k_vec = pl.BlockSpec((None, 1, tile_k), lambda r, hd, i, j, n: (r, 0, jnp.minimum(j, last_tile(n, r))))
-    acc_spec = pl.BlockSpec((None, tile_q, d), lambda r, hd, i, j, n: (r, i, hd))
-    stat = pl.BlockSpec((None, tile_q, LANES), lambda r, hd, i, j, n: (r, i, hd))
+    q_spec = pl.BlockSpec((None, tile_q, d), lambda r, hd, i, j, *_: (r, i, hd))
+    q_vec = pl.BlockSpec((None, tile_q, 1), lambda r, hd, i, j, *_: (r, i, 0))
+    kv_spec = pl.BlockSpec((None, tile_k, d), lambda r, hd, i, j, st, n: (r, in_range(j, st, n, r), hd // group))
+    k_vec = pl.BlockSpec((None, 1, tile_k), lambda r, hd, i, j, st, n: (r, 0, in_range(j, st, n, r)))
+    acc_spec = pl.BlockSpec((None, tile_q, d), lambda r, hd, i, j, *_: (r, i, hd))
+    stat = pl.BlockSpec((None, tile_q, LANES), lambda r, hd, i, j, *_: (r, i, hd))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(b, h, l // tile_q, key_tiles),
+        num_scalar_prefetch=2, grid=(b, h, l // tile_q, key_tiles),
         in_specs=[q_spec, kv_spec, kv_spec, q_vec, q_vec, k_vec, k_vec, k_vec],
         out_specs=[acc_spec, stat, stat],
         scratch_shapes=[pltpu.VMEM((tile_q, LANES), jnp.float32), pltpu.VMEM((tile_q, LANES), jnp.float32),
@@ -104,9 +109,9 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
                    jax.ShapeDtypeStruct((b, l, h * LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="flash_attention_tpu",
-    )(kv_len_b.astype(jnp.int32), q_blhd.reshape(b, l, h * d), k_bshd.reshape(b, s, hkv * d),
-      v_bshd.reshape(b, s, hkv * d), q_pos_bl[..., None], q_seg_bl[..., None], k_pos_bs[:, None],
-      k_seg_bs[:, None], k_valid_bs.astype(jnp.int32)[:, None])
+    )(kv_start_b.astype(jnp.int32), kv_len_b.astype(jnp.int32), q_blhd.reshape(b, l, h * d),
+      k_bshd.reshape(b, s, hkv * d), v_bshd.reshape(b, s, hkv * d), q_pos_bl[..., None], q_seg_bl[..., None],
+      k_pos_bs[:, None], k_seg_bs[:, None], k_valid_bs.astype(jnp.int32)[:, None])
 
     def per_head(stat_bl):  # [B, L, H 128] lane-replicated -> [1, B, H, L]
         return stat_bl.reshape(b, l, h, LANES)[..., 0].transpose(0, 2, 1)[None]
