@@ -199,8 +199,9 @@ def kernel_models(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_decoders_give_the_same_tokens_with_kernels_on_and_off(kernel_models, name):
-    """Interpret mode on CPU, every decoder: the greedy policy decoders (and llada2) score from the
-    hidden state through residual_argmax (their forwards keep no logits), every attention goes
+    """Interpret mode on CPU, every decoder: the greedy diffusion decoders but mrp-remask (whose
+    veto reads logit values) score from the hidden state through residual_argmax (their forwards
+    keep no logits; MRP's head steps add their residual in the kernel), every attention goes
     through the flash kernel; tokens and NFE equal those with the kernels off."""
     from dlmjax.decoding.api import generate
     from dlmjax.decoding.spec import parse_decoder
@@ -213,12 +214,52 @@ def test_decoders_give_the_same_tokens_with_kernels_on_and_off(kernel_models, na
     with kernels.use("off"):
         off = generate(model, prompts, **kw)
     with kernels.use("interpret"):
-        greedy = name in ("static", "threshold", "entropy", "llada2")
+        greedy = name not in ("mrp-remask", "ar", "drafter")
         scores_from_hidden = getattr(parse_decoder(spec), "scores_from_hidden", lambda model: False)  # ar, drafter
         assert scores_from_hidden(model) == (greedy and not model.config.shift_logits)
         on = generate(model, prompts, **kw)
     assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows]
     assert [r.nfe for r in on.rows] == [r.nfe for r in off.rows]
+
+
+@pytest.mark.parametrize("spec", ["mrp-spec:drafts=3", "psd:depth=2"])
+def test_speculative_rounds_hold_no_logits_on_the_kernel_path(kernel_models, spec):
+    """Where residual_argmax serves, PSD's verification copies and MRP's drafts (two head steps,
+    their residual added in the kernel) are scored from hidden states: the compiled decode holds
+    no [..., V] float array but the lm_head itself. With the kernels off it holds the logits."""
+    import re
+
+    from dlmjax.decoding import engine
+    from dlmjax.decoding.api import generate
+    from hlo import first_program
+
+    models, _ = kernel_models
+    model, prompts, head, _ = models["toy-sdar"]
+    weight = f"f32[{model.config.hidden_size},{model.config.vocab_size}]"
+
+    def vocab_arrays(mode):
+        with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
+            hlo, _, _ = first_program(patch, engine, "decode",
+                                      lambda: generate(model, prompts, decoder=spec, head=head, max_new_tokens=8))
+        return set(re.findall(rf"f32\[[0-9,]*,{model.config.vocab_size}\]", hlo)) - {weight}
+
+    assert vocab_arrays("off"), "with the kernels off the program must hold the logits this test looks for"
+    assert vocab_arrays("interpret") == set()
+
+
+def test_the_lossless_decoders_equal_their_references_on_the_kernel_path(kernel_models):
+    """mrp-spec = static and PSD = its policy one step per forward, both scored from hidden states
+    (the kernel path a GPU takes by default), with drafts accepted."""
+    from dlmjax.decoding.api import generate
+
+    models, _ = kernel_models
+    model, prompts, head, _ = models["toy-sdar"]
+    with kernels.use("interpret"):
+        for lossless, reference in [("mrp-spec:drafts=3", "static"), ("psd:policy=topk,depth=3", "static")]:
+            fast, slow = (generate(model, prompts, decoder=spec, head=head, max_new_tokens=8)
+                          for spec in (lossless, reference))
+            assert [r.tokens for r in fast.rows] == [r.tokens for r in slow.rows], lossless
+            assert fast.forwards < slow.forwards, f"{lossless}: no draft was accepted, the test is vacuous"
 
 
 # -- attention ---------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ import numpy as np
 from flax import nnx, struct
 
 from dlmjax import arithmetic
+from dlmjax.decoding import policies
 from dlmjax.models.transformer import KVCache, Transformer, put_rows, take_rows
 from dlmjax.validation import InputError, positive_int
 
@@ -248,15 +249,25 @@ class BlockForwards:
         """Logits [B, N, K, V] of each copy shifted right by one, position 0 from `lead` [B, N, D]."""
         return self.model.lm_logits(jnp.concatenate([lead_bnd[:, :, None], hidden_bnkd[:, :, :-1]], axis=2))
 
-    def greedy_scores(self, hidden_bkd):
+    def greedy_scores(self, hidden_bkd, residual=None):
         """policies.Scores of each row's block from its final-normed hidden state [B, K, D], through
-        `kernels.residual_argmax` (no [B, K, V] logits on the kernel path)."""
-        from dlmjax.decoding.policies import Scores
+        `kernels.residual_argmax` (no [B, K, V] logits on the kernel path); `residual` = (h_p
+        [B, K, D], s) adds an MRP residual s lm_head(h_p) to the logits it scores."""
         from dlmjax.kernels.residual_argmax import residual_argmax
 
         b, k, d = hidden_bkd.shape
-        scores = residual_argmax(hidden_bkd.reshape(b * k, d), self.model.lm_head_weight(), mask_id=self.mask_id)
-        return Scores(*(a.reshape(b, k) for a in scores))
+        if residual is not None:
+            residual = (residual[0].reshape(b * k, d), residual[1])
+        scores = residual_argmax(hidden_bkd.reshape(b * k, d), self.model.lm_head_weight(), mask_id=self.mask_id,
+                                 residual=residual)
+        return policies.Scores(*(a.reshape(b, k) for a in scores))
+
+    def block_scores(self, logits_bkv, hidden_bkd):
+        """Greedy policies.Scores of a block (or of one packed copy) from a forward's output: its
+        logits, or its hidden state when this decode keeps no logits (`scores_from_hidden`)."""
+        if self.scores_from_hidden:
+            return self.greedy_scores(hidden_bkd)
+        return policies.score(logits_bkv, mask_id=self.mask_id)
 
     def prefill(self, canvas):
         """The first forward: (logits [B, K, V], hidden [B, K, D]) of block 0 for every row, with

@@ -92,13 +92,6 @@ class LLaDA2(DiffusionDecoder):
     def editing(self) -> bool:
         return self.editing_threshold is not None
 
-    def scores_from_hidden(self, model) -> bool:
-        """The plan reads greedy scores only, so the kernel path serves it like `threshold`."""
-        from dlmjax import kernels
-
-        return (self.temperature == 0.0 and not model.config.shift_logits
-                and kernels.choose("residual_argmax") is not None)
-
     def init_carry(self, fwd, batch: int):
         zeros = jnp.zeros((batch,), jnp.int32)
         # block -1: the first round starts the row's block afresh

@@ -31,6 +31,10 @@ prefill/store forwards that fill the backbone's cache. Head forwards are not cou
   `pre` reads the pre-commit block as it is (ALGORITHMS.md's literal wording): the head then
   sees no newly revealed token and predicts almost no change, so it rarely vetoes
   (benchmarks/results/mrp_toy measures both).
+
+Where `kernels.residual_argmax` serves (`BlockForwards.scores_from_hidden`), mrp-direct and
+mrp-spec keep no logits: each pick scores hidden states, a head step's residual added in the
+kernel (`Chain`). mrp-remask reads logit values (|C| and the corrected softmax) and keeps them.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from dlmjax import arithmetic
 from dlmjax.decoding import policies
@@ -52,12 +57,38 @@ REMASK_RULES = ("residual", "confidence", "both")
 REMASK_HEAD_INPUTS = ("others", "pre")
 
 
-def head_step(fwd: BlockForwards, step: int, tokens_bk, hidden_bkd, logits_bkv, head_cache, block_b):
-    """One MRP head iteration over each row's block (chain step `step`, 0-based): returns
-    (corrected logits, next head input h, residual logits). The head attends to its own
-    cache of finished blocks and to the block itself."""
-    h_p = head_copies(fwd, step, tokens_bk[:, None, :], hidden_bkd, head_cache, block_b)[:, 0]
-    return apply_residual(fwd.head, fwd.model, h_p, logits_bkv, hidden_bkd)
+@struct.dataclass
+class Chain:
+    """Where the MRP chain stands after k head iterations: what its next static pick scores and
+    its next iteration reads. With logits (the XLA path): logits_k = logits_{k-1} + s lm_head(h_p)
+    and hidden = h_k = h_{k-1} + s h_p, pending None. When the decode scores hidden states
+    (`BlockForwards.scores_from_hidden`; logits are [B, K, 0]): hidden = h_{k-1} and pending = h_p,
+    which `kernels.residual_argmax` scores as lm_head(h_{k-1}) + s lm_head(h_p) without logits."""
+
+    logits: jax.Array  # [B, K, V], or [B, K, 0]
+    hidden: jax.Array  # [B, K, D]
+    pending: jax.Array | None = None  # [B, K, D]
+
+    @classmethod
+    def seed(cls, state: DecodeState) -> "Chain":
+        """Step 0: the backbone forward's own logits and hidden state."""
+        return cls(state.logits, state.hidden)
+
+    def head_input(self, scale: float):
+        """h_k, the next head iteration's input."""
+        return self.hidden if self.pending is None else self.hidden + scale * self.pending
+
+
+def head_step(fwd: BlockForwards, step: int, tokens_bk, chain: Chain, head_cache, block_b) -> Chain:
+    """One MRP head iteration over each row's block (chain step `step`, 0-based) after the
+    commits in `tokens_bk`. The head attends to its own cache of finished blocks and to the
+    block itself."""
+    hidden = chain.head_input(fwd.head.config.residual_scale)
+    h_p = head_copies(fwd, step, tokens_bk[:, None, :], hidden, head_cache, block_b)[:, 0]
+    if fwd.scores_from_hidden:
+        return Chain(chain.logits, hidden, h_p)
+    logits, hidden, _ = apply_residual(fwd.head, fwd.model, h_p, chain.logits, hidden)
+    return Chain(logits, hidden)
 
 
 def head_copies(fwd: BlockForwards, step: int, copies_bnk, hidden_bkd, head_cache, block_b):
@@ -73,11 +104,17 @@ def head_copies(fwd: BlockForwards, step: int, copies_bnk, hidden_bkd, head_cach
     return h_p.reshape(b, n, k, -1)
 
 
-def static_pick(logits_bkv, masked_bk, mask_id: int):
+def static_pick(scores: policies.Scores, masked_bk):
     """(commit [B, K], tokens [B, K]): the most confident masked position per row and its
     greedy token, exactly as `static` (k=1) commits. Rows with nothing masked commit nothing."""
-    scores = policies.score(logits_bkv, mask_id=mask_id)
     return policies.static_commit(scores, masked_bk, 1), scores.tokens
+
+
+def chain_scores(fwd: BlockForwards, chain: Chain) -> policies.Scores:
+    """The greedy scores of the chain's current logits (see `Chain`)."""
+    if chain.pending is None:
+        return fwd.block_scores(chain.logits, chain.hidden)
+    return fwd.greedy_scores(chain.hidden, residual=(chain.pending, fwd.head.config.residual_scale))
 
 
 @dataclass(frozen=True)
@@ -106,12 +143,12 @@ class MRPDirect(MRPDecoder):
 
     def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
         del keys_b
-        logits, hidden = state.logits, state.hidden
+        chain = Chain.seed(state)
         for step in range(self.mrp_steps + 1):
-            commit, proposed = static_pick(logits, masked_bk & (tokens_bk == fwd.mask_id), fwd.mask_id)
+            commit, proposed = static_pick(chain_scores(fwd, chain), masked_bk & (tokens_bk == fwd.mask_id))
             tokens_bk = jnp.where(commit, proposed, tokens_bk)
             if step < self.mrp_steps:
-                logits, hidden, _ = head_step(fwd, step, tokens_bk, hidden, logits, state.head_cache, state.block)
+                chain = head_step(fwd, step, tokens_bk, chain, state.head_cache, state.block)
         return Plan(tokens=tokens_bk, copies=tokens_bk[:, None])
 
 
@@ -135,12 +172,12 @@ class MRPSpec(MRPDecoder):
 
     def draft(self, fwd: BlockForwards, state: DecodeState, tokens_bk):
         """[B, drafts+1, K] copies C(0..drafts): C(0) the block as it is, C(k) after k drafted commits."""
-        copies, logits, hidden = [tokens_bk], state.logits, state.hidden
+        copies, chain = [tokens_bk], Chain.seed(state)
         for step in range(self.drafts):
-            commit, proposed = static_pick(logits, (copies[-1] == fwd.mask_id) & ~state.done[:, None], fwd.mask_id)
+            commit, proposed = static_pick(chain_scores(fwd, chain), (copies[-1] == fwd.mask_id) & ~state.done[:, None])
             copies.append(jnp.where(commit, proposed, copies[-1]))
             if step < self.drafts - 1:
-                logits, hidden, _ = head_step(fwd, step, copies[-1], hidden, logits, state.head_cache, state.block)
+                chain = head_step(fwd, step, copies[-1], chain, state.head_cache, state.block)
         return jnp.stack(copies, axis=1)
 
     def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
@@ -153,8 +190,8 @@ class MRPSpec(MRPDecoder):
         (the carry is the plan's: MRP spec keeps none)."""
         copies, mask_id = plan.copies, fwd.mask_id
         n = copies.shape[1]
-        picks = [static_pick(logits_bnkv[:, k], (copies[:, k] == mask_id) & ~state.done[:, None], mask_id)
-                 for k in range(n)]
+        picks = [static_pick(fwd.block_scores(logits_bnkv[:, k], hidden_bnkd[:, k]),
+                             (copies[:, k] == mask_id) & ~state.done[:, None]) for k in range(n)]
         agrees = []
         for k in range(n - 1):
             commit, proposed = picks[k]
@@ -179,6 +216,7 @@ class MRPRemask(MRPDecoder):
     head_input: others (each proposal judged with the other proposals committed) | pre."""
 
     name: ClassVar[str] = "mrp-remask"
+    reads_logits: ClassVar[bool] = True  # the veto reads the residual's and the corrected logits' values
     limits = {"tau": OPEN_UNIT, "delta": POSITIVE, "rule": OneOf(REMASK_RULES), "head_input": OneOf(REMASK_HEAD_INPUTS)}
     tau: float = 0.9
     delta: float = 1.0
@@ -207,7 +245,8 @@ class MRPRemask(MRPDecoder):
     def residual(self, fwd: BlockForwards, state: DecodeState, before_bk, proposed_after_bk):
         """C [B, K, V]: the head's residual at every position of the block, read as `head_input` says."""
         if self.head_input == "pre":
-            return head_step(fwd, 0, before_bk, state.hidden, state.logits, state.head_cache, state.block)[2]
+            h_p = head_copies(fwd, 0, before_bk[:, None], state.hidden, state.head_cache, state.block)[:, 0]
+            return residual_logits(fwd.head, fwd.model, h_p)
         k = before_bk.shape[1]
         # Copy j: every proposal committed except position j, which keeps its pre-commit token.
         copies = jnp.where(jnp.eye(k, dtype=bool)[None], before_bk[:, None, :], proposed_after_bk[:, None, :])

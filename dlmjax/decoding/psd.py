@@ -54,17 +54,18 @@ def draft_chain(step, carry, scores: policies.Scores, tokens_bk, masked_bk, dept
     return jnp.stack(states, axis=1), jnp.stack(sets, axis=1), after_first
 
 
-def verify_chain(step, carry, drafts_bdk, sets_bdk, scores: policies.Scores, logits_bdkv, done_b, mask_id: int):
+def verify_chain(step, carry, drafts_bdk, sets_bdk, scores: policies.Scores, observe, done_b, mask_id: int):
     """Per row, (the deepest draft depth >= 1 confirmed by an unbroken chain, the carry at it).
 
-    `carry` is the policy's carry after S_1. Depth d+1 is confirmed if the policy, observing
-    X_d's real logits with the real carry of depth d, commits exactly S_{d+1} with the seed's
+    `carry` is the policy's carry after S_1; `observe(i)` gives the greedy scores of the
+    verification forward's copy i (X_{i+1}). Depth d+1 is confirmed if the policy, observing
+    X_d's real scores with the real carry of depth d, commits exactly S_{d+1} with the seed's
     tokens; the carry of depth d+1 is what that step leaves."""
     accepted = jnp.ones(done_b.shape, jnp.int32)
     unbroken = jnp.ones(done_b.shape, bool)
     kept = carry
     for d in range(1, drafts_bdk.shape[1]):
-        observed = policies.score(logits_bdkv[:, d - 1], mask_id=mask_id)
+        observed = observe(d - 1)
         masked = (drafts_bdk[:, d - 1] == mask_id) & ~done_b[:, None]
         would_commit, carry = step(carry, observed, masked)
         same_set = jnp.all(would_commit == sets_bdk[:, d], axis=-1)
@@ -108,8 +109,9 @@ class DraftAndVerify:
         """Keep the deepest draft the policy would have produced step by step; its forward seeds
         the next round, and the carry is the step-by-step policy's before observing it."""
         sets, scores = plan.aux
-        depth, carry = verify_chain(self._step(fwd, state), plan.carry, plan.copies, sets, scores, logits_bdkv,
-                                    state.done, fwd.mask_id)
+        depth, carry = verify_chain(self._step(fwd, state), plan.carry, plan.copies, sets, scores,
+                                    lambda d: fwd.block_scores(logits_bdkv[:, d], hidden_bdkd[:, d]), state.done,
+                                    fwd.mask_id)
         return at_depth(plan.copies, depth), at_depth(logits_bdkv, depth), at_depth(hidden_bdkd, depth), carry
 
 

@@ -41,6 +41,9 @@ class DiffusionDecoder:
     """
 
     name: ClassVar[str] = ""
+    # Whether plan/resolve read logits beyond each position's greedy scores (policies.Scores):
+    # then the forwards keep their [B, K, V] logits even where `residual_argmax` runs as a kernel.
+    reads_logits: ClassVar[bool] = False
     limits = {"temperature": AT_LEAST_0, "top_p": OPEN_UNIT, "block": AT_LEAST_1, "cache": OneOf(CACHE_MODES)}
     temperature: float = 0.0
     top_p: float = 1.0
@@ -72,20 +75,19 @@ class DiffusionDecoder:
         return 1
 
     def scores_from_hidden(self, model) -> bool:
-        """Whether this decoder's rounds need greedy scores only, never the logits (greedy policy
-        decoders whose plan, resolve and scores are these), and `residual_argmax` runs as a kernel
-        here: the engine then keeps no [B, K, V] logits and scores the hidden state."""
+        """Whether this decoder's rounds need greedy scores only, never the logits (greedy, and not
+        `reads_logits`), and `residual_argmax` runs as a kernel here: the engine then keeps no
+        [B, K, V] logits and scores hidden states (`BlockForwards.block_scores`)."""
         from dlmjax import kernels
 
-        own = all(getattr(type(self), f) is getattr(DiffusionDecoder, f) for f in ("plan", "resolve", "scores"))
-        return (own and self.temperature == 0.0 and not model.config.shift_logits
+        return (not self.reads_logits and self.temperature == 0.0 and not model.config.shift_logits
                 and kernels.choose("residual_argmax") is not None)
 
     def scores(self, fwd, state, keys_b) -> policies.Scores:
         """Proposed tokens and their confidences from each row's latest logits (or, with
         `scores_from_hidden`, its hidden state)."""
-        if fwd.scores_from_hidden:
-            return fwd.greedy_scores(state.hidden)
+        if self.temperature == 0.0:
+            return fwd.block_scores(state.logits, state.hidden)
         return policies.score(state.logits, mask_id=fwd.mask_id, temperature=self.temperature, top_p=self.top_p,
                               keys_b=keys_b)
 
