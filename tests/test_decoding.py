@@ -168,6 +168,28 @@ def test_ar_decoding_updates_its_cache_in_place(monkeypatch):
     assert loop_copies(hlo, cache) == 0
 
 
+@pytest.mark.parametrize("family, spec, rows", [
+    ("llada", "static:temperature=1.0", 32),  # no cache: every step forwards the whole canvas
+    ("dream", "static:temperature=1.0,cache=dual", 32),  # the dual refresh forwards the canvas
+    ("qwen3", "ar:temperature=1.0", 1),  # the prefill forwards the prompt
+])
+def test_long_forwards_make_logits_only_where_they_are_read(family, spec, rows, monkeypatch):
+    """A forward over a whole canvas or prompt computes logits for the block (or the prompt's last
+    token) only: no vocabulary-wide array of the compiled decode has more than batch x `rows`
+    rows, where the chunk's logits would have batch x its length (80 or 48 here)."""
+    from dlmjax.decoding import ar
+    from hlo import first_program
+
+    model = peaky_model(family, seed=1)
+    owner, name = (ar, "_generate") if family == "qwen3" else (engine, "decode")
+    prompts = [p * 6 for p in PROMPTS[:3]]
+    hlo, _, _ = first_program(monkeypatch, owner, name, lambda: generate(model, prompts, decoder=spec, max_new_tokens=8))
+    vocab, lm_head = model.config.vocab_size, (model.config.hidden_size, model.config.vocab_size)
+    shapes = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(rf"f32\[([0-9,]+),{vocab}\]", hlo)}
+    row_counts = [math.prod(shape) for shape in shapes if shape != lm_head[:1]]
+    assert row_counts and max(row_counts) <= 3 * rows, sorted(shapes)
+
+
 @pytest.mark.parametrize("spec", ["static:temperature=1.0", "ar:temperature=1.0,top_p=0.9"])
 def test_same_seed_same_output_when_sampling(spec):
     model = peaky_model("qwen3" if spec.startswith("ar") else "sdar", seed=8)

@@ -66,7 +66,8 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
     b, lp = tokens_bl.shape
     positions = positions_from_valid(valid_bl)
     cache = KVCache.init(model.config, b, lp + max_new_tokens)
-    out = model(tokens_bl, positions, valid_bl=valid_bl, cache=cache, write_cache=True)
+    # the prompt's last position only: the prompt's [B, L, V] logits would be the largest array here
+    out = model(tokens_bl, positions, valid_bl=valid_bl, cache=cache, write_cache=True, compute_logits=False)
     next_pos = positions[:, -1] + 1
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
 
@@ -101,7 +102,7 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         jnp.zeros((), jnp.int32),
         jnp.full((b, max_new_tokens), pad_id, jnp.int32),
         jnp.zeros((b,), bool),
-        out.logits[:, -1],
+        model.lm_logits(out.hidden[:, -1]),
         out.cache,
         key,
         jnp.ones((), jnp.int32),

@@ -245,6 +245,16 @@ class BlockForwards:
         position 0 in the block's first round (`fast-dllm-v2`; api refuses the others)."""
         return self.cache_mode == "exact" and self.model.config.shift_logits
 
+    def _block_logits(self, hidden_bnkd, lead_bnd):
+        """Logits [B, N, K, V] of block copies from their hidden states alone (a forward over a
+        whole window or canvas computes none for the columns outside the block). Shifted-logit
+        models (Dream) score position p from the column before it: `lead` [B, N, D] is the column
+        before the block's, or the block's first when the block starts the chunk (that position
+        keeps its own logits, as `layers.shift_logits_right` leaves it)."""
+        if self.model.config.shift_logits:
+            return self._shifted_logits(hidden_bnkd, lead_bnd)
+        return self._logits(hidden_bnkd)
+
     def _shifted_logits(self, hidden_bnkd, lead_bnd):
         """Logits [B, N, K, V] of each copy shifted right by one, position 0 from `lead` [B, N, D]."""
         return self.model.lm_logits(jnp.concatenate([lead_bnd[:, :, None], hidden_bnkd[:, :, :-1]], axis=2))
@@ -307,12 +317,11 @@ class BlockForwards:
         """prefix/dual: one full-canvas forward that rewrites the whole cache; (logits, hidden) of
         each row's block `block_b`, and the cache."""
         out = self.model(canvas, self.rows.positions, valid_bl=self.rows.valid,
-                         cache=self._empty_cache(canvas.shape[0]), write_cache=True,
-                         compute_logits=not self.scores_from_hidden)
+                         cache=self._empty_cache(canvas.shape[0]), write_cache=True, compute_logits=False)
         start, k = self.block_start(block_b), self.geometry.block
-        hidden = take_rows(out.hidden, start, k)
-        logits = self._logits(hidden) if out.logits is None else take_rows(out.logits, start, k)
-        return logits, hidden, out.cache
+        hidden = take_rows(out.hidden, start, k)[:, None]
+        lead = take_rows(out.hidden, jnp.maximum(start - 1, 0), 1)
+        return self._block_logits(hidden, lead)[:, 0], hidden[:, 0], out.cache
 
     def evaluate(self, canvas, copies_bnk, cache, head_cache, block_b, store_b):
         """The round forward: (logits [B, N, K, V], hidden [B, N, K, D], writes) of every row's N
@@ -427,17 +436,17 @@ class BlockForwards:
         out = self.model(
             copies.reshape(b, n * width), jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, width),
             valid_bl=jnp.tile(valid, (1, n)), cache=self._visible_cache(cache, start), chunk_parts=copy_parts(n, width),
-            compute_logits=not (self.scores_from_hidden or self.shifted_blocks),
+            compute_logits=False,
         )
 
-        def block_part(x_bld):
+        def block_part(x_bld, first_b, columns: int):
             x = x_bld.reshape(b, n, width, -1).swapaxes(1, 2)  # [B, width, N, D]
-            return take_rows(x, offset, k).swapaxes(1, 2)
+            return take_rows(x, first_b, columns).swapaxes(1, 2)
 
-        hidden = block_part(out.hidden)
+        hidden = block_part(out.hidden, offset, k)
         if self.shifted_blocks:  # shifted within each copy; position 0 keeps its own (`shifted_blocks`)
             return self._shifted_logits(hidden, hidden[:, :, 0]), hidden
-        return (self._logits(hidden) if out.logits is None else block_part(out.logits)), hidden
+        return self._block_logits(hidden, block_part(out.hidden, jnp.maximum(offset - 1, 0), 1)[:, :, 0]), hidden
 
     def step(self, canvas, cache, block_b):
         """(logits [B, K, V], hidden [B, K, D]) of each row's block for the canvas as it is now."""

@@ -133,8 +133,8 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
 
     # prefill: the prompt's KV, the first token, the prompt's context features
     positions = positions_from_valid(valid_bl)
-    out = target(tokens_bl, positions, valid_bl=valid_bl, hidden_layers=hidden_layers)
-    logits = out.logits
+    out = target(tokens_bl, positions, valid_bl=valid_bl, hidden_layers=hidden_layers, compute_logits=False)
+    last_logits = target.lm_logits(out.hidden[:, -1])  # the prompt's [B, L, V] logits are never made
     zeros_b = jnp.zeros((b,), jnp.int32)
     tcache = KVCache.init(target.config, b, capacity).write_rows(out.chunk_kv, zeros_b, positions, valid_bl)
     ctx = drafter.context(context_features(target, dcfg, out.layer_hidden))
@@ -142,9 +142,9 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
         drafter.context_kv(ctx, positions), zeros_b, positions, valid_bl)
     key, sub = jax.random.split(key)
     if sampled:
-        first = jax.random.categorical(sub, jnp.log(_probs(logits[:, -1], temperature, top_p)), axis=-1)
+        first = jax.random.categorical(sub, jnp.log(_probs(last_logits, temperature, top_p)), axis=-1)
     else:
-        first = jnp.argmax(logits[:, -1], axis=-1)
+        first = jnp.argmax(last_logits, axis=-1)
     first = first.astype(jnp.int32)
     generated = jnp.full((b, max_new_tokens + 1), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos) | (max_new_tokens <= 1)
