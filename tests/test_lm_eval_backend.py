@@ -280,6 +280,41 @@ def test_empty_context_is_conditioned_on_the_prefix_token_as_transformers(tmp_pa
         causal_logprobs(model, [([], cont)])
 
 
+def test_causal_logprobs_make_logits_for_the_continuations_only(tmp_path, monkeypatch):
+    """A long context with a short continuation beside a short context with a long one (its
+    window reaches back before the context's end): each sum and is_greedy equals transformers',
+    and the compiled scorer holds no vocabulary-wide array with more rows than batch x the
+    continuations' window (16), where the whole rows' logits would have batch x 64."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import math
+
+    from hlo import first_program
+    from tiny_models import torch_model
+
+    import dlmjax
+    from dlmjax.lm_eval import likelihood
+
+    hf = torch_model("llama", seed=4)
+    hf.save_pretrained(tmp_path)
+    model = dlmjax.load_model(tmp_path)
+    rng = np.random.default_rng(0)
+    pairs = [(rng.integers(1, 90, 60).tolist(), [17, 5]),
+             (rng.integers(1, 90, 3).tolist(), rng.integers(1, 90, 12).tolist())]
+    got = []
+    hlo, _, _ = first_program(monkeypatch, likelihood, "_next_token_scores",
+                              lambda: got.extend(likelihood.causal_logprobs(model, pairs, batch_size=2)))
+    for (ctx, cont), (logprob, greedy) in zip(pairs, got):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ctx + cont])).logits[0].double(), -1)[len(ctx) - 1 : -1]
+        assert logprob == pytest.approx(float(logp.gather(1, torch.tensor(cont)[:, None]).sum()), abs=1e-4)
+        assert greedy == bool((logp.argmax(-1) == torch.tensor(cont)).all())
+    vocab = model.config.vocab_size
+    shapes = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(rf"f32\[([0-9,]+),{vocab}\]", hlo)}
+    rows = [math.prod(shape) for shape in shapes - {(model.config.hidden_size,)}]  # all but the lm_head
+    assert rows and max(rows) <= 2 * 16, sorted(shapes)
+
+
 def test_lm_model_scores_an_empty_context_after_its_prefix_token():
     from dlmjax.lm_eval import DlmjaxLM
 

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from dlmjax import arithmetic
-from dlmjax.models.transformer import Transformer
+from dlmjax.models.transformer import Transformer, take_rows
 from dlmjax.train.objectives import block_diffusion_visibility
 
 LENGTH_BUCKET = 16  # sequences are right-padded to a multiple of this: few compiled shapes
@@ -56,13 +56,17 @@ def _pad_rows(rows: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarra
 # ---------------------------------------------------------------------------------------- causal
 
 
-@partial(arithmetic.jit, static_argnums=0)
-def _next_token_scores(graphdef, params, inputs_bl, targets_bl, valid_bl):
-    """(log p(target i | inputs <= i), target i == argmax) at every position: [B, L] each."""
+@partial(arithmetic.jit, static_argnames=("graphdef", "span"))
+def _next_token_scores(graphdef, params, inputs_bl, targets_bl, valid_bl, first_b, *, span: int):
+    """(log p(target i | inputs <= i), target i == argmax) at the `span` positions from each row's
+    `first_b`: [B, span] each. Only those positions get logits: a continuation is short where its
+    context is long, and [B, L, V] logits of the whole row would be the largest array here."""
     model = nnx.merge(graphdef, params)
-    logits = model(inputs_bl, valid_bl=valid_bl).logits.astype(jnp.float32)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets_bl[..., None], axis=-1)[..., 0]
-    return logp, jnp.argmax(logits, axis=-1) == targets_bl
+    hidden = model(inputs_bl, valid_bl=valid_bl, compute_logits=False).hidden
+    logits = model.lm_logits(take_rows(hidden, first_b, span)).astype(jnp.float32)
+    targets = take_rows(targets_bl, first_b, span)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
+    return logp, jnp.argmax(logits, axis=-1) == targets
 
 
 def causal_logprobs(model: Transformer, pairs: list[tuple[list[int], list[int]]], *, batch_size: int = 8,
@@ -86,15 +90,19 @@ def causal_logprobs(model: Transformer, pairs: list[tuple[list[int], list[int]]]
     results = []
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
-        chunk_rows = [ctx + cont for ctx, cont in chunk]
-        rows = chunk_rows + [chunk_rows[0]] * (batch_size - len(chunk))  # one compiled shape per length bucket
+        padded = chunk + [chunk[0]] * (batch_size - len(chunk))  # one compiled shape per length bucket
+        rows = [ctx + cont for ctx, cont in padded]
         width = _bucket(max(map(len, rows)) - 1)
         inputs, valid = _pad_rows([r[:-1] for r in rows], width, pad_id)
         targets, _ = _pad_rows([r[1:] for r in rows], width, pad_id)
-        logp, greedy = jax.device_get(_next_token_scores(graphdef, params, inputs, targets, valid))
+        # input j-1 predicts token j: each row's continuation is read from input len(ctx) - 1, in a
+        # window of `span` inputs that ends within the row's width
+        span = min(_bucket(max(len(cont) for _, cont in padded)), width)
+        first = np.asarray([min(len(ctx) - 1, width - span) for ctx, _ in padded], np.int32)
+        logp, greedy = jax.device_get(_next_token_scores(graphdef, params, inputs, targets, valid, first, span=span))
         for i, (ctx, cont) in enumerate(chunk):
-            span = slice(len(ctx) - 1, len(ctx) + len(cont) - 1)  # input j-1 predicts token j
-            results.append((float(np.sum(logp[i, span], dtype=np.float64)), bool(np.all(greedy[i, span]))))
+            read = slice(len(ctx) - 1 - first[i], len(ctx) - 1 - first[i] + len(cont))
+            results.append((float(np.sum(logp[i, read], dtype=np.float64)), bool(np.all(greedy[i, read]))))
     return results
 
 
