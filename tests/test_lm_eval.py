@@ -279,6 +279,49 @@ def test_diffusion_estimate_approaches_the_enumerated_bound(which, request):
     assert abs(samples.mean() - exact) < 4 * stderr, (samples.mean(), exact, stderr)
 
 
+@pytest.mark.parametrize("which", ["toy_sdar", "llada", "dream"])
+def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(which, request, monkeypatch):
+    """Logits are made for the window of columns the patterns mask (the continuation's) only: no
+    vocabulary-wide array of the compiled scorer has more than 5 patterns x 16 rows (the whole
+    rows' would have 5 x 48); its log-probs equal those read from the whole rows' logits
+    (block-causal [noisy ; clean], bidirectional, and Dream's shifted logits), after a 40-token
+    context."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from hlo import first_program
+    from test_decoding import peaky_model
+
+    from dlmjax.lm_eval import likelihood
+
+    model = request.getfixturevalue("toy_sdar")[1] if which == "toy_sdar" else peaky_model(which, 2)
+    rng = np.random.default_rng(1)
+    vocab, mask_id = model.config.vocab_size, model.config.mask_token_id
+    clean = rng.integers(2, min(vocab, 30), 46).astype(np.int32)  # context 40, continuation 6
+    masked = np.zeros((5, 46), bool)
+    masked[:, 40:] = rng.random((5, 6)) < 0.5
+    masked[:, 41] = True
+    got = []
+    hlo, _, _ = first_program(monkeypatch, likelihood, "_masked_scores",
+                              lambda: got.append(masked_logprobs(model, clean, masked, mask_id=mask_id)))
+    got = got[0]
+    shapes = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(rf"f32\[([0-9,]+),{vocab}\]", hlo)}
+    assert max(math.prod(shape) for shape in shapes - {(model.config.hidden_size,)}) <= 5 * 16, sorted(shapes)
+    block = model.config.block_size if model.config.attention == "block_causal" else None
+    width = likelihood._bucket(46)
+    tokens, valid = likelihood._pad_rows([clean.tolist()] * 5, width, 0)
+    mask = np.pad(masked, ((0, 0), (0, width - 46)))
+    if block:  # the whole [noisy ; clean] rows through the same scorer
+        whole = likelihood._masked_scores(*nnx.split(model), tokens, mask, valid, np.zeros(5, np.int32), span=width,
+                                          block_size=block, mask_id=mask_id)
+    else:  # the model's own (for Dream, shifted) logits of the whole noisy rows
+        logits = model(jnp.where(mask, mask_id, tokens), valid_bl=jnp.asarray(valid)).logits
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        whole = jnp.take_along_axis(logp, jnp.asarray(tokens)[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(got, np.where(masked, np.asarray(whole)[:, :46], 0.0), rtol=0, atol=1e-5)
+    assert np.count_nonzero(got) == masked.sum()
+
+
 # ------------------------------------------------------------------------------ a real causal model
 
 

@@ -147,9 +147,10 @@ def sample_masks(context: list[int], continuation: list[int], *, mc_num: int, se
     return MaskSamples(tokens, masked, weight)
 
 
-@partial(arithmetic.jit, static_argnames=("graphdef", "block_size", "mask_id"))
-def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, *, block_size, mask_id):
-    """log p(clean token | the noisy sequence) at every position: [B, L] (read where masked)."""
+@partial(arithmetic.jit, static_argnames=("graphdef", "span", "block_size", "mask_id"))
+def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, first_b, *, span, block_size, mask_id):
+    """log p(clean token | the noisy sequence) at the `span` positions from each row's `first_b`:
+    [B, span] (read where masked). Only those positions, the continuation's, get logits."""
     model = nnx.merge(graphdef, params)
     noisy = jnp.where(masked_bl, mask_id, clean_bl)
     b, l = clean_bl.shape
@@ -157,11 +158,13 @@ def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, *, block_siz
         positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         out = model(jnp.concatenate([noisy, clean_bl], axis=1), jnp.concatenate([positions, positions], axis=1),
                     visible_bll=block_diffusion_visibility(positions, valid_bl, block_size), compute_logits=False)
-        logits = model.lm_logits(out.hidden[:, :l])
+        hidden = out.hidden[:, :l]
     else:
-        logits = model(noisy, valid_bl=valid_bl).logits
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, clean_bl[..., None], axis=-1)[..., 0]
+        hidden = model(noisy, valid_bl=valid_bl, compute_logits=False).hidden
+        if model.config.shift_logits:  # Dream: position p is scored from p - 1 (0 from itself), as the forward's
+            hidden = jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)  # logits would be
+    logp = jax.nn.log_softmax(model.lm_logits(take_rows(hidden, first_b, span)).astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, take_rows(clean_bl, first_b, span)[..., None], axis=-1)[..., 0]
 
 
 def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *, mask_id: int,
@@ -173,9 +176,15 @@ def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *
     tokens, valid = _pad_rows([clean.tolist()] * len(masked), width, pad_id)
     mask = np.zeros(tokens.shape, bool)
     mask[:, : len(clean)] = masked
+    read = np.flatnonzero(masked.any(axis=0))  # the columns any pattern masks: the continuation's
+    span = min(_bucket(read[-1] - read[0] + 1), width)
+    first = min(int(read[0]), width - span)
     graphdef, params = nnx.split(model)
-    scores = _masked_scores(graphdef, params, tokens, mask, valid, block_size=block, mask_id=mask_id)
-    return np.where(masked, np.asarray(jax.device_get(scores))[:, : len(clean)], 0.0)
+    scores = _masked_scores(graphdef, params, tokens, mask, valid, np.full(len(masked), first, np.int32), span=span,
+                            block_size=block, mask_id=mask_id)
+    full = np.zeros(tokens.shape, np.float32)
+    full[:, first : first + span] = np.asarray(jax.device_get(scores))
+    return np.where(masked, full[:, : len(clean)], 0.0)
 
 
 def masked_diffusion_bound(model: Transformer, context: list[int], continuation: list[int], *, mc_num: int,
