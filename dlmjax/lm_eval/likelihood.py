@@ -161,8 +161,8 @@ def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, first_b, *, 
         hidden = out.hidden[:, :l]
     else:
         hidden = model(noisy, valid_bl=valid_bl, compute_logits=False).hidden
-        if model.config.shift_logits:  # Dream: position p is scored from p - 1 (0 from itself), as the forward's
-            hidden = jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)  # logits would be
+        if model.config.shift_logits:  # Dream: p scored from p - 1 and 0 from itself, as its logits are
+            hidden = jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)
     logp = jax.nn.log_softmax(model.lm_logits(take_rows(hidden, first_b, span)).astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, take_rows(clean_bl, first_b, span)[..., None], axis=-1)[..., 0]
 
@@ -177,6 +177,8 @@ def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *
     mask = np.zeros(tokens.shape, bool)
     mask[:, : len(clean)] = masked
     read = np.flatnonzero(masked.any(axis=0))  # the columns any pattern masks: the continuation's
+    if read.size == 0:
+        return np.zeros(masked.shape)
     span = min(_bucket(read[-1] - read[0] + 1), width)
     first = min(int(read[0]), width - span)
     graphdef, params = nnx.split(model)
