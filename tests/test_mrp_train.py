@@ -51,6 +51,32 @@ def tiny_overrides(backbone_dir, steps=6):
             "data.tasks={toy-constraint: 1}", "mrp.loss=kd_diff_sum", "mrp.chain_steps=2"]
 
 
+def test_the_training_step_makes_logits_for_the_noisy_half_only(backbone):
+    """The head's loss and gradient over [noisy ; clean] (two chain steps) hold no vocabulary-wide
+    array with more rows than batch x length: the clean half's residual logits are not made."""
+    import math
+    import re
+
+    from dlmjax.heads.mrp import init_head
+    from dlmjax.train.mrp import mrp_loss
+
+    model = load_model(backbone)
+    cfg = model.config
+    b, l = 2, 24
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size - 1, (b, l)), jnp.int32)
+    batch = dict(tokens=tokens, valid=jnp.ones((b, l), bool), target=jnp.ones((b, l), bool))
+    graphdef, state = nnx.split(init_head(cfg, num_layers=1, num_modules=2, seed=0))
+
+    def loss(state):
+        return mrp_loss(nnx.merge(graphdef, state), model, batch, jax.random.key(0), block=cfg.block_size,
+                        mask_id=cfg.mask_token_id, loss="kd_diff_sum", chain_steps=2)[0]
+
+    hlo = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+    found = re.findall(rf"f32\[([0-9,]+),{cfg.vocab_size}\]", hlo)
+    rows = {math.prod(int(d) for d in dims.split(",")) for dims in found} - {cfg.hidden_size}  # not the lm_head
+    assert rows and max(rows) <= b * l, sorted(rows)
+
+
 @pytest.fixture(scope="module")
 def straight(backbone, tmp_path_factory):
     """A 6-step run, uninterrupted."""

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dlmjax.heads.mrp import residual_step
+from dlmjax.heads.mrp import apply_residual, head_output
 from dlmjax.train.objectives import block_diffusion_visibility, mask_blocks
 
 LOSSES = ("kd_diff", "ce", "mse", "kd_diff_sum", "ce_sum", "mse_sum")
@@ -69,17 +69,16 @@ def backbone_forward(model, noisy_bl, clean_bl, positions_bl, visible_bll):
 
 def head_chain(head, model, states, clean_bl, positions_bl, visible_bll, logits_a, hidden_a, hidden_clean):
     """Corrected logits [B, L, V] after each chain step: step k reads [states[k] ; clean] with
-    hidden [h_k ; h_clean] and adds its residual to the running logits (the noisy half)."""
+    hidden [h_k ; h_clean] and adds its residual to the running logits of the noisy half (the
+    clean half's residual is never read, so its [B, L, V] logits are not made)."""
     l = clean_bl.shape[1]
     positions_2l = jnp.concatenate([positions_bl, positions_bl], axis=1)
     logits, hidden, out = logits_a, hidden_a, []
     for k, state in enumerate(states):
         tokens_2l = jnp.concatenate([state, clean_bl], axis=1)
         hidden_2l = jnp.concatenate([hidden, hidden_clean], axis=1)
-        logits_2l = jnp.pad(logits, ((0, 0), (0, l), (0, 0)))  # the clean half's logits are not used
-        logits_2l, hidden_2l, _ = residual_step(head, model, k, tokens_2l, hidden_2l, logits_2l, positions_2l,
-                                                visible_bll=visible_bll)
-        logits, hidden = logits_2l[:, :l], hidden_2l[:, :l]
+        h_p = head_output(head, model, k, tokens_2l, hidden_2l, positions_2l, visible_bll=visible_bll)[:, :l]
+        logits, hidden, _ = apply_residual(head, model, h_p, logits, hidden)
         out.append(logits)
     return out
 
