@@ -183,7 +183,8 @@ def test_long_forwards_make_logits_only_where_they_are_read(family, spec, rows, 
     model = peaky_model(family, seed=1)
     owner, name = (ar, "_generate") if family == "qwen3" else (engine, "decode")
     prompts = [p * 6 for p in PROMPTS[:3]]
-    hlo, _, _ = first_program(monkeypatch, owner, name, lambda: generate(model, prompts, decoder=spec, max_new_tokens=8))
+    hlo, _, _ = first_program(monkeypatch, owner, name,
+                              lambda: generate(model, prompts, decoder=spec, max_new_tokens=8))
     vocab, lm_head = model.config.vocab_size, (model.config.hidden_size, model.config.vocab_size)
     shapes = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(rf"f32\[([0-9,]+),{vocab}\]", hlo)}
     row_counts = [math.prod(shape) for shape in shapes if shape != lm_head[:1]]
