@@ -1,5 +1,8 @@
 """Reading a compiled program's text (XLA's optimised HLO) in tests."""
 
+import math
+import re
+
 
 def first_program(monkeypatch, owner, name: str, run):
     """(optimised HLO text, args, kwargs) of the first call `run()` makes to `owner.name` (a
@@ -21,3 +24,12 @@ def loop_copies(hlo_text: str, shape: str) -> int:
         elif not in_entry and f"= {shape}{{" in line and " copy(" in line:
             copies += 1
     return copies
+
+
+def logits_rows(hlo_text: str, config) -> list[int]:
+    """How many positions' logits a compiled program makes at once: for every float32 array whose
+    last axis is the model's vocabulary, the product of its other axes (sorted, one per shape),
+    the lm_head [D, V] left out."""
+    found = re.findall(rf"f32\[([0-9,]+),{config.vocab_size}\]", hlo_text)
+    shapes = {tuple(int(d) for d in dims.split(",")) for dims in found} - {(config.hidden_size,)}
+    return sorted(math.prod(shape) for shape in shapes)

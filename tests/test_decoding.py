@@ -178,17 +178,15 @@ def test_long_forwards_make_logits_only_where_they_are_read(family, spec, rows, 
     token) only: no vocabulary-wide array of the compiled decode has more than batch x `rows`
     rows, where the chunk's logits would have batch x its length (80 or 48 here)."""
     from dlmjax.decoding import ar
-    from hlo import first_program
+    from hlo import first_program, logits_rows
 
     model = peaky_model(family, seed=1)
     owner, name = (ar, "_generate") if family == "qwen3" else (engine, "decode")
     prompts = [p * 6 for p in PROMPTS[:3]]
     hlo, _, _ = first_program(monkeypatch, owner, name,
                               lambda: generate(model, prompts, decoder=spec, max_new_tokens=8))
-    vocab, lm_head = model.config.vocab_size, (model.config.hidden_size, model.config.vocab_size)
-    shapes = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(rf"f32\[([0-9,]+),{vocab}\]", hlo)}
-    row_counts = [math.prod(shape) for shape in shapes if shape != lm_head[:1]]
-    assert row_counts and max(row_counts) <= 3 * rows, sorted(shapes)
+    made = logits_rows(hlo, model.config)
+    assert made and max(made) <= 3 * rows, made
 
 
 @pytest.mark.parametrize("spec", ["static:temperature=1.0", "ar:temperature=1.0,top_p=0.9"])

@@ -287,9 +287,7 @@ def test_causal_logprobs_make_logits_for_the_continuations_only(tmp_path, monkey
     continuations' window (16), where the whole rows' logits would have batch x 64."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import math
-
-    from hlo import first_program
+    from hlo import first_program, logits_rows
     from tiny_models import torch_model
 
     import dlmjax
@@ -309,10 +307,8 @@ def test_causal_logprobs_make_logits_for_the_continuations_only(tmp_path, monkey
             logp = torch.log_softmax(hf(torch.tensor([ctx + cont])).logits[0].double(), -1)[len(ctx) - 1 : -1]
         assert logprob == pytest.approx(float(logp.gather(1, torch.tensor(cont)[:, None]).sum()), abs=1e-4)
         assert greedy == bool((logp.argmax(-1) == torch.tensor(cont)).all())
-    vocab = model.config.vocab_size
-    shapes = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(rf"f32\[([0-9,]+),{vocab}\]", hlo)}
-    rows = [math.prod(shape) for shape in shapes - {(model.config.hidden_size,)}]  # all but the lm_head
-    assert rows and max(rows) <= 2 * 16, sorted(shapes)
+    made = logits_rows(hlo, model.config)
+    assert made and max(made) <= 2 * 16, made
 
 
 def test_lm_model_scores_an_empty_context_after_its_prefix_token():
