@@ -298,10 +298,9 @@ class BlockForwards:
             chunks = self._finished_chunks(cache, head_cache, canvas[:, :c], out.hidden[:, :c],
                                            [(kk[:, :c], vv[:, :c]) for kk, vv in out.chunk_kv], zeros, c)
             cache, head_cache = _put_chunks(cache, head_cache, chunks, zeros)
-        if self.shifted_blocks:  # position p of the block reads the hidden state at p - 1 (the prompt's last at 0)
-            lead = out.hidden[:, c - 1] if c else out.hidden[:, c]
-            return self._shifted_logits(out.hidden[:, None, c:], lead[:, None])[:, 0], out.hidden[:, c:], cache, head_cache
-        return self._logits(out.hidden[:, c:]), out.hidden[:, c:], cache, head_cache
+        # shifted blocks: position 0 reads the prompt's last hidden state (its own without a prompt)
+        lead = out.hidden[:, max(c - 1, 0)]
+        return self._block_logits(out.hidden[:, None, c:], lead[:, None])[:, 0], out.hidden[:, c:], cache, head_cache
 
     def _finished_chunks(self, cache, head_cache, tokens_bl, hidden_bld, chunk_kv, start_b, width, write_b=None):
         """(the backbone's cache chunk, the head's or None) of a clean chunk of `width` columns
