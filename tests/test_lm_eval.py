@@ -320,6 +320,8 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
         whole = jnp.take_along_axis(logp, jnp.asarray(tokens)[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(got, np.where(masked, np.asarray(whole)[:, :46], 0.0), rtol=0, atol=1e-5)
     assert np.count_nonzero(got) == masked.sum()
+    nothing = masked_logprobs(model, clean, np.zeros_like(masked), mask_id=mask_id)  # no column to score
+    assert nothing.shape == masked.shape and not nothing.any()
 
 
 # ------------------------------------------------------------------------------ a real causal model
