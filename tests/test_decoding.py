@@ -26,11 +26,12 @@ PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13], [3], [5, 9, 14, 2, 2, 
 def peaky_model(family: str, seed: int = 0, **overrides):
     """A tiny random model whose weights are scaled up so that its distributions are peaked:
     near-ties between confidences would make any two decoders' choices fragile."""
-    attention = {"sdar": "block_causal", "llada": "bidirectional", "dream": "bidirectional", "qwen3": "causal"}[family]
+    attention = {"sdar": "block_causal", "fast_dllm_v2": "block_causal", "llada": "bidirectional",
+                 "dream": "bidirectional", "qwen3": "causal"}[family]
     cfg = dlmjax.ModelConfig(
         family=family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=8, attention=attention, block_size=4 if attention == "block_causal" else None,
-        qk_norm=family in ("sdar", "qwen3"), shift_logits=family == "dream", mask_token_id=MASK,
+        qk_norm=family in ("sdar", "qwen3"), shift_logits=family in ("dream", "fast_dllm_v2"), mask_token_id=MASK,
         eos_token_ids=(EOS,), pad_token_id=PAD, max_position_embeddings=128, **overrides,
     )
     model = dlmjax.init_model(cfg, seed=seed)

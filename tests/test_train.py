@@ -18,7 +18,7 @@ from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.train.config import RunConfigError, load_run_config
 from dlmjax.train.data import DataError, encode_row, make_batch, sample_examples
 from dlmjax.train.loop import train
-from dlmjax.train.objectives import block_diffusion_loss, block_diffusion_visibility, mask_blocks
+from dlmjax.train.objectives import block_diffusion_loss, block_diffusion_visibility, mask_blocks, noisy_half_hidden
 
 TINY_MODEL = dict(family="sdar", attention="block_causal", block_size=4, hidden_size=32, intermediate_size=64,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, qk_norm=True,
@@ -57,10 +57,14 @@ def test_encode_row_fills_the_eos_block_and_marks_the_target():
         encode_row(list(range(10)), [1, 2], eos_id=1, pad_id=0, seq_len=8, block=4)
 
 
-def test_block_diffusion_layout_matches_decoding():
+@pytest.mark.parametrize("shift", [False, True])
+def test_block_diffusion_layout_matches_decoding(shift):
     """The noisy copy of block b sees exactly what decoding sees: clean blocks < b and the noisy
-    block itself; so its logits equal a plain block-causal forward over [clean < b, noisy b]."""
-    cfg = ModelConfig(vocab_size=40, mask_token_id=2, eos_token_ids=(1,), pad_token_id=0, **TINY_MODEL)
+    block itself; so the logits that score its tokens equal a plain block-causal forward over
+    [clean < b, noisy b], also for a shifted-logit model (Fast-dLLM v2), whose block's first
+    position is scored from the clean block before (`noisy_half_hidden`)."""
+    cfg = ModelConfig(vocab_size=40, mask_token_id=2, eos_token_ids=(1,), pad_token_id=0, shift_logits=shift,
+                      **TINY_MODEL)
     model = init_model(cfg, seed=3)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(4, 40, (2, 12)), jnp.int32)
@@ -69,11 +73,12 @@ def test_block_diffusion_layout_matches_decoding():
     noisy, masked, _ = mask_blocks(jax.random.key(1), tokens, target, positions, block=4, mask_id=2)
     valid = jnp.ones((2, 12), bool)
     out = model(jnp.concatenate([noisy, tokens], 1), jnp.concatenate([positions, positions], 1),
-                visible_bll=block_diffusion_visibility(positions, valid, 4))
+                visible_bll=block_diffusion_visibility(positions, valid, 4), compute_logits=False)
+    logits = model.lm_logits(noisy_half_hidden(out.hidden, 4, shift))
     for b in range(3):
         seq = jnp.concatenate([tokens[:, : 4 * b], noisy[:, 4 * b : 4 * b + 4]], axis=1)
         ref = model(seq).logits[:, 4 * b : 4 * b + 4]
-        np.testing.assert_allclose(out.logits[:, 4 * b : 4 * b + 4], ref, atol=1e-5)
+        np.testing.assert_allclose(logits[:, 4 * b : 4 * b + 4], ref, atol=1e-5)
 
 
 def test_loss_weightings_and_bad_weighting(tokenizer):

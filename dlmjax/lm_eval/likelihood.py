@@ -9,7 +9,9 @@ LLaDA's evaluation estimates. The context is never masked. The continuation is s
 groups that are denoised independently: the whole continuation for a bidirectional model
 (LLaDA, Dream); each block of a block-causal model (SDAR), whose noisy block sees only its own
 tokens and the clean blocks before it (the training layout `[noisy ; clean]`,
-`dlmjax.train.objectives.block_diffusion_visibility`). In a group of T continuation tokens, a
+`dlmjax.train.objectives.block_diffusion_visibility`). A shifted-logit model (Dream, Fast-dLLM v2)
+scores position p from the column before it, as its logits are (on a block-causal one, the
+columns `objectives.noisy_half_hidden` picks). In a group of T continuation tokens, a
 sample draws l uniformly from 1..T, masks l of the T tokens uniformly at random and scores
 
     (T / l) * sum over the masked tokens of log p(token | context, unmasked tokens)
@@ -34,7 +36,7 @@ from flax import nnx
 
 from dlmjax import arithmetic
 from dlmjax.models.transformer import Transformer, take_rows
-from dlmjax.train.objectives import block_diffusion_visibility
+from dlmjax.train.objectives import block_diffusion_visibility, noisy_half_hidden
 
 LENGTH_BUCKET = 16  # sequences are right-padded to a multiple of this: few compiled shapes
 
@@ -158,7 +160,7 @@ def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, first_b, *, 
         positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         out = model(jnp.concatenate([noisy, clean_bl], axis=1), jnp.concatenate([positions, positions], axis=1),
                     visible_bll=block_diffusion_visibility(positions, valid_bl, block_size), compute_logits=False)
-        hidden = out.hidden[:, :l]
+        hidden = noisy_half_hidden(out.hidden, block_size, model.config.shift_logits)
     else:
         hidden = model(noisy, valid_bl=valid_bl, compute_logits=False).hidden
         if model.config.shift_logits:  # Dream: p scored from p - 1 and 0 from itself, as its logits are

@@ -30,6 +30,20 @@ def block_diffusion_visibility(positions_bl, valid_bl, block: int):
     return jnp.concatenate([top, bottom], axis=1)
 
 
+def noisy_half_hidden(hidden_b2ld, block: int, shift: bool):
+    """[B, L, D] hidden states that score the noisy half's tokens of a `[noisy ; clean]` forward
+    (length 2L): the noisy half's own; for a shifted-logit model (Fast-dLLM v2: the logits at p
+    come from the column before) the column before each position: p - 1 of its noisy block, for a
+    block's first position the last of the clean block before (where generation takes that token
+    from), and for position 0 its own."""
+    l = hidden_b2ld.shape[1] // 2
+    noisy, clean = hidden_b2ld[:, :l], hidden_b2ld[:, l:]
+    if not shift:
+        return noisy
+    starts = (jnp.arange(1, l) % block == 0)[None, :, None]
+    return jnp.concatenate([noisy[:, :1], jnp.where(starts, clean[:, :-1], noisy[:, :-1])], axis=1)
+
+
 def mask_blocks(key, tokens_bl, target_bl, positions_bl, *, block: int, mask_id: int):
     """(noisy tokens, masked [B, L] bool, t [B, L] per-position mask rate of its block)."""
     b, l = tokens_bl.shape
@@ -59,7 +73,7 @@ def block_diffusion_loss(model, batch, key, *, block: int, mask_id: int, weighti
         visible_bll=block_diffusion_visibility(positions, valid, block),
         compute_logits=False,
     )
-    logits = model.lm_logits(out.hidden[:, :l])
+    logits = model.lm_logits(noisy_half_hidden(out.hidden, block, model.config.shift_logits))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
     m = masked.astype(jnp.float32)
     if weighting == "none":
