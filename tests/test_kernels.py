@@ -24,10 +24,10 @@ TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 def argmax_cases(draw):
     tile_v = draw(st.sampled_from([8, 16, 32]))
     vocab = draw(st.sampled_from([tile_v + 3, 2 * tile_v, 3 * tile_v - 1]))  # mostly not a multiple of the tile
-    edges = [0, tile_v - 1, tile_v, vocab - 1, (vocab // tile_v) * tile_v - 1]  # the mask at tile edges
+    edges = [0, tile_v - 1, tile_v, vocab - 1, (vocab // tile_v) * tile_v - 1]  # the mask at tile edges; or none
     return dict(
         rows=draw(st.sampled_from([1, 5, 16])), dim=draw(st.sampled_from([8, 16])), vocab=vocab, tile_v=tile_v,
-        mask_id=draw(st.sampled_from([e for e in edges if 0 <= e < vocab])), norm=draw(st.booleans()),
+        mask_id=draw(st.sampled_from([None] + [e for e in edges if 0 <= e < vocab])), norm=draw(st.booleans()),
         residual=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
     )
 
@@ -52,7 +52,8 @@ def _check_argmax(case, dtype, tpu: bool = False):
         with kernels.use("interpret"):
             got = residual_argmax(x, w, tile_m=8, tile_v=case["tile_v"], tile_d=8, split_v=2 * case["tile_v"], **kw)
     np.testing.assert_array_equal(got.tokens, expected.tokens)
-    assert not np.any(np.asarray(got.tokens) == case["mask_id"])
+    if case["mask_id"] is not None:
+        assert not np.any(np.asarray(got.tokens) == case["mask_id"])
     for name in ("confidence", "entropy", "margin"):
         np.testing.assert_allclose(getattr(got, name), getattr(expected, name), rtol=0, atol=TOL[dtype],
                                    err_msg=name)
@@ -202,7 +203,8 @@ def test_decoders_give_the_same_tokens_with_kernels_on_and_off(kernel_models, na
     """Interpret mode on CPU, every decoder: the greedy diffusion decoders but mrp-remask (whose
     veto reads logit values) score from the hidden state through residual_argmax (their forwards
     keep no logits; MRP's head steps add their residual in the kernel), every attention goes
-    through the flash kernel; tokens and NFE equal those with the kernels off."""
+    through the flash kernel; `ar` and the drafter take their greedy tokens there too; tokens and
+    NFE equal those with the kernels off."""
     from dlmjax.decoding.api import generate
     from dlmjax.decoding.spec import parse_decoder
 
@@ -238,6 +240,30 @@ def test_speculative_rounds_hold_no_logits_on_the_kernel_path(kernel_models, spe
         with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
             hlo, _, _ = first_program(patch, engine, "decode",
                                       lambda: generate(model, prompts, decoder=spec, head=head, max_new_tokens=8))
+        return logits_rows(hlo, model.config)
+
+    assert logits_made("off"), "with the kernels off the program must hold the logits this test looks for"
+    assert logits_made("interpret") == []
+
+
+@pytest.mark.parametrize("decoder", ["ar", "drafter"])
+def test_the_autoregressive_loops_hold_no_logits_on_the_kernel_path(kernel_models, decoder):
+    """Greedy `ar` steps, and the drafter's drafts, verifications and first token, take the
+    target's argmax through residual_argmax (over the whole vocabulary: the target is
+    autoregressive): the compiled loop holds no [..., V] float array but the lm_head itself. With
+    the kernels off it holds the logits."""
+    from dlmjax.decoding import ar, speculative
+    from dlmjax.decoding.api import generate
+    from hlo import first_program, logits_rows
+
+    models, _ = kernel_models
+    model, prompts, _, drafter = models["toy-ar"]
+    owner = ar if decoder == "ar" else speculative
+
+    def logits_made(mode):
+        with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
+            hlo, _, _ = first_program(patch, owner, "_generate", lambda: generate(
+                model, prompts, decoder=decoder, drafter=drafter, max_new_tokens=8))
         return logits_rows(hlo, model.config)
 
     assert logits_made("off"), "with the kernels off the program must hold the logits this test looks for"

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from dlmjax import arithmetic
+from dlmjax import arithmetic, kernels
 from dlmjax.decoding.policies import nucleus_filter
+from dlmjax.kernels.residual_argmax import residual_argmax
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
 from dlmjax.validation import InputError
@@ -50,11 +51,22 @@ def positions_from_valid(valid_bl):
     return jnp.maximum(jnp.cumsum(valid_bl.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def sample_token(logits_bv, key, temperature: float, top_p: float):
-    """Greedy when temperature == 0; otherwise temperature + nucleus sampling."""
+def greedy_tokens(model: Transformer, hidden_bkd):
+    """[B, K] the argmax of the model's logits at final-normed hidden states [B, K, D]: through
+    `kernels.residual_argmax` where it runs as a kernel (no [B, K, V] logits are made), else the
+    logits' argmax."""
+    if kernels.choose("residual_argmax") is None:
+        return jnp.argmax(model.lm_logits(hidden_bkd), axis=-1).astype(jnp.int32)
+    b, k, d = hidden_bkd.shape
+    return residual_argmax(hidden_bkd.reshape(b * k, d), model.lm_head_weight(), mask_id=None).tokens.reshape(b, k)
+
+
+def sample_token(model: Transformer, hidden_bd, key, temperature: float, top_p: float):
+    """The next token from the last final-normed hidden state [B, D]: greedy when temperature == 0
+    (`greedy_tokens`); otherwise temperature + nucleus sampling of its logits."""
     if temperature == 0.0:
-        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    logits = logits_bv / temperature
+        return greedy_tokens(model, hidden_bd[:, None])[:, 0]
+    logits = model.lm_logits(hidden_bd) / temperature
     if top_p < 1.0:
         logits = nucleus_filter(logits, top_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
@@ -66,7 +78,7 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
     b, lp = tokens_bl.shape
     positions = positions_from_valid(valid_bl)
     cache = KVCache.init(model.config, b, lp + max_new_tokens)
-    # the prompt's last position only: the prompt's [B, L, V] logits would be the largest array here
+    # the loop carries the last position's hidden state: the prompt's [B, L, V] logits are never made
     out = model(tokens_bl, positions, valid_bl=valid_bl, cache=cache, write_cache=True, compute_logits=False)
     next_pos = positions[:, -1] + 1
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
@@ -76,9 +88,9 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        step, generated, done, logits, cache, key, nfe = carry
+        step, generated, done, hidden, cache, key, nfe = carry
         key, sub = jax.random.split(key)
-        token = sample_token(logits, sub, temperature, top_p)
+        token = sample_token(model, hidden, sub, temperature, top_p)
         token = jnp.where(done, pad_id, token)
         generated = generated.at[:, step].set(token)
         done = done | jnp.isin(token, eos)
@@ -87,22 +99,22 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         positions = (next_pos + step)[:, None]
 
         def forward():
-            out = model(token[:, None], positions, cache=cache)
-            return out.logits[:, -1], out.chunk_kv
+            out = model(token[:, None], positions, cache=cache, compute_logits=False)
+            return out.hidden[:, -1], out.chunk_kv
 
         def last():  # the loop ends after this step: no forward, and what is written is never read
-            return logits, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(forward)[1])
+            return hidden, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(forward)[1])
 
         # The token's KV is written after the branch: XLA copies a whole cache a branch returns.
-        logits, new_kv = jax.lax.cond(more, forward, last)
+        hidden, new_kv = jax.lax.cond(more, forward, last)
         cache = cache.append(new_kv, positions, jnp.ones(positions.shape, bool))
-        return step + 1, generated, done, logits, cache, key, nfe + more
+        return step + 1, generated, done, hidden, cache, key, nfe + more
 
     init = (
         jnp.zeros((), jnp.int32),
         jnp.full((b, max_new_tokens), pad_id, jnp.int32),
         jnp.zeros((b,), bool),
-        model.lm_logits(out.hidden[:, -1]),
+        out.hidden[:, -1],
         out.cache,
         key,
         jnp.ones((), jnp.int32),

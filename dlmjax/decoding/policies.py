@@ -34,9 +34,12 @@ def nucleus_filter(logits, top_p: float):
     return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
-def score(logits_bkv, *, mask_id: int, temperature: float = 0.0, top_p: float = 1.0, keys_b=None) -> Scores:
-    """Propose tokens. Greedy at temperature 0; else Gumbel-max per row with `keys_b` [B]."""
-    logits = logits_bkv.astype(jnp.float32).at[..., mask_id].set(-jnp.inf)
+def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: float = 1.0, keys_b=None) -> Scores:
+    """Propose tokens, never `mask_id` (None: any token). Greedy at temperature 0; else Gumbel-max
+    per row with `keys_b` [B]."""
+    logits = logits_bkv.astype(jnp.float32)
+    if mask_id is not None:
+        logits = logits.at[..., mask_id].set(-jnp.inf)
     if temperature == 0.0:
         return Scores(*arithmetic.rowwise(_position_scores, logits))
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)

@@ -32,9 +32,9 @@ import numpy as np
 from flax import nnx, struct
 
 from dlmjax import arithmetic
-from dlmjax.decoding.ar import left_pad, positions_from_valid, special_ids
+from dlmjax.decoding.ar import greedy_tokens, left_pad, positions_from_valid, special_ids
 from dlmjax.decoding.policies import nucleus_filter
-from dlmjax.heads.drafter import Drafter, block_logits, check_compatible, context_features
+from dlmjax.heads.drafter import Drafter, block_hidden, check_compatible, context_features
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
 from dlmjax.validation import InputError
@@ -76,11 +76,11 @@ def _pick(x_bk, idx_b):
     return jnp.take_along_axis(x_bk, idx_b[:, None], axis=1)[:, 0]
 
 
-def accept_greedy(draft_bk1, target_logits_bkv):
-    """(accepted draft count n [B], bonus token [B]) for greedy verification."""
-    post = jnp.argmax(target_logits_bkv, axis=-1).astype(jnp.int32)
-    n = jnp.cumprod(draft_bk1 == post[:, :-1], axis=1).sum(axis=1).astype(jnp.int32)
-    return n, _pick(post, n)
+def accept_greedy(draft_bk1, target_bk):
+    """(accepted draft count n [B], bonus token [B]) for greedy verification against the target's
+    greedy tokens [B, K] at the K verified positions."""
+    n = jnp.cumprod(draft_bk1 == target_bk[:, :-1], axis=1).sum(axis=1).astype(jnp.int32)
+    return n, _pick(target_bk, n)
 
 
 def accept_sampled(draft_bk1, q_bk1v, p_bkv, key):
@@ -134,17 +134,17 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
     # prefill: the prompt's KV, the first token, the prompt's context features
     positions = positions_from_valid(valid_bl)
     out = target(tokens_bl, positions, valid_bl=valid_bl, hidden_layers=hidden_layers, compute_logits=False)
-    last_logits = target.lm_logits(out.hidden[:, -1])  # the prompt's [B, L, V] logits are never made
     zeros_b = jnp.zeros((b,), jnp.int32)
     tcache = KVCache.init(target.config, b, capacity).write_rows(out.chunk_kv, zeros_b, positions, valid_bl)
     ctx = drafter.context(context_features(target, dcfg, out.layer_hidden))
     dcache = KVCache.init(dcfg.layer_model_config(), b, capacity).write_rows(
         drafter.context_kv(ctx, positions), zeros_b, positions, valid_bl)
     key, sub = jax.random.split(key)
-    if sampled:
+    if sampled:  # from the prompt's last position only: its [B, L, V] logits are never made
+        last_logits = target.lm_logits(out.hidden[:, -1])
         first = jax.random.categorical(sub, jnp.log(_probs(last_logits, temperature, top_p)), axis=-1)
     else:
-        first = jnp.argmax(last_logits, axis=-1)
+        first = greedy_tokens(target, out.hidden[:, -1:])[:, 0]
     first = first.astype(jnp.int32)
     generated = jnp.full((b, max_new_tokens + 1), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, eos) | (max_new_tokens <= 1)
@@ -157,20 +157,20 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
         key, k_draft, k_verify = jax.random.split(c["key"], 3)
         bpos = c["pos"][:, None] + arange_k
         blk = jnp.concatenate([c["last"][:, None], jnp.full((b, k_blk - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
-        d_logits = block_logits(drafter, target, blk, bpos, tuple(zip(c["dcache"].k, c["dcache"].v)),
+        d_hidden = block_hidden(drafter, target, blk, bpos, tuple(zip(c["dcache"].k, c["dcache"].v)),
                                 c["dcache"].positions, c["dcache"].valid)[:, 1:]
         if sampled:
-            q = _probs(d_logits, temperature, top_p)
+            q = _probs(target.lm_logits(d_hidden), temperature, top_p)
             draft = jax.random.categorical(k_draft, jnp.log(q), axis=-1).astype(jnp.int32)
-        else:
-            draft = jnp.argmax(d_logits, axis=-1).astype(jnp.int32)
+        else:  # greedy: no logits where residual_argmax runs as a kernel
+            draft = greedy_tokens(target, d_hidden)
         verify = jnp.concatenate([c["last"][:, None], draft], axis=1)
-        out = target(verify, bpos, valid_bl=jnp.ones((b, k_blk), bool), cache=c["tcache"], hidden_layers=hidden_layers)
-        t_logits = out.logits
+        out = target(verify, bpos, valid_bl=jnp.ones((b, k_blk), bool), cache=c["tcache"], hidden_layers=hidden_layers,
+                     compute_logits=False)
         if sampled:
-            n, bonus = accept_sampled(draft, q, _probs(t_logits, temperature, top_p), k_verify)
+            n, bonus = accept_sampled(draft, q, _probs(target.lm_logits(out.hidden), temperature, top_p), k_verify)
         else:
-            n, bonus = accept_greedy(draft, t_logits)
+            n, bonus = accept_greedy(draft, greedy_tokens(target, out.hidden))
 
         # the tokens this round emits: n drafts then the bonus; cut at EOS and at max_new_tokens
         emitted = jnp.where(arange_k < n[:, None], jnp.concatenate([draft, draft[:, :1]], axis=1), bonus[:, None])

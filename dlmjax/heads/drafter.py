@@ -255,12 +255,17 @@ def block_visibilities(cfg: DrafterConfig, positions_bl, ctx_pos_bs, ctx_valid_b
     return tuple(out_ctx), tuple(out_blk)
 
 
-def block_logits(drafter: Drafter, target: Transformer, block_bl, positions_bl, ctx_kv, ctx_pos_bs, ctx_valid_bs):
-    """Draft logits [B, L, V] (float32) for one block per row against a context (or its cache).
-    Row b's block starts at positions_bl[b, 0]; context keys at or after it are not seen."""
+def block_hidden(drafter: Drafter, target: Transformer, block_bl, positions_bl, ctx_kv, ctx_pos_bs, ctx_valid_bs):
+    """The drafter's final-normed hidden states [B, L, D] for one block per row against a context
+    (or its cache), which the target's lm_head turns into draft logits. Row b's block starts at
+    positions_bl[b, 0]; context keys at or after it are not seen."""
     ctx_vis, blk_vis = block_visibilities(drafter.config, positions_bl, ctx_pos_bs, ctx_valid_bs)
-    h = drafter(target.embed_tokens(block_bl), positions_bl, ctx_kv, ctx_vis, blk_vis)
-    return target.lm_logits(h)
+    return drafter(target.embed_tokens(block_bl), positions_bl, ctx_kv, ctx_vis, blk_vis)
+
+
+def block_logits(drafter: Drafter, target: Transformer, block_bl, positions_bl, ctx_kv, ctx_pos_bs, ctx_valid_bs):
+    """Draft logits [B, L, V] (float32) of `block_hidden`."""
+    return target.lm_logits(block_hidden(drafter, target, block_bl, positions_bl, ctx_kv, ctx_pos_bs, ctx_valid_bs))
 
 
 def context_features(target: Transformer, cfg: DrafterConfig, layer_hidden) -> jax.Array:

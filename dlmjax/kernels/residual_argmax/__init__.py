@@ -35,10 +35,11 @@ def _unsupported(x_md, w_dv, interpret: bool) -> str | None:
     return None
 
 
-def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_m: int = TILE_M,
+def residual_argmax(x_md, w_dv, *, mask_id: int | None, norm=None, residual=None, tile_m: int = TILE_M,
                     tile_v: int = TILE_V, tile_d: int = TILE_D, split_v: int = SPLIT_V) -> ArgmaxScores:
     """Per position m: the argmax of lm_head(norm(x_m)) (+ s * lm_head(h_p_m)) over the vocabulary
-    without `mask_id`, its probability, the entropy and the top-1 minus top-2 probability.
+    without `mask_id` (None: over all of it, as an autoregressive model's greedy pick), its
+    probability, the entropy and the top-1 minus top-2 probability.
 
     x_md [M, D] (final-normed already unless `norm` = (scale [D], eps)); w_dv [D, V] the lm_head;
     residual = (h_p [M, D], s): MRP's residual in logit space. Greedy only (no sampling). Tiles:
@@ -84,7 +85,7 @@ def _probed(call, args, interpret: bool, x_md, w_dv, **options) -> ArgmaxScores:
     return ArgmaxScores(*(a[: x_md.shape[0]] for a in _kernel.finish(*call(*args))))
 
 
-def residual_argmax_tpu(x_md, w_dv, *, mask_id: int, norm=None, residual=None, tile_m: int = TPU_TILE_M,
+def residual_argmax_tpu(x_md, w_dv, *, mask_id: int | None, norm=None, residual=None, tile_m: int = TPU_TILE_M,
                         tile_v: int = TPU_TILE_V, interpret: bool) -> ArgmaxScores:
     """`residual_argmax` through the Mosaic-shaped kernel (`kernel_tpu`): positions in one whole
     tile when they fit, else padded to tiles of `tile_m`; the vocabulary in tiles of `tile_v`

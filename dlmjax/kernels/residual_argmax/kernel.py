@@ -36,6 +36,11 @@ def _tile_stats(logits_mt, valid_1t, first_col):
     return l, top1, local + first_col, top2
 
 
+def allowed(cols, mask_id: int | None):
+    """Which vocabulary columns compete for the argmax: all but `mask_id` (None: all)."""
+    return cols >= 0 if mask_id is None else cols != mask_id
+
+
 def initial_stats(rows: int):
     """(top1, index, top2, m, s, t) before any column, each [rows, 1]."""
     neg, zero = jnp.full((rows, 1), NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
@@ -58,7 +63,7 @@ def update(stats, logits_mt, valid_1t, first_col):
     return jnp.where(better, t1, top1), jnp.where(better, i1, index), top2, m_new, s_new, t_new
 
 
-def _kernel(*refs, vocab: int, split_v: int, tile_v: int, tile_d: int, mask_id: int, eps: float | None,
+def _kernel(*refs, vocab: int, split_v: int, tile_v: int, tile_d: int, mask_id: int | None, eps: float | None,
             residual_scale: float | None):
     it = iter(refs)
     x_ref = next(it)
@@ -103,7 +108,7 @@ def _kernel(*refs, vocab: int, split_v: int, tile_v: int, tile_d: int, mask_id: 
         seen = first + j * tile_v
         start = jnp.minimum(seen, vocab - tile_v)
         cols = start + jax.lax.broadcasted_iota(jnp.int32, (1, tile_v), 1)
-        return update(carry, tile_logits(start), (cols >= seen) & (cols < end) & (cols != mask_id), start)
+        return update(carry, tile_logits(start), (cols >= seen) & (cols < end) & allowed(cols, mask_id), start)
 
     out = jax.lax.fori_loop(0, pl.cdiv(end - first, tile_v), body, initial_stats(rows))
     for ref, value in zip((top1_ref, index_ref, top2_ref, max_ref, sum_ref, usum_ref), out):
@@ -127,7 +132,7 @@ def row_inputs(x_md, scale_d, h_p_md, *, tile_m: int, eps: float | None, residua
 
 @functools.partial(jax.jit, static_argnames=("mask_id", "eps", "residual_scale", "tile_m", "tile_v", "tile_d",
                                              "split_v", "interpret", "triton"))
-def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int, eps: float | None,
+def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int | None, eps: float | None,
                           residual_scale: float | None, tile_m: int, tile_v: int, tile_d: int, split_v: int,
                           interpret: bool, triton: bool = False):
     """The six running statistics of each vocabulary slice, each [M, slices] (see the module

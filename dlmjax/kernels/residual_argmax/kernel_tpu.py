@@ -21,14 +21,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dlmjax.kernels.residual_argmax.kernel import initial_stats, row_inputs, update
+from dlmjax.kernels.residual_argmax.kernel import allowed, initial_stats, row_inputs, update
 from dlmjax.models.layers import normalize_rows
 
 LANES = 128
 DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.float32)  # top1 index top2 m s t
 
 
-def _kernel(*refs, vocab: int, mask_id: int, eps: float | None, residual_scale: float | None):
+def _kernel(*refs, vocab: int, mask_id: int | None, eps: float | None, residual_scale: float | None):
     it = iter(refs)
     x_ref = next(it)
     scale_ref = next(it) if eps is not None else None
@@ -53,7 +53,7 @@ def _kernel(*refs, vocab: int, mask_id: int, eps: float | None, residual_scale: 
         logits = logits + residual_scale * jnp.dot(r_ref[...], w, preferred_element_type=jnp.float32)
     first = tile * tile_v
     cols = first + jax.lax.broadcasted_iota(jnp.int32, (1, tile_v), 1)
-    new = update([ref[...][:, :1] for ref in stats], logits, (cols < vocab) & (cols != mask_id), first)
+    new = update([ref[...][:, :1] for ref in stats], logits, (cols < vocab) & allowed(cols, mask_id), first)
     for ref, value in zip(stats, new):
         ref[...] = jnp.broadcast_to(value, ref.shape)
 
@@ -64,7 +64,7 @@ def _kernel(*refs, vocab: int, mask_id: int, eps: float | None, residual_scale: 
 
 
 @functools.partial(jax.jit, static_argnames=("mask_id", "eps", "residual_scale", "tile_m", "tile_v", "interpret"))
-def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int, eps: float | None,
+def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int | None, eps: float | None,
                           residual_scale: float | None, tile_m: int, tile_v: int, interpret: bool):
     """The six running statistics, each [M, 1]; M % tile_m == 0 with tile_m a multiple of 8 or M,
     tile_v a multiple of 128 or V."""

@@ -40,7 +40,7 @@ def logits(x_md, w_dv, *, norm=None, residual=None):
     return out
 
 
-def residual_argmax(x_md, w_dv, *, mask_id: int, norm=None, residual=None) -> ArgmaxScores:
+def residual_argmax(x_md, w_dv, *, mask_id: int | None, norm=None, residual=None) -> ArgmaxScores:
     from dlmjax.decoding import policies
 
     scores = policies.score(logits(x_md, w_dv, norm=norm, residual=residual)[None], mask_id=mask_id)
