@@ -159,3 +159,37 @@ def test_export_is_a_dflash_dir_that_decodes_like_ar(straight, target_dir):
     spec = generate_with_drafter(target, drafter, prompts, max_new_tokens=16, eos_ids=(1,), pad_id=0)
     ar = generate_ar(target, prompts, max_new_tokens=16, eos_ids=(1,), pad_id=0)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
+
+
+def test_target_labels_come_without_the_targets_logits_on_the_kernel_path(target_dir):
+    """The frozen target's greedy labels of a training batch come through residual_argmax: in
+    interpret mode (the path a GPU takes) they equal the argmax of its logits, the loss and the
+    drafter's gradient compute, and the compiled target pass holds no [B, L, V] array (with the
+    kernels off it holds the logits)."""
+    from dlmjax import kernels
+    from dlmjax.heads.drafter import DrafterConfig, init_drafter
+    from dlmjax.train.drafter import DrafterTrainSpec, drafter_train_loss, target_pass
+    from hlo import logits_rows
+
+    target = load_model(target_dir)
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, block_size=4, target_layer_ids=(1, 2),
+                                   mask_token_id=target.config.vocab_size - 1)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, target.config.vocab_size - 1, (2, 24)), jnp.int32)
+    valid = jnp.ones((2, 24), bool)
+    passes = {}
+    for mode in ("off", "interpret"):
+        with kernels.use(mode):
+            run = jax.jit(lambda t, v: target_pass(target, cfg, t, v))
+            passes[mode] = (run(tokens, valid)[1], logits_rows(run.lower(tokens, valid).compile().as_text(),
+                                                               target.config))
+    np.testing.assert_array_equal(passes["interpret"][0], passes["off"][0])
+    assert passes["off"][1], "with the kernels off the pass must hold the logits this test looks for"
+    assert passes["interpret"][1] == []
+    drafter = init_drafter(cfg, seed=0)
+    batch = {"tokens": tokens, "valid": valid, "target": jnp.arange(24)[None].repeat(2, 0) >= 8}
+    spec = DrafterTrainSpec(block_size=4, anchors_per_row=2, labels="target", weights=LossWeights())
+    with kernels.use("interpret"):
+        loss_of = lambda d: drafter_train_loss(d, target, batch, jax.random.key(0), spec=spec)  # noqa: E731
+        (loss, _), grads = nnx.value_and_grad(loss_of, has_aux=True)(drafter)
+    assert np.isfinite(float(loss)) and any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from dlmjax.decoding.ar import greedy_tokens
 from dlmjax.heads.drafter import Drafter, context_features, visibilities
 from dlmjax.losses import LossWeights, drafter_loss
 from dlmjax.models.transformer import Transformer
@@ -82,10 +83,12 @@ def drafter_logits(drafter: Drafter, target: Transformer, blk_bnk, pos_bnk, feat
 
 def target_pass(target: Transformer, cfg, tokens_bl, valid_bl):
     """Frozen target: (context features [B, L, n_ids * D], greedy next-token predictions [B, L]
-    shifted so that entry t is the target's prediction for position t)."""
-    out = target(tokens_bl, valid_bl=valid_bl, hidden_layers=cfg.hidden_layers)
+    shifted so that entry t is the target's prediction for position t). The predictions come
+    through `greedy_tokens`: where residual_argmax runs as a kernel, the [B, L, V] logits of a
+    training batch (40 GB at Qwen3's vocabulary, batch 16, 4,096 tokens) are never made."""
+    out = target(tokens_bl, valid_bl=valid_bl, hidden_layers=cfg.hidden_layers, compute_logits=False)
     feats = jax.lax.stop_gradient(context_features(target, cfg, out.layer_hidden))
-    pred = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)  # pred[t] predicts position t + 1
+    pred = greedy_tokens(target, jax.lax.stop_gradient(out.hidden))  # pred[t] predicts position t + 1
     pred_at = jnp.concatenate([tokens_bl[:, :1], pred[:, :-1]], axis=1)
     return feats, jax.lax.stop_gradient(pred_at)
 
