@@ -200,9 +200,9 @@ def kernel_models(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
 def test_decoders_give_the_same_tokens_with_kernels_on_and_off(kernel_models, name):
-    """Interpret mode on CPU, every decoder: the greedy diffusion decoders but mrp-remask (whose
-    veto reads logit values) score from the hidden state through residual_argmax (their forwards
-    keep no logits; MRP's head steps add their residual in the kernel), every attention goes
+    """Interpret mode on CPU, every decoder: the greedy diffusion decoders score from the hidden
+    state through residual_argmax (their forwards keep no logits; MRP's head steps add their
+    residual in the kernel, mrp-remask's veto reads token columns), every attention goes
     through the flash kernel; `ar` and the drafter take their greedy tokens there too; tokens and
     NFE equal those with the kernels off."""
     from dlmjax.decoding.api import generate
@@ -216,19 +216,20 @@ def test_decoders_give_the_same_tokens_with_kernels_on_and_off(kernel_models, na
     with kernels.use("off"):
         off = generate(model, prompts, **kw)
     with kernels.use("interpret"):
-        greedy = name not in ("mrp-remask", "ar", "drafter")
+        diffusion = name not in ("ar", "drafter")
         scores_from_hidden = getattr(parse_decoder(spec), "scores_from_hidden", lambda model: False)  # ar, drafter
-        assert scores_from_hidden(model) == (greedy and not model.config.shift_logits)
+        assert scores_from_hidden(model) == (diffusion and not model.config.shift_logits)
         on = generate(model, prompts, **kw)
     assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows]
     assert [r.nfe for r in on.rows] == [r.nfe for r in off.rows]
 
 
-@pytest.mark.parametrize("spec", ["mrp-spec:drafts=3", "psd:depth=2"])
+@pytest.mark.parametrize("spec", ["mrp-spec:drafts=3", "psd:depth=2", "mrp-remask:tau=0.5,delta=1.0"])
 def test_speculative_rounds_hold_no_logits_on_the_kernel_path(kernel_models, spec):
-    """Where residual_argmax serves, PSD's verification copies and MRP's drafts (two head steps,
-    their residual added in the kernel) are scored from hidden states: the compiled decode holds
-    no [..., V] float array but the lm_head itself. With the kernels off it holds the logits."""
+    """Where residual_argmax serves, PSD's verification copies, MRP's drafts (two head steps,
+    their residual added in the kernel) and mrp-remask's veto are scored from hidden states: the
+    compiled decode holds no [..., V] float array but the lm_head itself. With the kernels off it
+    holds the logits."""
     from dlmjax.decoding import engine
     from dlmjax.decoding.api import generate
     from hlo import first_program, logits_rows
@@ -268,6 +269,31 @@ def test_the_autoregressive_loops_hold_no_logits_on_the_kernel_path(kernel_model
 
     assert logits_made("off"), "with the kernels off the program must hold the logits this test looks for"
     assert logits_made("interpret") == []
+
+
+def test_corrected_token_probabilities_from_hidden_states_equal_those_from_logits():
+    """mrp-remask's veto reads a proposed token's probability under logits + s lm_head(h_p) (the
+    mask excluded). From hidden states (the kernel path: p_a exp(z_t - z_a) with the kernel's
+    argmax a) it equals the softmax of the logits, for argmax tokens and for others."""
+    from dlmjax.decoding.engine import BlockForwards
+    from test_decoding import MASK, peaky_model
+
+    model = peaky_model("sdar", seed=4)
+    k = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(k[0], (3, 4, model.config.hidden_size))
+    h_p = jax.random.normal(k[1], hidden.shape) * 0.3
+    logits = model.lm_logits(hidden)
+    corrected = (logits + 0.7 * model.lm_logits(h_p)).at[..., MASK].set(-jnp.inf)
+    other = jax.random.randint(k[2], (3, 4), 0, MASK)
+    tokens = jnp.where(jnp.arange(4) % 2 == 0, jnp.argmax(corrected, axis=-1), other).astype(jnp.int32)
+    xla = BlockForwards(model, None, None, "exact", MASK).token_probs(logits, hidden, tokens, (h_p, 0.7))
+    with kernels.use("interpret"):
+        fast = BlockForwards(model, None, None, "exact", MASK, scores_from_hidden=True).token_probs(
+            logits[..., :0], hidden, tokens, (h_p, 0.7))
+    np.testing.assert_allclose(fast, xla, rtol=1e-5, atol=1e-7)
+    expected = jnp.take_along_axis(jax.nn.softmax(corrected, axis=-1), tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(xla, expected, rtol=1e-6, atol=1e-7)
+    assert float(xla.max()) > 0.3 and float(xla.min()) < 0.1  # argmax tokens and unlikely ones
 
 
 def test_the_lossless_decoders_equal_their_references_on_the_kernel_path(kernel_models):

@@ -11,7 +11,6 @@ from flax import nnx
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
 from dlmjax.decoding.mrp import MRPRemask, MRPSpec, head_copies
-from dlmjax.decoding.policies import Scores
 from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
 from dlmjax.evaluation.tasks import load_eval_set
 from dlmjax.heads.mrp import (
@@ -186,20 +185,16 @@ def test_remask_without_vetoes_is_threshold_decoding(toy, prompts):
 def test_remask_veto_rules():
     """Position 0: small residual, stays confident. 1: large residual. 2: the residual drops its
     confidence below tau. 3: not proposed."""
-    tokens = jnp.asarray([[1, 1, 1, 1]])
-    scores = Scores(tokens=tokens, confidence=jnp.asarray([[0.95, 0.95, 0.95, 0.2]]),
-                    entropy=jnp.zeros((1, 4)), margin=jnp.zeros((1, 4)))
-    logits = jnp.log(jnp.asarray([[[0.05, 0.95, 0.0], [0.05, 0.95, 0.0], [0.05, 0.95, 0.0], [0.8, 0.2, 0.0]]]) + 1e-9)
-    residual = jnp.asarray([[[0, 0.1, 0], [0, 3.0, 0], [3.0, 0.5, 0], [0, 0, 0]]], jnp.float32)
+    size = jnp.asarray([[0.1, 3.0, 0.5, 0.0]])  # |C| at each proposed token
+    post = jnp.asarray([[0.96, 0.99, 0.6, 0.5]])  # the token's probability under logits + C
     proposed = jnp.asarray([[True, True, True, False]])
-    keep = {rule: MRPRemask(tau=0.9, delta=1.0, rule=rule).vetoed(scores, proposed, logits, residual, mask_id=2)
+    keep = {rule: MRPRemask(tau=0.9, delta=1.0, rule=rule).vetoed(proposed, size, post)
             for rule in ("residual", "confidence", "both")}
     assert keep["residual"].tolist() == [[True, False, True, False]]
     assert keep["confidence"].tolist() == [[True, True, False, False]]
     assert keep["both"].tolist() == [[True, False, False, False]]
     # every proposal vetoed: the one with the smallest |C| stays
-    all_big = residual.at[0, 0, 1].set(2.0)
-    kept = MRPRemask(tau=0.9, delta=1.0, rule="residual").vetoed(scores, proposed, logits, all_big, mask_id=2)
+    kept = MRPRemask(tau=0.9, delta=1.0, rule="residual").vetoed(proposed, size.at[0, 0].set(2.0), post)
     assert kept.tolist() == [[False, False, True, False]]
 
 

@@ -272,6 +272,23 @@ class BlockForwards:
                                  residual=residual)
         return policies.Scores(*(a.reshape(b, k) for a in scores))
 
+    def token_probs(self, logits_bkv, hidden_bkd, tokens_bk, residual):
+        """[B, K] probability of `tokens` (never the mask) under logits + s lm_head(h_p), `residual`
+        = (h_p [B, K, D], s), the mask excluded. Where this decode keeps no logits
+        (`scores_from_hidden`): p_a exp(z_t - z_a), from the kernel's argmax a of those logits,
+        its probability p_a, and the two tokens' logits z (`Transformer.token_logits`)."""
+        h_p, s = residual
+        if not self.scores_from_hidden:
+            corrected = (logits_bkv + s * self.model.lm_logits(h_p)).at[..., self.mask_id].set(-jnp.inf)
+            probs = arithmetic.rowwise(jax.nn.softmax, corrected)
+            return jnp.take_along_axis(probs, tokens_bk[..., None], axis=-1)[..., 0]
+        best = self.greedy_scores(hidden_bkd, residual=residual)
+
+        def corrected_logits(tokens):
+            return self.model.token_logits(hidden_bkd, tokens) + s * self.model.token_logits(h_p, tokens)
+
+        return best.confidence * jnp.exp(corrected_logits(tokens_bk) - corrected_logits(best.tokens))
+
     def block_scores(self, logits_bkv, hidden_bkd):
         """Greedy policies.Scores of a block (or of one packed copy) from a forward's output: its
         logits, or its hidden state when this decode keeps no logits (`scores_from_hidden`)."""

@@ -34,7 +34,8 @@ prefill/store forwards that fill the backbone's cache. Head forwards are not cou
 
 Where `kernels.residual_argmax` serves (`BlockForwards.scores_from_hidden`), mrp-direct and
 mrp-spec keep no logits: each pick scores hidden states, a head step's residual added in the
-kernel (`Chain`). mrp-remask reads logit values (|C| and the corrected softmax) and keeps them.
+kernel (`Chain`); mrp-remask reads |C| at each proposed token as one lm_head column and the
+token's corrected probability from the kernel's argmax (`BlockForwards.token_probs`).
 """
 
 from __future__ import annotations
@@ -46,12 +47,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlmjax import arithmetic
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import BlockForwards, DecodeState, Plan, copy_parts, copy_segments
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, POSITIVE, OneOf
-from dlmjax.heads.mrp import apply_residual, head_output, residual_logits
+from dlmjax.heads.mrp import apply_residual, head_output
 
 REMASK_RULES = ("residual", "confidence", "both")
 REMASK_HEAD_INPUTS = ("others", "pre")
@@ -216,7 +216,6 @@ class MRPRemask(MRPDecoder):
     head_input: others (each proposal judged with the other proposals committed) | pre."""
 
     name: ClassVar[str] = "mrp-remask"
-    reads_logits: ClassVar[bool] = True  # the veto reads the residual's and the corrected logits' values
     limits = {"tau": OPEN_UNIT, "delta": POSITIVE, "rule": OneOf(REMASK_RULES), "head_input": OneOf(REMASK_HEAD_INPUTS)}
     tau: float = 0.9
     delta: float = 1.0
@@ -226,38 +225,38 @@ class MRPRemask(MRPDecoder):
     def select(self, scores, masked_bk):
         return policies.threshold_commit(scores, masked_bk, self.tau)
 
-    def vetoed(self, scores: policies.Scores, proposed_bk, logits_bkv, residual_bkv, mask_id: int):
-        """The proposals to keep after the veto (before the progress guard)."""
-        size = jnp.abs(jnp.take_along_axis(residual_bkv, scores.tokens[..., None], axis=-1)[..., 0])
+    def vetoed(self, proposed_bk, size_bk, post_bk):
+        """The proposals to keep after the veto (before the progress guard), from |C| at each
+        position's proposed token (`size`) and that token's probability under the corrected
+        logits (`post`)."""
         veto = jnp.zeros_like(proposed_bk)
         if self.rule in ("residual", "both"):
-            veto = veto | (size > self.delta)
+            veto = veto | (size_bk > self.delta)
         if self.rule in ("confidence", "both"):
-            corrected = (logits_bkv + residual_bkv).at[..., mask_id].set(-jnp.inf)
-            post = jnp.take_along_axis(arithmetic.rowwise(jax.nn.softmax, corrected), scores.tokens[..., None],
-                                       axis=-1)[..., 0]
-            veto = veto | (post < self.tau)
+            veto = veto | (post_bk < self.tau)
         kept = proposed_bk & ~veto
         all_vetoed = jnp.any(proposed_bk, axis=-1, keepdims=True) & ~jnp.any(kept, axis=-1, keepdims=True)
-        smallest = policies.top_k_mask(-size, proposed_bk, 1)
+        smallest = policies.top_k_mask(-size_bk, proposed_bk, 1)
         return kept | (smallest & all_vetoed)
 
-    def residual(self, fwd: BlockForwards, state: DecodeState, before_bk, proposed_after_bk):
-        """C [B, K, V]: the head's residual at every position of the block, read as `head_input` says."""
+    def head_at_proposals(self, fwd: BlockForwards, state: DecodeState, before_bk, proposed_after_bk):
+        """h_p [B, K, D], the head's output at every position of the block (C = s lm_head(h_p)),
+        read as `head_input` says."""
         if self.head_input == "pre":
-            h_p = head_copies(fwd, 0, before_bk[:, None], state.hidden, state.head_cache, state.block)[:, 0]
-            return residual_logits(fwd.head, fwd.model, h_p)
+            return head_copies(fwd, 0, before_bk[:, None], state.hidden, state.head_cache, state.block)[:, 0]
         k = before_bk.shape[1]
         # Copy j: every proposal committed except position j, which keeps its pre-commit token.
         copies = jnp.where(jnp.eye(k, dtype=bool)[None], before_bk[:, None, :], proposed_after_bk[:, None, :])
         h_p = head_copies(fwd, 0, copies, state.hidden, state.head_cache, state.block)  # [B, K(copy), K, D]
-        own = h_p[:, jnp.arange(k), jnp.arange(k)]  # copy j's output at position j
-        return residual_logits(fwd.head, fwd.model, own)
+        return h_p[:, jnp.arange(k), jnp.arange(k)]  # copy j's output at position j
 
     def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
         scores = self.scores(fwd, state, keys_b)
         proposed = self.select(scores, masked_bk)
-        residual = self.residual(fwd, state, tokens_bk, jnp.where(proposed, scores.tokens, tokens_bk))
-        kept = self.vetoed(scores, proposed, state.logits, residual, fwd.mask_id)
+        h_p = self.head_at_proposals(fwd, state, tokens_bk, jnp.where(proposed, scores.tokens, tokens_bk))
+        scale = fwd.head.config.residual_scale
+        size = jnp.abs(scale * fwd.model.token_logits(h_p, scores.tokens))
+        post = fwd.token_probs(state.logits, state.hidden, scores.tokens, residual=(h_p, scale))
+        kept = self.vetoed(proposed, size, post)
         after = jnp.where(policies.with_progress_guard(kept, scores, masked_bk), scores.tokens, tokens_bk)
         return Plan(tokens=after, copies=after[:, None])

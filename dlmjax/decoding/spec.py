@@ -41,9 +41,6 @@ class DiffusionDecoder:
     """
 
     name: ClassVar[str] = ""
-    # Whether plan/resolve read logits beyond each position's greedy scores (policies.Scores):
-    # then the forwards keep their [B, K, V] logits even where `residual_argmax` runs as a kernel.
-    reads_logits: ClassVar[bool] = False
     limits = {"temperature": AT_LEAST_0, "top_p": OPEN_UNIT, "block": AT_LEAST_1, "cache": OneOf(CACHE_MODES)}
     temperature: float = 0.0
     top_p: float = 1.0
@@ -75,12 +72,12 @@ class DiffusionDecoder:
         return 1
 
     def scores_from_hidden(self, model) -> bool:
-        """Whether this decoder's rounds need greedy scores only, never the logits (greedy, and not
-        `reads_logits`), and `residual_argmax` runs as a kernel here: the engine then keeps no
-        [B, K, V] logits and scores hidden states (`BlockForwards.block_scores`)."""
+        """Whether this decoder's rounds need greedy scores only, never the logits (greedy), and
+        `residual_argmax` runs as a kernel here: the engine then keeps no [B, K, V] logits and
+        scores hidden states (`BlockForwards.block_scores`)."""
         from dlmjax import kernels
 
-        return (not self.reads_logits and self.temperature == 0.0 and not model.config.shift_logits
+        return (self.temperature == 0.0 and not model.config.shift_logits
                 and kernels.choose("residual_argmax") is not None)
 
     def scores(self, fwd, state, keys_b) -> policies.Scores:

@@ -281,6 +281,12 @@ class Transformer(nnx.Module):
         logits = arithmetic.matmul(rows, w_dv, preferred_element_type=jnp.float32)
         return logits.reshape(*hidden_bld.shape[:-1], w_dv.shape[1])
 
+    def token_logits(self, hidden_bkd, tokens_bk):
+        """Final-normed hidden [..., D] -> float32 logits [...] of the given tokens only: what
+        `lm_logits` holds at `tokens`, without the other columns."""
+        w_kd = jnp.moveaxis(jnp.take(self.lm_head_weight(), tokens_bk, axis=1), 0, -1)
+        return jnp.sum(hidden_bkd.astype(jnp.float32) * w_kd.astype(jnp.float32), axis=-1)
+
     def __call__(
         self,
         tokens_bl,
