@@ -19,7 +19,6 @@ import importlib.util
 import json
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import jax

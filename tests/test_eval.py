@@ -2,16 +2,14 @@
 
 import gzip
 import json
-import os
 import time
 
-import numpy as np
 import pytest
 
 from dlmjax.cli import main
 from dlmjax.config import ModelConfig
 from dlmjax.decoding.api import generate
-from dlmjax.evaluation.report import markdown_table, pareto_front
+from dlmjax.evaluation.report import pareto_front
 from dlmjax.evaluation.runner import compare_to, replicate_on, run_eval, token_agreement
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.evaluation.tasks import (

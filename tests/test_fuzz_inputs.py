@@ -4,7 +4,6 @@ library's own error (`InputError`, with a message), never another exception. Bou
 seconds: few examples each, no deadline (the first calls import and compile)."""
 
 import copy
-import json
 from pathlib import Path
 
 import yaml

@@ -13,7 +13,6 @@ import itertools
 import json
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -1,6 +1,5 @@
 """The dropless MoE layer (dlmjax.models.moe): routers, grouped experts == all experts, batch invariance."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -4,7 +4,6 @@ defaults, refuses a checkpoint that is not its model, and `dlmjax eval --preset`
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dlmjax.cli import main as cli_main
@@ -14,7 +13,7 @@ from dlmjax.heads.mrp import init_head, load_head, save_head
 from dlmjax.io.hf import export_model, load_config
 from dlmjax.io.tokenizer import Tokenizer
 from dlmjax.models.transformer import init_model
-from dlmjax.presets import PRESETS_DIR, eval_preset_names, load_eval_preset
+from dlmjax.presets import eval_preset_names, load_eval_preset
 from dlmjax.validation import InputError
 
 NAMES = eval_preset_names()

@@ -1,7 +1,6 @@
 """TSPD traces: features, labels and targets against a plain full-forward loop written here;
 sharded over the data axis equals single-device; the on-disk format and its model check."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

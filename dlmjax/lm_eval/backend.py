@@ -71,7 +71,7 @@ def run_backend(args) -> int:
     check_backend_args(args, tasks)
 
     from dlmjax.evaluation.report import write_report
-    from dlmjax.evaluation.runner import RunRecord, default_decoders
+    from dlmjax.evaluation.runner import default_decoders
     from dlmjax.heads.mrp import has_head
     from dlmjax.io.dflash import find_drafter_dir
     from dlmjax.lm_eval.tasks import TASKS, write_tasks

@@ -38,7 +38,7 @@ from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.models.transformer import Transformer, abstract_model, init_model
 from dlmjax.presets import resolve_model
 from dlmjax.memory import check_training_memory
-from dlmjax.sharding import make_mesh, param_sharding, placement, put_array
+from dlmjax.sharding import param_sharding, placement, put_array
 from dlmjax.toy.tokenizer import EOS, MASK, PAD, char_tokenizer, save_char_tokenizer
 from dlmjax.train import objectives, unfused
 from dlmjax.train.config import RunConfig, RunConfigError, from_dict, read_yaml
@@ -375,7 +375,6 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
 
     mesh = mesh if mesh is not None else run.mesh.make()  # the config's mesh (default: all devices on data)
     rows = process_rows(mesh, cfg.batch_size)  # this process's rows of every global batch
-    replicated = NamedSharding(mesh, P())
 
     tx, schedule = make_optimizer(cfg)
     manager = _checkpoint_manager(run_dir, cfg)

@@ -18,7 +18,6 @@ absolute paths (valid from any working directory) for lm-eval's `--include_path 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from dlmjax.validation import InputError
