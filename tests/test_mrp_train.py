@@ -28,12 +28,13 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, h
             max_position_embeddings=128, qk_norm=True, tie_word_embeddings=True)
 
 
-def tiny_backbone(path, attention="block_causal", num_layers=2, weight_std=0.02):
+def tiny_backbone(path, attention="block_causal", num_layers=2, weight_std=0.02, **changes):
     """A random toy-tokenizer backbone (matrices ~ N(0, weight_std)) exported as a checkpoint directory."""
     ids = save_char_tokenizer(path)
-    cfg = ModelConfig(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
-                      pad_token_id=ids["pad"], family="sdar" if attention == "block_causal" else "qwen3",
-                      attention=attention, block_size=4, num_layers=num_layers, **TINY)
+    fields = dict(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
+                  pad_token_id=ids["pad"], family="sdar" if attention == "block_causal" else "qwen3",
+                  attention=attention, block_size=4, num_layers=num_layers, **TINY)
+    cfg = ModelConfig(**{**fields, **changes})
     graphdef, state = nnx.split(init_model(cfg, seed=0))  # matrices ~ N(0, 0.02)
     state = jax.tree.map(lambda x: x * (weight_std / 0.02) if x.ndim >= 2 else x, state)
     return export_model(nnx.merge(graphdef, state), path)  # the tokenizer is already there
@@ -242,3 +243,7 @@ def test_config_errors_are_clear(tmp_path, backbone):
         train(load_run_config(CONFIG, tiny_overrides(causal)), tmp_path / "run", progress=False)
     with pytest.raises(RunConfigError, match="neither a checkpoint directory nor a preset"):
         train(load_run_config(CONFIG, tiny_overrides(tmp_path / "missing")), tmp_path / "run2", progress=False)
+    shifted = tiny_backbone(tmp_path / "shifted", family="fast_dllm_v2", shift_logits=True, qkv_bias=True,
+                            qk_norm=False)
+    with pytest.raises(RunConfigError, match="shifts its logits"):
+        train(load_run_config(CONFIG, tiny_overrides(shifted)), tmp_path / "run3", progress=False)

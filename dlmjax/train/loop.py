@@ -175,6 +175,11 @@ def load_backbone(name: str) -> tuple[Path, Transformer, Tokenizer]:
             f"backbone {name} has {cfg.attention} attention; MRP training uses the block-diffusion layout and "
             "needs a block-causal (SDAR-style) backbone such as toy-sdar"
         )
+    if cfg.shift_logits:
+        raise RunConfigError(
+            f"backbone {name} shifts its logits ({cfg.family}: position p is scored from p - 1); MRP heads train and "
+            "decode on backbones that score each position from itself, such as toy-sdar"
+        )
     tokenizer = load_tokenizer(ckpt_dir, cfg)
     if tokenizer.backend.get_vocab(with_added_tokens=True) != char_tokenizer().get_vocab(with_added_tokens=True):
         raise RunConfigError(f"backbone {name}'s tokenizer is not the toy character tokenizer that the toy tasks "
