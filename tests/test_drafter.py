@@ -14,7 +14,7 @@ import torch
 import dlmjax
 from dlmjax.config import ConfigError
 from dlmjax.heads.drafter import (
-    DrafterConfig, DrafterMismatchError, block_logits, block_visibilities, context_features, default_target_layer_ids,
+    DrafterConfig, DrafterMismatchError, block_hidden, block_visibilities, context_features, default_target_layer_ids,
     init_drafter, visibilities,
 )
 from dlmjax.io.dflash import from_dflash_config, load_drafter, resolve_drafter, save_drafter, to_dflash_config
@@ -235,7 +235,8 @@ def _dlmjax_draft_logits(drafter, target, feats_np, block_np):
     ctx_pos = jnp.arange(s, dtype=jnp.int32)[None]
     kv = drafter.context_kv(ctx, ctx_pos)
     positions = jnp.arange(s, s + k, dtype=jnp.int32)[None]
-    return np.asarray(block_logits(drafter, target, jnp.asarray(block_np), positions, kv, ctx_pos, jnp.ones((1, s), bool)))
+    hidden = block_hidden(drafter, target, jnp.asarray(block_np), positions, kv, ctx_pos, jnp.ones((1, s), bool))
+    return np.asarray(target.lm_logits(hidden))
 
 
 @pytest.mark.parametrize(

@@ -191,5 +191,5 @@ def test_target_labels_come_without_the_targets_logits_on_the_kernel_path(target
     spec = DrafterTrainSpec(block_size=4, anchors_per_row=2, labels="target", weights=LossWeights())
     with kernels.use("interpret"):
         loss_of = lambda d: drafter_train_loss(d, target, batch, jax.random.key(0), spec=spec)  # noqa: E731
-        (loss, _), grads = nnx.value_and_grad(loss_of, has_aux=True)(drafter)
+        (loss, _), grads = nnx.jit(nnx.value_and_grad(loss_of, has_aux=True))(drafter)
     assert np.isfinite(float(loss)) and any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dlmjax import arithmetic, kernels
-from dlmjax.decoding.policies import nucleus_filter
-from dlmjax.kernels.residual_argmax import residual_argmax
+from dlmjax.decoding.policies import hidden_scores, nucleus_filter
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
 from dlmjax.validation import InputError
@@ -57,8 +56,7 @@ def greedy_tokens(model: Transformer, hidden_bkd):
     logits' argmax."""
     if kernels.choose("residual_argmax") is None:
         return jnp.argmax(model.lm_logits(hidden_bkd), axis=-1).astype(jnp.int32)
-    b, k, d = hidden_bkd.shape
-    return residual_argmax(hidden_bkd.reshape(b * k, d), model.lm_head_weight(), mask_id=None).tokens.reshape(b, k)
+    return hidden_scores(model, hidden_bkd, mask_id=None).tokens
 
 
 def sample_token(model: Transformer, hidden_bd, key, temperature: float, top_p: float):

@@ -263,14 +263,7 @@ class BlockForwards:
         """policies.Scores of each row's block from its final-normed hidden state [B, K, D], through
         `kernels.residual_argmax` (no [B, K, V] logits on the kernel path); `residual` = (h_p
         [B, K, D], s) adds an MRP residual s lm_head(h_p) to the logits it scores."""
-        from dlmjax.kernels.residual_argmax import residual_argmax
-
-        b, k, d = hidden_bkd.shape
-        if residual is not None:
-            residual = (residual[0].reshape(b * k, d), residual[1])
-        scores = residual_argmax(hidden_bkd.reshape(b * k, d), self.model.lm_head_weight(), mask_id=self.mask_id,
-                                 residual=residual)
-        return policies.Scores(*(a.reshape(b, k) for a in scores))
+        return policies.hidden_scores(self.model, hidden_bkd, mask_id=self.mask_id, residual=residual)
 
     def token_probs(self, logits_bkv, hidden_bkd, tokens_bk, residual):
         """[B, K] probability of `tokens` (never the mask) under logits + s lm_head(h_p), `residual`

@@ -47,6 +47,19 @@ def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: f
     return Scores(*arithmetic.rowwise(sample, logits, gumbel))
 
 
+def hidden_scores(model, hidden_bkd, *, mask_id: int | None, residual=None) -> Scores:
+    """Greedy Scores [B, K] straight from final-normed hidden states [B, K, D], through
+    `kernels.residual_argmax` (no [B, K, V] logits where it runs as a kernel); `residual` = (h_p
+    [B, K, D], s) adds an MRP residual s lm_head(h_p) to the logits it scores."""
+    from dlmjax.kernels.residual_argmax import residual_argmax
+
+    b, k, d = hidden_bkd.shape
+    if residual is not None:
+        residual = (residual[0].reshape(b * k, d), residual[1])
+    scores = residual_argmax(hidden_bkd.reshape(b * k, d), model.lm_head_weight(), mask_id=mask_id, residual=residual)
+    return Scores(*(a.reshape(b, k) for a in scores))
+
+
 def _position_scores(logits_v, gumbel_v=None, *, temperature: float = 0.0, top_p: float = 1.0):
     """(token, confidence, entropy, margin) of each position's logits (last axis): the argmax, or
     the Gumbel-max sample of the tempered, nucleus-filtered logits."""

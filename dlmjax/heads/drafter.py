@@ -263,11 +263,6 @@ def block_hidden(drafter: Drafter, target: Transformer, block_bl, positions_bl, 
     return drafter(target.embed_tokens(block_bl), positions_bl, ctx_kv, ctx_vis, blk_vis)
 
 
-def block_logits(drafter: Drafter, target: Transformer, block_bl, positions_bl, ctx_kv, ctx_pos_bs, ctx_valid_bs):
-    """Draft logits [B, L, V] (float32) of `block_hidden`."""
-    return target.lm_logits(block_hidden(drafter, target, block_bl, positions_bl, ctx_kv, ctx_pos_bs, ctx_valid_bs))
-
-
 def context_features(target: Transformer, cfg: DrafterConfig, layer_hidden) -> jax.Array:
     """The target's hidden states collected at `cfg.hidden_layers` -> [B, L, n_ids * D] in id order.
 
