@@ -202,6 +202,20 @@ def test_unknown_model_args_name_the_accepted_keys():
         DlmjaxLM(pretrained="toy-ar", decoder="static", mesh_data=1)
 
 
+def test_without_a_decoder_each_model_takes_its_own_default(monkeypatch, tmp_path):
+    """As `dlmjax generate` does: ar for a causal model, static for a diffusion model, and
+    fast-dllm-v2 for Fast-dLLM v2 (the only decoder its shifted block-causal logits fit), which then
+    answers a generate_until request."""
+    monkeypatch.setenv("DLMJAX_CACHE", str(tmp_path))  # where the random preset is written
+    names = {}
+    for pretrained in ("toy-ar", "toy-sdar", "random-fast-dllm-v2"):
+        lm = DlmjaxLM(pretrained=pretrained, batch_size=2, mesh_data=1, warmup=False, max_new_tokens=8)
+        names[pretrained] = lm.decoder.name
+    assert names == {"toy-ar": "ar", "toy-sdar": "static", "random-fast-dllm-v2": "fast-dllm-v2"}
+    (text,) = lm.generate_until([request("Hello", {"until": ["\n\n"], "max_gen_toks": 8})])
+    assert isinstance(text, str)
+
+
 def test_semicolons_separate_decoder_options_and_model_args_win_over_cli_batch_size():
     lm = DlmjaxLM.create_from_arg_string("pretrained=toy-sdar,decoder=psd:policy=threshold;tau=0.8;depth=3,"
                                          "batch_size=8,mesh_data=1", {"batch_size": 1, "device": None})

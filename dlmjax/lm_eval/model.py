@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 # key: (default, what it is)
 MODEL_ARGS: dict[str, tuple[object, str]] = {
     "pretrained": (None, "checkpoint directory or preset (toy-sdar, toy-ar, ...); required"),
-    "decoder": (None, "decoder SPEC as in `dlmjax generate` (options separated by ';'); default static, ar if causal"),
+    "decoder": (None, "decoder SPEC as in `dlmjax generate` (options separated by ';'); default static, ar if causal, "
+                      "fast-dllm-v2 for Fast-dLLM v2"),
     "max_new_tokens": (256, "generation budget when a request names no max_gen_toks"),
     "batch_size": (16, "decoding slots (continuous batching) and likelihood rows per forward"),
     "refill": (None, "rows started per refill forward (default batch_size/8)"),
@@ -185,16 +186,17 @@ class DlmjaxLM(TemplateLM):
         self.use_decoder(args["decoder"])
 
     def use_decoder(self, decoder: str | None) -> None:
-        """Decode with `decoder` (a SPEC, options separated by ',' or ';'; None: static, or ar if
-        causal) from now on, loading the MRP head or drafter it needs; the decoding metrics start
-        afresh. `dlmjax eval --backend lm-eval` runs several decoders on one loaded model so."""
+        """Decode with `decoder` (a SPEC, options separated by ',' or ';'; None: the model's default
+        as `dlmjax generate` takes it: static, ar if causal, fast-dllm-v2 for its family) from now
+        on, loading the MRP head or drafter it needs; the decoding metrics start afresh.
+        `dlmjax eval --backend lm-eval` runs several decoders on one loaded model so."""
         from dlmjax.cli import _drafter_for, _with_controller
-        from dlmjax.evaluation.runner import replicate_on
+        from dlmjax.evaluation.runner import default_decoders, replicate_on
         from dlmjax.heads.mrp import has_head, load_head
         from dlmjax.presets import resolve_model
 
         args, model = self.args, self.model
-        spec = str(decoder or ("ar" if self.causal else "static")).replace(";", ",")
+        spec = str(decoder or default_decoders(model)[0]).replace(";", ",")
         spec = _with_controller([spec], self.path, args["tspd_controller"])[0]
         parsed = parse_decoder(spec)
         if isinstance(parsed, CAUSAL_DECODERS) != self.causal:
