@@ -218,7 +218,7 @@ def test_decoders_give_the_same_tokens_with_kernels_on_and_off(kernel_models, na
     with kernels.use("interpret"):
         diffusion = name not in ("ar", "drafter")
         scores_from_hidden = getattr(parse_decoder(spec), "scores_from_hidden", lambda model: False)  # ar, drafter
-        assert scores_from_hidden(model) == (diffusion and not model.config.shift_logits)
+        assert scores_from_hidden(model) == diffusion
         on = generate(model, prompts, **kw)
     assert [r.tokens for r in on.rows] == [r.tokens for r in off.rows]
     assert [r.nfe for r in on.rows] == [r.nfe for r in off.rows]
@@ -269,6 +269,30 @@ def test_the_autoregressive_loops_hold_no_logits_on_the_kernel_path(kernel_model
 
     assert logits_made("off"), "with the kernels off the program must hold the logits this test looks for"
     assert logits_made("interpret") == []
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_a_shifted_logit_model_scores_from_hidden_states_on_the_kernel_path(cache):
+    """Dream scores position p from the column before it: on the kernel path the engine scores
+    those columns' hidden states (the block's first from the column before the block), so its
+    compiled decode holds no [..., V] float array but the lm_head, and the tokens and NFE equal
+    those of the logits path, in every cache mode."""
+    from dlmjax.decoding import engine
+    from dlmjax.decoding.api import generate
+    from hlo import first_program, logits_rows
+    from test_decoding import PROMPTS, peaky_model
+
+    model = peaky_model("dream", seed=5)
+    runs = {}
+    for mode in ("off", "interpret"):
+        with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
+            got = []
+            hlo, _, _ = first_program(patch, engine, "decode", lambda: got.append(generate(
+                model, PROMPTS[:3], decoder=f"threshold:tau=0.7,block=4,cache={cache}", max_new_tokens=8)))
+        runs[mode] = ([r.tokens for r in got[0].rows], [r.nfe for r in got[0].rows], logits_rows(hlo, model.config))
+    assert runs["interpret"][:2] == runs["off"][:2]
+    assert runs["off"][2], "with the kernels off the program must hold the logits this test looks for"
+    assert runs["interpret"][2] == []
 
 
 def test_corrected_token_probabilities_from_hidden_states_equal_those_from_logits():

@@ -245,19 +245,18 @@ class BlockForwards:
         position 0 in the block's first round (`fast-dllm-v2`; api refuses the others)."""
         return self.cache_mode == "exact" and self.model.config.shift_logits
 
-    def _block_logits(self, hidden_bnkd, lead_bnd):
-        """Logits [B, N, K, V] of block copies from their hidden states alone (a forward over a
-        whole window or canvas computes none for the columns outside the block). Shifted-logit
-        models (Dream) score position p from the column before it: `lead` [B, N, D] is the column
-        before the block's, or the block's first when the block starts the chunk (that position
-        keeps its own logits, as `layers.shift_logits_right` leaves it)."""
+    def _block_outputs(self, hidden_bnkd, lead_bnd):
+        """(logits [B, N, K, V], hidden [B, N, K, D]) of block copies from their hidden states alone
+        (a forward over a whole window or canvas computes no logits for the columns outside the
+        block). The hidden state returned is the one that scores each position: shifted-logit
+        models (Dream, Fast-dLLM v2) score position p from the column before it, `lead` [B, N, D]
+        before position 0 (the column before the block's; or the block's first, whose logits then
+        stay its own, as `layers.shift_logits_right` leaves them). Scoring from hidden states
+        (`scores_from_hidden`) then needs no logits for them either; they run no head, the hidden
+        state's one other reader (api refuses MRP on them)."""
         if self.model.config.shift_logits:
-            return self._shifted_logits(hidden_bnkd, lead_bnd)
-        return self._logits(hidden_bnkd)
-
-    def _shifted_logits(self, hidden_bnkd, lead_bnd):
-        """Logits [B, N, K, V] of each copy shifted right by one, position 0 from `lead` [B, N, D]."""
-        return self.model.lm_logits(jnp.concatenate([lead_bnd[:, :, None], hidden_bnkd[:, :, :-1]], axis=2))
+            hidden_bnkd = jnp.concatenate([lead_bnd[:, :, None], hidden_bnkd[:, :, :-1]], axis=2)
+        return self._logits(hidden_bnkd), hidden_bnkd
 
     def greedy_scores(self, hidden_bkd, residual=None):
         """policies.Scores of each row's block from its final-normed hidden state [B, K, D], through
@@ -310,7 +309,8 @@ class BlockForwards:
             cache, head_cache = _put_chunks(cache, head_cache, chunks, zeros)
         # shifted blocks: position 0 reads the prompt's last hidden state (its own without a prompt)
         lead = out.hidden[:, max(c - 1, 0)]
-        return self._block_logits(out.hidden[:, None, c:], lead[:, None])[:, 0], out.hidden[:, c:], cache, head_cache
+        logits, hidden = self._block_outputs(out.hidden[:, None, c:], lead[:, None])
+        return logits[:, 0], hidden[:, 0], cache, head_cache
 
     def _finished_chunks(self, cache, head_cache, tokens_bl, hidden_bld, chunk_kv, start_b, width, write_b=None):
         """(the backbone's cache chunk, the head's or None) of a clean chunk of `width` columns
@@ -329,8 +329,8 @@ class BlockForwards:
                          cache=self._empty_cache(canvas.shape[0]), write_cache=True, compute_logits=False)
         start, k = self.block_start(block_b), self.geometry.block
         hidden = take_rows(out.hidden, start, k)[:, None]
-        lead = take_rows(out.hidden, jnp.maximum(start - 1, 0), 1)
-        return self._block_logits(hidden, lead)[:, 0], hidden[:, 0], out.cache
+        logits, hidden = self._block_outputs(hidden, take_rows(out.hidden, jnp.maximum(start - 1, 0), 1))
+        return logits[:, 0], hidden[:, 0], out.cache
 
     def evaluate(self, canvas, copies_bnk, cache, head_cache, block_b, store_b):
         """The round forward: (logits [B, N, K, V], hidden [B, N, K, D], writes) of every row's N
@@ -395,9 +395,8 @@ class BlockForwards:
         writes = self._finished_chunks(cache, head_cache, tokens[:, :k], out.hidden[:, :k],
                                        [(kk[:, :k], vv[:, :k]) for kk, vv in out.chunk_kv], start - k, k, store_b)
         hidden = out.hidden[:, k:].reshape(b, n, k, -1)
-        if self.shifted_blocks:  # each copy's position 0 reads the stored block's last hidden state
-            return self._shifted_logits(hidden, jnp.repeat(out.hidden[:, None, k - 1], n, axis=1)), hidden, writes
-        return self._logits(hidden), hidden, writes
+        # shifted blocks: each copy's position 0 reads the stored block's last hidden state
+        return *self._block_outputs(hidden, jnp.repeat(out.hidden[:, None, k - 1], n, axis=1)), writes
 
     def _window(self, block_b):
         """(first column [B], static width) of what a forward of the block reads: the block alone
@@ -454,8 +453,8 @@ class BlockForwards:
 
         hidden = block_part(out.hidden, offset, k)
         if self.shifted_blocks:  # shifted within each copy; position 0 keeps its own (`shifted_blocks`)
-            return self._shifted_logits(hidden, hidden[:, :, 0]), hidden
-        return self._block_logits(hidden, block_part(out.hidden, jnp.maximum(offset - 1, 0), 1)[:, :, 0]), hidden
+            return self._block_outputs(hidden, hidden[:, :, 0])
+        return self._block_outputs(hidden, block_part(out.hidden, jnp.maximum(offset - 1, 0), 1)[:, :, 0])
 
     def step(self, canvas, cache, block_b):
         """(logits [B, K, V], hidden [B, K, D]) of each row's block for the canvas as it is now."""

@@ -77,8 +77,7 @@ class DiffusionDecoder:
         scores hidden states (`BlockForwards.block_scores`)."""
         from dlmjax import kernels
 
-        return (self.temperature == 0.0 and not model.config.shift_logits
-                and kernels.choose("residual_argmax") is not None)
+        return self.temperature == 0.0 and kernels.choose("residual_argmax") is not None
 
     def scores(self, fwd, state, keys_b) -> policies.Scores:
         """Proposed tokens and their confidences from each row's latest logits (or, with
