@@ -370,6 +370,43 @@ def test_a_block_causal_masked_position_is_scored_as_its_noisy_block_after_the_c
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("which", ["toy-ar", "toy-sdar"])
+def test_likelihoods_on_the_kernel_path_make_no_logits(which, monkeypatch):
+    """Where residual_argmax runs as a kernel (interpret mode here), the causal and the diffusion
+    scorers read log p(token) as z_t - z_a + log p_a from its argmax a: the same log-probs (1e-5)
+    and greedy flags as from the logits, and compiled programs with no vocabulary-wide array but
+    the lm_head."""
+    from dlmjax import kernels
+    from dlmjax.lm_eval import likelihood
+    from hlo import first_program, logits_rows
+
+    _, model, tokenizer, _ = load_checkpoint(which)
+    pairs = [(tokenizer.encode("12+7="), tokenizer.encode("19")), (tokenizer.encode("3*4="), tokenizer.encode("13"))]
+    if which == "toy-ar":
+        name = "_next_token_scores"
+        score = lambda: likelihood.causal_logprobs(model, pairs, batch_size=2)  # noqa: E731
+    else:
+        name = "_masked_scores"
+        clean = np.asarray(pairs[0][0] + pairs[0][1], np.int32)
+        masked = np.zeros((3, len(clean)), bool)
+        masked[:, len(pairs[0][0]):] = [[True, False], [False, True], [True, True]]
+        score = lambda: masked_logprobs(model, clean, masked, mask_id=model.config.mask_token_id)  # noqa: E731
+    runs = {}
+    for mode in ("off", "interpret"):
+        with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
+            got = []
+            hlo, _, _ = first_program(patch, likelihood, name, lambda: got.append(score()))
+        runs[mode] = (got[0], logits_rows(hlo, model.config))
+    if which == "toy-ar":
+        assert [g for _, g in runs["interpret"][0]] == [g for _, g in runs["off"][0]]
+        values = [np.asarray([v for v, _ in runs[mode][0]]) for mode in ("interpret", "off")]
+    else:
+        values = [runs[mode][0] for mode in ("interpret", "off")]
+    np.testing.assert_allclose(*values, rtol=1e-5, atol=1e-5)
+    assert runs["off"][1], "with the kernels off the program must hold the logits this test looks for"
+    assert runs["interpret"][1] == []
+
+
 # ------------------------------------------------------------------------------ a real causal model
 
 

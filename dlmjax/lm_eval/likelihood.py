@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dlmjax import arithmetic
+from dlmjax import arithmetic, kernels
+from dlmjax.decoding import policies
 from dlmjax.models.transformer import Transformer, take_rows
 from dlmjax.train.objectives import block_diffusion_visibility, noisy_half_hidden
 
@@ -55,6 +56,20 @@ def _pad_rows(rows: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarra
     return tokens, valid
 
 
+def token_logprobs(model: Transformer, hidden_bkd, tokens_bk):
+    """(log p(token) [B, K], whether the token is the argmax [B, K]) at final-normed hidden states
+    [B, K, D]: from the [B, K, V] logits, or where `residual_argmax` runs as a kernel without them,
+    as z_t - z_a + log p_a from its argmax a and that token's probability p_a (z: the two tokens'
+    logits, `Transformer.token_logits`)."""
+    if kernels.choose("residual_argmax") is None:
+        logits = model.lm_logits(hidden_bkd)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens_bk[..., None], axis=-1)[..., 0]
+        return logp, jnp.argmax(logits, axis=-1) == tokens_bk
+    best = policies.hidden_scores(model, hidden_bkd, mask_id=None)
+    logp = model.token_logits(hidden_bkd, tokens_bk) - model.token_logits(hidden_bkd, best.tokens)
+    return logp + jnp.log(best.confidence), best.tokens == tokens_bk
+
+
 # ---------------------------------------------------------------------------------------- causal
 
 
@@ -65,10 +80,7 @@ def _next_token_scores(graphdef, params, inputs_bl, targets_bl, valid_bl, first_
     context is long, and [B, L, V] logits of the whole row would be the largest array here."""
     model = nnx.merge(graphdef, params)
     hidden = model(inputs_bl, valid_bl=valid_bl, compute_logits=False).hidden
-    logits = model.lm_logits(take_rows(hidden, first_b, span)).astype(jnp.float32)
-    targets = take_rows(targets_bl, first_b, span)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), targets[..., None], axis=-1)[..., 0]
-    return logp, jnp.argmax(logits, axis=-1) == targets
+    return token_logprobs(model, take_rows(hidden, first_b, span), take_rows(targets_bl, first_b, span))
 
 
 def causal_logprobs(model: Transformer, pairs: list[tuple[list[int], list[int]]], *, batch_size: int = 8,
@@ -165,8 +177,7 @@ def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, first_b, *, 
         hidden = model(noisy, valid_bl=valid_bl, compute_logits=False).hidden
         if model.config.shift_logits:  # Dream: p scored from p - 1 and 0 from itself, as its logits are
             hidden = jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)
-    logp = jax.nn.log_softmax(model.lm_logits(take_rows(hidden, first_b, span)).astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, take_rows(clean_bl, first_b, span)[..., None], axis=-1)[..., 0]
+    return token_logprobs(model, take_rows(hidden, first_b, span), take_rows(clean_bl, first_b, span))[0]
 
 
 def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *, mask_id: int,
