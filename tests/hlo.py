@@ -14,6 +14,19 @@ def first_program(monkeypatch, owner, name: str, run):
     return real.lower(*args, **kwargs).compile().as_text(), args, kwargs
 
 
+def program_under_kernels(mode: str, owner, name: str, run):
+    """(optimised HLO text, what `run()` returned) of the first call `run()` makes to `owner.name`
+    with the kernels in `mode` (`dlmjax.kernels.use`)."""
+    import pytest
+
+    from dlmjax import kernels
+
+    got = []
+    with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
+        hlo, _, _ = first_program(patch, owner, name, lambda: got.append(run()))
+    return hlo, got[0]
+
+
 def loop_copies(hlo_text: str, shape: str) -> int:
     """Copy instructions of arrays `shape` (e.g. "f32[3,24,2,16]") in a compiled program's
     computations other than its entry: what runs again in every round of a decode loop."""

@@ -232,15 +232,14 @@ def test_speculative_rounds_hold_no_logits_on_the_kernel_path(kernel_models, spe
     holds the logits."""
     from dlmjax.decoding import engine
     from dlmjax.decoding.api import generate
-    from hlo import first_program, logits_rows
+    from hlo import logits_rows, program_under_kernels
 
     models, _ = kernel_models
     model, prompts, head, _ = models["toy-sdar"]
 
     def logits_made(mode):
-        with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
-            hlo, _, _ = first_program(patch, engine, "decode",
-                                      lambda: generate(model, prompts, decoder=spec, head=head, max_new_tokens=8))
+        hlo, _ = program_under_kernels(mode, engine, "decode",
+                                       lambda: generate(model, prompts, decoder=spec, head=head, max_new_tokens=8))
         return logits_rows(hlo, model.config)
 
     assert logits_made("off"), "with the kernels off the program must hold the logits this test looks for"
@@ -255,16 +254,15 @@ def test_the_autoregressive_loops_hold_no_logits_on_the_kernel_path(kernel_model
     the kernels off it holds the logits."""
     from dlmjax.decoding import ar, speculative
     from dlmjax.decoding.api import generate
-    from hlo import first_program, logits_rows
+    from hlo import logits_rows, program_under_kernels
 
     models, _ = kernel_models
     model, prompts, _, drafter = models["toy-ar"]
     owner = ar if decoder == "ar" else speculative
 
     def logits_made(mode):
-        with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
-            hlo, _, _ = first_program(patch, owner, "_generate", lambda: generate(
-                model, prompts, decoder=decoder, drafter=drafter, max_new_tokens=8))
+        hlo, _ = program_under_kernels(mode, owner, "_generate", lambda: generate(
+            model, prompts, decoder=decoder, drafter=drafter, max_new_tokens=8))
         return logits_rows(hlo, model.config)
 
     assert logits_made("off"), "with the kernels off the program must hold the logits this test looks for"
@@ -279,17 +277,15 @@ def test_a_shifted_logit_model_scores_from_hidden_states_on_the_kernel_path(cach
     those of the logits path, in every cache mode."""
     from dlmjax.decoding import engine
     from dlmjax.decoding.api import generate
-    from hlo import first_program, logits_rows
+    from hlo import logits_rows, program_under_kernels
     from test_decoding import PROMPTS, peaky_model
 
     model = peaky_model("dream", seed=5)
     runs = {}
     for mode in ("off", "interpret"):
-        with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
-            got = []
-            hlo, _, _ = first_program(patch, engine, "decode", lambda: got.append(generate(
-                model, PROMPTS[:3], decoder=f"threshold:tau=0.7,block=4,cache={cache}", max_new_tokens=8)))
-        runs[mode] = ([r.tokens for r in got[0].rows], [r.nfe for r in got[0].rows], logits_rows(hlo, model.config))
+        hlo, result = program_under_kernels(mode, engine, "decode", lambda: generate(
+            model, PROMPTS[:3], decoder=f"threshold:tau=0.7,block=4,cache={cache}", max_new_tokens=8))
+        runs[mode] = ([r.tokens for r in result.rows], [r.nfe for r in result.rows], logits_rows(hlo, model.config))
     assert runs["interpret"][:2] == runs["off"][:2]
     assert runs["off"][2], "with the kernels off the program must hold the logits this test looks for"
     assert runs["interpret"][2] == []

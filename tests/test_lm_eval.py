@@ -376,9 +376,8 @@ def test_likelihoods_on_the_kernel_path_make_no_logits(which, monkeypatch):
     scorers read log p(token) as z_t - z_a + log p_a from its argmax a: the same log-probs (1e-5)
     and greedy flags as from the logits, and compiled programs with no vocabulary-wide array but
     the lm_head."""
-    from dlmjax import kernels
     from dlmjax.lm_eval import likelihood
-    from hlo import first_program, logits_rows
+    from hlo import logits_rows, program_under_kernels
 
     _, model, tokenizer, _ = load_checkpoint(which)
     pairs = [(tokenizer.encode("12+7="), tokenizer.encode("19")), (tokenizer.encode("3*4="), tokenizer.encode("13"))]
@@ -393,10 +392,8 @@ def test_likelihoods_on_the_kernel_path_make_no_logits(which, monkeypatch):
         score = lambda: masked_logprobs(model, clean, masked, mask_id=model.config.mask_token_id)  # noqa: E731
     runs = {}
     for mode in ("off", "interpret"):
-        with kernels.use(mode), pytest.MonkeyPatch.context() as patch:
-            got = []
-            hlo, _, _ = first_program(patch, likelihood, name, lambda: got.append(score()))
-        runs[mode] = (got[0], logits_rows(hlo, model.config))
+        hlo, result = program_under_kernels(mode, likelihood, name, score)
+        runs[mode] = (result, logits_rows(hlo, model.config))
     if which == "toy-ar":
         assert [g for _, g in runs["interpret"][0]] == [g for _, g in runs["off"][0]]
         values = [np.asarray([v for v, _ in runs[mode][0]]) for mode in ("interpret", "off")]

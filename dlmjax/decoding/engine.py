@@ -251,7 +251,7 @@ class BlockForwards:
         block). The hidden state returned is the one that scores each position: shifted-logit
         models (Dream, Fast-dLLM v2) score position p from the column before it, `lead` [B, N, D]
         before position 0 (the column before the block's; or the block's first, whose logits then
-        stay its own, as `layers.shift_logits_right` leaves them). Scoring from hidden states
+        stay its own, as `layers.shift_right` leaves them). Scoring from hidden states
         (`scores_from_hidden`) then needs no logits for them either; they run no head, the hidden
         state's one other reader (api refuses MRP on them)."""
         if self.model.config.shift_logits:
@@ -267,19 +267,15 @@ class BlockForwards:
     def token_probs(self, logits_bkv, hidden_bkd, tokens_bk, residual):
         """[B, K] probability of `tokens` (never the mask) under logits + s lm_head(h_p), `residual`
         = (h_p [B, K, D], s), the mask excluded. Where this decode keeps no logits
-        (`scores_from_hidden`): p_a exp(z_t - z_a), from the kernel's argmax a of those logits,
-        its probability p_a, and the two tokens' logits z (`Transformer.token_logits`)."""
+        (`scores_from_hidden`): from the kernel's argmax (`policies.hidden_token_logprobs`)."""
+        if self.scores_from_hidden:
+            logp, _ = policies.hidden_token_logprobs(self.model, hidden_bkd, tokens_bk, mask_id=self.mask_id,
+                                                     residual=residual)
+            return jnp.exp(logp)
         h_p, s = residual
-        if not self.scores_from_hidden:
-            corrected = (logits_bkv + s * self.model.lm_logits(h_p)).at[..., self.mask_id].set(-jnp.inf)
-            probs = arithmetic.rowwise(jax.nn.softmax, corrected)
-            return jnp.take_along_axis(probs, tokens_bk[..., None], axis=-1)[..., 0]
-        best = self.greedy_scores(hidden_bkd, residual=residual)
-
-        def corrected_logits(tokens):
-            return self.model.token_logits(hidden_bkd, tokens) + s * self.model.token_logits(h_p, tokens)
-
-        return best.confidence * jnp.exp(corrected_logits(tokens_bk) - corrected_logits(best.tokens))
+        corrected = (logits_bkv + s * self.model.lm_logits(h_p)).at[..., self.mask_id].set(-jnp.inf)
+        probs = arithmetic.rowwise(jax.nn.softmax, corrected)
+        return jnp.take_along_axis(probs, tokens_bk[..., None], axis=-1)[..., 0]
 
     def block_scores(self, logits_bkv, hidden_bkd):
         """Greedy policies.Scores of a block (or of one packed copy) from a forward's output: its

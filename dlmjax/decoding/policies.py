@@ -60,6 +60,19 @@ def hidden_scores(model, hidden_bkd, *, mask_id: int | None, residual=None) -> S
     return Scores(*(a.reshape(b, k) for a in scores))
 
 
+def hidden_token_logprobs(model, hidden_bkd, tokens_bk, *, mask_id: int | None, residual=None):
+    """(log p(tokens) [B, K], the greedy Scores) under the logits `hidden_scores` scores, without
+    making them: z_t - z_a + log p_a from its argmax a and that token's probability p_a, where z
+    are the two tokens' logits (`Transformer.token_logits`, plus s times the residual's)."""
+    best = hidden_scores(model, hidden_bkd, mask_id=mask_id, residual=residual)
+
+    def token_logits(tokens):
+        z = model.token_logits(hidden_bkd, tokens)
+        return z if residual is None else z + residual[1] * model.token_logits(residual[0], tokens)
+
+    return token_logits(tokens_bk) - token_logits(best.tokens) + jnp.log(best.confidence), best
+
+
 def _position_scores(logits_v, gumbel_v=None, *, temperature: float = 0.0, top_p: float = 1.0):
     """(token, confidence, entropy, margin) of each position's logits (last axis): the argmax, or
     the Gumbel-max sample of the tempered, nucleus-filtered logits."""

@@ -36,6 +36,7 @@ from flax import nnx
 
 from dlmjax import arithmetic, kernels
 from dlmjax.decoding import policies
+from dlmjax.models import layers
 from dlmjax.models.transformer import Transformer, take_rows
 from dlmjax.train.objectives import block_diffusion_visibility, noisy_half_hidden
 
@@ -58,16 +59,14 @@ def _pad_rows(rows: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarra
 
 def token_logprobs(model: Transformer, hidden_bkd, tokens_bk):
     """(log p(token) [B, K], whether the token is the argmax [B, K]) at final-normed hidden states
-    [B, K, D]: from the [B, K, V] logits, or where `residual_argmax` runs as a kernel without them,
-    as z_t - z_a + log p_a from its argmax a and that token's probability p_a (z: the two tokens'
-    logits, `Transformer.token_logits`)."""
+    [B, K, D]: from the [B, K, V] logits, or where `residual_argmax` runs as a kernel without them
+    (`policies.hidden_token_logprobs`)."""
     if kernels.choose("residual_argmax") is None:
         logits = model.lm_logits(hidden_bkd)
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens_bk[..., None], axis=-1)[..., 0]
         return logp, jnp.argmax(logits, axis=-1) == tokens_bk
-    best = policies.hidden_scores(model, hidden_bkd, mask_id=None)
-    logp = model.token_logits(hidden_bkd, tokens_bk) - model.token_logits(hidden_bkd, best.tokens)
-    return logp + jnp.log(best.confidence), best.tokens == tokens_bk
+    logp, best = policies.hidden_token_logprobs(model, hidden_bkd, tokens_bk, mask_id=None)
+    return logp, best.tokens == tokens_bk
 
 
 # ---------------------------------------------------------------------------------------- causal
@@ -176,7 +175,7 @@ def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, first_b, *, 
     else:
         hidden = model(noisy, valid_bl=valid_bl, compute_logits=False).hidden
         if model.config.shift_logits:  # Dream: p scored from p - 1 and 0 from itself, as its logits are
-            hidden = jnp.concatenate([hidden[:, :1], hidden[:, :-1]], axis=1)
+            hidden = layers.shift_right(hidden)
     return token_logprobs(model, take_rows(hidden, first_b, span), take_rows(clean_bl, first_b, span))[0]
 
 

@@ -193,8 +193,9 @@ def _attention(q_blhd, kv_parts):
     return out.transpose(0, 3, 1, 2, 4).astype(q_blhd.dtype).reshape(b, l, h, d)
 
 
-def shift_logits_right(logits_blv, previous_bv=None):
-    """Dream alignment: position i takes the logits computed at i-1; position 0 keeps its own
-    unless `previous_bv` (the logits of the token before this chunk) is given."""
-    first = logits_blv[:, :1] if previous_bv is None else previous_bv[:, None]
-    return jnp.concatenate([first, logits_blv[:, :-1]], axis=1)
+def shift_right(x_bl, previous_b=None):
+    """Dream alignment of logits (or of the hidden states they come from) [B, L, ...]: position i
+    takes what was computed at i-1; position 0 keeps its own unless `previous_b` (the token's
+    before this chunk) is given."""
+    first = x_bl[:, :1] if previous_b is None else previous_b[:, None]
+    return jnp.concatenate([first, x_bl[:, :-1]], axis=1)

@@ -326,7 +326,7 @@ class Transformer(nnx.Module):
         if compute_logits:
             logits = self.lm_logits(hidden)
             if cfg.shift_logits:
-                logits = layers.shift_logits_right(logits)
+                logits = layers.shift_right(logits)
         if cache is not None and write_cache:
             cache = cache.append(new_kv, positions_bl, _valid(valid_bl, positions_bl))
         return ModelOutput(logits=logits, hidden=hidden, cache=cache, layer_hidden=tuple(collected),
