@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -123,8 +124,11 @@ def peak_tflops(device, given: float | None) -> float | None:
 
 
 def path_of(kernel: str) -> str:
-    """What runs for `kernel` in the current mode: kernel / interpret / reference."""
-    return kernels.choose(kernel) or "reference"
+    """What ran for `kernel` in the current mode: kernel / interpret / reference, or "reference
+    (refused)" where the dispatcher chose the kernel but the device would not compile it (the
+    reason is logged)."""
+    how = kernels.choose(kernel) or "reference"
+    return "reference (refused)" if how == "kernel" and kernels.refusals(kernel) else how
 
 
 def section_step(model, args, bw, modes):
@@ -298,6 +302,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("dlmjax.kernels").setLevel(logging.INFO)  # each fallback's reason, once
     device = jax.devices()[0]
     command = " ".join([sys.executable.rsplit("/", 1)[-1], *(sys.argv if argv is None else ["decode_gpu.py", *argv])])
     model, head, name = build_model(args.shape)

@@ -1,5 +1,7 @@
 """Pallas kernels (dlmjax.kernels) against their pure-jnp references, in Pallas interpret mode on
-CPU, over hypothesis-drawn shapes; the switch and its logged fallbacks."""
+CPU, over hypothesis-drawn shapes; the switch and its logged fallbacks. On a GPU or TPU
+(scripts/test.sh --device gpu) the decoder and compiled-program tests run the device's own
+kernels, and the kernels are also checked at model shapes there."""
 
 from __future__ import annotations
 
@@ -18,6 +20,17 @@ from dlmjax.kernels.residual_argmax import reference as argmax_reference
 from dlmjax.kernels.residual_argmax import residual_argmax, residual_argmax_tpu
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+# The mode of the tests that compare a kernel path with the reference path: interpret mode on CPU,
+# the device's compiled kernels on a GPU or TPU.
+KERNEL = "interpret" if jax.default_backend() == "cpu" else "on"
+
+
+@pytest.fixture(autouse=True)
+def fast_numerics():
+    """The kernels are what these tests check; the batch-invariant mode (which scripts/test.sh
+    --device gpu sets for the rest of the suite) keeps the references, so it is off here."""
+    with dlmjax.numerics(invariant=False):
+        yield
 
 
 @st.composite
@@ -215,7 +228,7 @@ def test_decoders_give_the_same_tokens_with_kernels_on_and_off(kernel_models, na
     kw = dict(decoder=spec, max_new_tokens=8, head=head, drafter=drafter)
     with kernels.use("off"):
         off = generate(model, prompts, **kw)
-    with kernels.use("interpret"):
+    with kernels.use(KERNEL):
         diffusion = name not in ("ar", "drafter")
         scores_from_hidden = getattr(parse_decoder(spec), "scores_from_hidden", lambda model: False)  # ar, drafter
         assert scores_from_hidden(model) == diffusion
@@ -243,7 +256,7 @@ def test_speculative_rounds_hold_no_logits_on_the_kernel_path(kernel_models, spe
         return logits_rows(hlo, model.config)
 
     assert logits_made("off"), "with the kernels off the program must hold the logits this test looks for"
-    assert logits_made("interpret") == []
+    assert logits_made(KERNEL) == []
 
 
 @pytest.mark.parametrize("decoder", ["ar", "drafter"])
@@ -266,7 +279,7 @@ def test_the_autoregressive_loops_hold_no_logits_on_the_kernel_path(kernel_model
         return logits_rows(hlo, model.config)
 
     assert logits_made("off"), "with the kernels off the program must hold the logits this test looks for"
-    assert logits_made("interpret") == []
+    assert logits_made(KERNEL) == []
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
@@ -282,13 +295,13 @@ def test_a_shifted_logit_model_scores_from_hidden_states_on_the_kernel_path(cach
 
     model = peaky_model("dream", seed=5)
     runs = {}
-    for mode in ("off", "interpret"):
+    for mode in ("off", KERNEL):
         hlo, result = program_under_kernels(mode, engine, "decode", lambda: generate(
             model, PROMPTS[:3], decoder=f"threshold:tau=0.7,block=4,cache={cache}", max_new_tokens=8))
         runs[mode] = ([r.tokens for r in result.rows], [r.nfe for r in result.rows], logits_rows(hlo, model.config))
-    assert runs["interpret"][:2] == runs["off"][:2]
+    assert runs[KERNEL][:2] == runs["off"][:2]
     assert runs["off"][2], "with the kernels off the program must hold the logits this test looks for"
-    assert runs["interpret"][2] == []
+    assert runs[KERNEL][2] == []
 
 
 def test_corrected_token_probabilities_from_hidden_states_equal_those_from_logits():
@@ -307,7 +320,7 @@ def test_corrected_token_probabilities_from_hidden_states_equal_those_from_logit
     other = jax.random.randint(k[2], (3, 4), 0, MASK)
     tokens = jnp.where(jnp.arange(4) % 2 == 0, jnp.argmax(corrected, axis=-1), other).astype(jnp.int32)
     xla = BlockForwards(model, None, None, "exact", MASK).token_probs(logits, hidden, tokens, (h_p, 0.7))
-    with kernels.use("interpret"):
+    with kernels.use(KERNEL):
         fast = BlockForwards(model, None, None, "exact", MASK, scores_from_hidden=True).token_probs(
             logits[..., :0], hidden, tokens, (h_p, 0.7))
     np.testing.assert_allclose(fast, xla, rtol=1e-5, atol=1e-7)
@@ -323,7 +336,7 @@ def test_the_lossless_decoders_equal_their_references_on_the_kernel_path(kernel_
 
     models, _ = kernel_models
     model, prompts, head, _ = models["toy-sdar"]
-    with kernels.use("interpret"):
+    with kernels.use(KERNEL):
         for lossless, reference in [("mrp-spec:drafts=3", "static"), ("psd:policy=topk,depth=3", "static")]:
             fast, slow = (generate(model, prompts, decoder=spec, head=head, max_new_tokens=8)
                           for spec in (lossless, reference))
@@ -357,7 +370,7 @@ def _attention_inputs(case, dtype=jnp.float32):
     """q of `copies` packed copies of a `width`-token block after a cache of `cache` slots, each row
     written to its own length; parts: [cache (if any), the copies]."""
     rng = np.random.default_rng(case["seed"])
-    b, h, hkv, d, n, w, s = case["b"], case["h"], case["hkv"], 8, case["copies"], case["width"], case["cache"]
+    b, h, hkv, d, n, w, s = case["b"], case["h"], case["hkv"], case.get("head_dim", 8), case["copies"], case["width"], case["cache"]
     l = n * w
     lengths = rng.integers(0, s + 1, b)
     pad = np.minimum(rng.integers(0, 3, b), lengths)
@@ -397,6 +410,44 @@ def _check_flash(q, parts, got):
     expected, got, seen = np.asarray(attention_reference(q, parts)), np.asarray(got), _seen(parts)
     np.testing.assert_allclose(got[seen], expected[seen], rtol=0, atol=1e-5)
     assert np.all(np.isfinite(got))
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="the device's compiled kernels at model shapes: "
+                    "a GPU or TPU (scripts/test.sh --device gpu); interpret mode covers them on CPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_compiled_kernels_equal_their_references_at_model_shapes(dtype):
+    """The device compiles both kernels (no fallback) and they equal their references: residual_argmax
+    over Qwen3's vocabulary (151,936, hidden 2,048, 64 positions, final norm, an MRP residual, the
+    mask excluded), flash attention for a 2,048-token block-causal prefill and for 4 packed copies of
+    a 4-token block over 1,000 cached slots in rows of different lengths (head_dim 128, 16 query
+    heads over 8). Tokens equal wherever the reference's top-2 margin exceeds the dtype's rounding."""
+    kernels._COMPILES.clear()
+    kernels._LOGGED.clear()
+    k = jax.random.split(jax.random.key(0), 4)
+    m, d, v = 64, 2048, 151_936
+    x = jax.random.normal(k[0], (m, d)).astype(dtype)
+    w = (jax.random.normal(k[1], (d, v)) * 3 / d**0.5).astype(dtype)
+    kw = dict(mask_id=v - 1, norm=((1.0 + 0.2 * jax.random.normal(k[2], (d,))).astype(dtype), 1e-6),
+              residual=(jax.random.normal(k[3], (m, d)).astype(dtype), 0.5))
+    expected = argmax_reference(x, w, **kw)
+    with kernels.use("on"):
+        got = residual_argmax(x, w, **kw)
+    assert not kernels._LOGGED, f"a kernel fell back: {kernels._LOGGED}"
+    clear = np.asarray(expected.margin) > TOL[dtype]
+    assert clear.sum() > m // 2
+    np.testing.assert_array_equal(np.asarray(got.tokens)[clear], np.asarray(expected.tokens)[clear])
+    for name in ("confidence", "entropy"):
+        np.testing.assert_allclose(getattr(got, name), getattr(expected, name), rtol=0, atol=TOL[dtype], err_msg=name)
+    shape = dict(h=16, hkv=8, head_dim=128, attention="block_causal", window=None, seed=1)
+    for case in (dict(b=1, copies=1, width=2048, cache=0), dict(b=4, copies=4, width=4, cache=1000)):
+        q, parts = _attention_inputs({**shape, **case}, jnp.dtype(dtype))
+        with kernels.use("on"):
+            got = attention_dispatch(q, parts)
+        assert not kernels._LOGGED, f"a kernel fell back: {kernels._LOGGED}"
+        seen = _seen(parts)
+        expected = np.asarray(attention_reference(q, parts), np.float32)[seen]
+        np.testing.assert_allclose(np.asarray(got, np.float32)[seen], expected, rtol=0, atol=TOL[dtype],
+                                   err_msg=str(case))
 
 
 @settings(max_examples=8, deadline=None)

@@ -112,6 +112,12 @@ def choose(kernel: str, unsupported: str | None = None) -> str | None:
 _COMPILES: dict[tuple, str | None] = {}
 
 
+def refusals(kernel: str) -> list[str]:
+    """Why the device refused to compile `kernel` (or a variant of it, as "attention/cudnn"), one
+    reason per refused shape so far: where the dispatcher chose the kernel but the reference ran."""
+    return [reason for key, reason in _COMPILES.items() if key[0].startswith(kernel) and reason is not None]
+
+
 def compile_error(kernel: str, fn, *args) -> str | None:
     """Why `fn(*args)` (a jitted kernel call, its static options bound) does not compile on this
     device, or None when it does. Checked once per kernel, shapes and dtypes and cached: a kernel the

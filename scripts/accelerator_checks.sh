@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The checks that need a GPU or TPU, in one run (a lent machine's time is short); results and logs
+# go to OUT (default accelerator-results/):
+#   1. tests on the device: test_kernels on the device's compiled kernels (and at model shapes),
+#      the exactness files of issue 16 under `scripts/test.sh --device` (full-fp32 matmuls,
+#      batch-invariant numerics), then tests.log with each test's outcome;
+#   2. benchmarks/decode_gpu.py at SDAR-1.7B shape: decode step vs the HBM roofline, prefill to 32k,
+#      residual_argmax vs the XLA path, transformers' eager step (bench-step/), then tokens/s per
+#      decoder (bench-decoders/); each prints its rows as it goes (bench-*.log);
+#   3. the 32k-token prefill at SDAR-8B shape (bench-8b/).
+# Each stage has its own time limit (seconds: TEST_S, STEP_S, DECODERS_S, PREFILL_8B_S) so a slow
+# one cannot starve the next. On a machine whose python3 holds jax for its accelerator:
+#   DLMJAX_PYTHON=python3 scripts/accelerator_checks.sh OUT [gpu|tpu]
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$(mkdir -p "${1:-accelerator-results}" && cd "${1:-accelerator-results}" && pwd)"
+DEVICE="${2:-gpu}"
+PY="${DLMJAX_PYTHON:-python3}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+cd "$ROOT"
+stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first, so pytest prints its summary)
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/stages.txt"
+  local start=$SECONDS
+  timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "   rc $? in $((SECONDS - start))s" | tee -a "$OUT/stages.txt"
+}
+
+"$PY" - > "$OUT/versions.txt" 2>&1 <<'EOF'
+import importlib.metadata as md, jax
+for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "torch", "transformers", "hypothesis"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+print("devices", jax.devices(), [d.device_kind for d in jax.devices()])
+EOF
+cat "$OUT/versions.txt"
+
+stage tests "${TEST_S:-240}" env DLMJAX_PYTHON="$PY" scripts/test.sh --device "$DEVICE" -n "${TEST_WORKERS:-12}" -v \
+  -p no:cacheprovider tests/test_kernels.py tests/test_numerics.py tests/test_hf_roundtrip.py tests/test_decoding.py \
+  tests/test_kv_cache.py tests/test_psd.py tests/test_mrp.py tests/test_policies.py
+grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -3
+
+BENCH=(benchmarks/decode_gpu.py --shape sdar-1.7b --repeats 10)
+stage bench-step "${STEP_S:-170}" "$PY" "${BENCH[@]}" --skip decoders --prefill 512 2048 8192 32768 \
+  --argmax-positions 64 256 1024 --out "$OUT/bench-step"
+stage bench-decoders "${DECODERS_S:-150}" "$PY" "${BENCH[@]}" --skip step prefill argmax transformers \
+  --batches 1 16 64 --prompts 64 --max-new 64 --out "$OUT/bench-decoders" \
+  --decoders threshold:tau=0.9 psd:policy=threshold,tau=0.9,depth=3 mrp-spec:drafts=3
+stage bench-8b "${PREFILL_8B_S:-60}" "$PY" benchmarks/decode_gpu.py --shape sdar-8b --repeats 4 --kernels auto \
+  --skip step argmax decoders transformers --prefill 32768 --out "$OUT/bench-8b"
+cat "$OUT/stages.txt"
