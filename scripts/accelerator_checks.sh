@@ -9,12 +9,13 @@
 #      decoder (bench-decoders/); each prints its rows as it goes (bench-*.log);
 #   3. the 32k-token prefill at SDAR-8B shape (bench-8b/).
 # Each stage has its own time limit (seconds: TEST_S, STEP_S, DECODERS_S, PREFILL_8B_S) so a slow
-# one cannot starve the next. On a machine whose python3 holds jax for its accelerator:
+# one cannot starve the next. BENCH_OUT puts the benchmarks' result folders elsewhere than OUT. On a machine whose python3 holds jax for its accelerator:
 #   DLMJAX_PYTHON=python3 scripts/accelerator_checks.sh OUT [gpu|tpu]
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(mkdir -p "${1:-accelerator-results}" && cd "${1:-accelerator-results}" && pwd)"
 DEVICE="${2:-gpu}"
+BENCH_OUT="${BENCH_OUT:-$OUT}"
 PY="${DLMJAX_PYTHON:-python3}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 cd "$ROOT"
@@ -22,7 +23,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first
   local name=$1 limit=$2; shift 2
   echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/stages.txt"
   local start=$SECONDS
-  timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -s INT -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "   rc $? in $((SECONDS - start))s" | tee -a "$OUT/stages.txt"
 }
 
@@ -44,10 +45,10 @@ grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -3
 
 BENCH=(benchmarks/decode_gpu.py --shape sdar-1.7b --repeats 10)
 stage bench-step "${STEP_S:-170}" "$PY" "${BENCH[@]}" --skip decoders --prefill 512 2048 8192 32768 \
-  --argmax-positions 64 256 1024 --out "$OUT/bench-step"
+  --argmax-positions 64 256 1024 --out "$BENCH_OUT/bench-step"
 stage bench-decoders "${DECODERS_S:-150}" "$PY" "${BENCH[@]}" --skip step prefill argmax transformers \
-  --batches 1 16 64 --prompts 64 --max-new 64 --out "$OUT/bench-decoders" \
+  --batches 1 16 64 --prompts 64 --max-new 64 --out "$BENCH_OUT/bench-decoders" \
   --decoders threshold:tau=0.9 psd:policy=threshold,tau=0.9,depth=3 mrp-spec:drafts=3
 stage bench-8b "${PREFILL_8B_S:-60}" "$PY" benchmarks/decode_gpu.py --shape sdar-8b --repeats 4 --kernels auto \
-  --skip step argmax decoders transformers --prefill 32768 --out "$OUT/bench-8b"
+  --skip step argmax decoders transformers --prefill 32768 --out "$BENCH_OUT/bench-8b"
 cat "$OUT/stages.txt"
