@@ -8,7 +8,8 @@ Sections (each a markdown table; all go to benchmarks/results/decode_gpu/<device
 3. prefill: one forward writing the KV cache of L tokens (batch 1), TFLOP/s and % of --peak-tflops
    (default: the device's bf16 dense peak when known) per kernel mode; OOM is recorded as such,
    with the bytes the device reports as its peak use;
-4. argmax: residual_argmax (kernel path) vs the XLA path (full logits, then scoring) at M positions;
+4. argmax: residual_argmax's kernel (mode "on", whatever "auto" picks) vs the XLA path (full logits,
+   then scoring) at M positions;
 5. decoders: tokens/s of each decoder at each batch (benchmarks/decode_throughput.run_batches);
 6. transformers: the eager forward of the same shape (Qwen3ForCausalLM, random weights) for the
    same block against the same cache, per-step ms, on the same device (torch CUDA when present).
@@ -136,6 +137,7 @@ def section_step(model, args, bw, modes):
     lines = [f"Decode step: {args.block} tokens against {args.prompt_len} cached, median of {args.repeats} "
              f"(roofline = (weights + KV read) / {bw / 1e9:.0f} GB/s):", "",
              "| batch | kernels | attention path | ms | roofline ms | % of roofline |", "|---:|---|---|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
     records = []
     for batch in args.batches:
         roof = 1e3 * (weight_bytes(model) + kv_bytes(cfg, batch, args.prompt_len)) / bw
@@ -193,6 +195,7 @@ def section_argmax(model, args, modes):
     w = model.lm_head_weight()
     lines = [f"Greedy scores of M positions from hidden states (V = {cfg.vocab_size}): residual_argmax vs "
              "full logits + scoring:", "", "| positions | kernels | path | ms |", "|---:|---|---|---:|"]
+    print("\n".join(lines), flush=True)
     records = []
     for m in args.argmax_positions:
         x = jax.random.normal(jax.random.key(0), (m, cfg.hidden_size)).astype(cfg.dtype)
@@ -212,6 +215,7 @@ def section_decoders(model, head, args):
     lines = [f"Decoders ({len(prompts)} prompts of {args.prompt_len} tokens, {args.max_new} new tokens, fixed batches, "
              f"kernels {args.decoder_kernels}):", "", "| decoder | batch | forwards | tokens/s | wall s |",
              "|---|---:|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
     records = []
     with kernels.use(args.decoder_kernels):
         for spec in args.decoders:
@@ -244,6 +248,7 @@ def section_transformers(model, args):
     net = Qwen3ForCausalLM(hf).to(device=device, dtype=dtype).eval()
     lines = [f"transformers {__import__('transformers').__version__} eager forward on {device} "
              f"({args.block} tokens against {args.prompt_len} cached):", "", "| batch | ms |", "|---:|---:|"]
+    print("\n".join(lines), flush=True)
     records = []
     for batch in args.batches:
         ids = torch.randint(0, cfg.vocab_size - 2, (batch, args.prompt_len + args.block), device=device)
@@ -312,10 +317,11 @@ def main(argv=None):
               f"{platform.processor() or platform.machine()}, model {name}", ""]
     print("\n".join(header), flush=True)
     bw = bandwidth(args.copy_mib, args.repeats)
+    print(f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s", flush=True)
     lines, results = header + [f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s", ""], dict(bandwidth_bytes_per_s=bw)
     sections = dict(step=lambda: section_step(model, args, bw, args.kernels),
                     prefill=lambda: section_prefill(model, args, peak, args.kernels),
-                    argmax=lambda: section_argmax(model, args, args.kernels),
+                    argmax=lambda: section_argmax(model, args, ["on", "off"]),  # the kernel itself vs XLA
                     decoders=lambda: section_decoders(model, head, args),
                     transformers=lambda: section_transformers(model, args))
     for key, run in sections.items():

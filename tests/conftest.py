@@ -18,6 +18,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 if os.environ.get("DLMJAX_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 else:
+    # XLA's GPU autotuner times several configurations of every matmul it compiles; the tests'
+    # many small programs need none of that (and each one's choice is then fixed, not timed).
+    os.environ["XLA_FLAGS"] += " --xla_gpu_autotune_level=0"
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
     os.environ.setdefault("DLMJAX_INVARIANT", "1")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and several workers share the device

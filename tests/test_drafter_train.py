@@ -163,9 +163,9 @@ def test_export_is_a_dflash_dir_that_decodes_like_ar(straight, target_dir):
 
 def test_target_labels_come_without_the_targets_logits_on_the_kernel_path(target_dir):
     """The frozen target's greedy labels of a training batch come through residual_argmax: in
-    interpret mode (the path a GPU takes) they equal the argmax of its logits, the loss and the
-    drafter's gradient compute, and the compiled target pass holds no [B, L, V] array (with the
-    kernels off it holds the logits)."""
+    interpret mode (the path a TPU takes, and a GPU with --kernels on) they equal the argmax of
+    its logits, the loss and the drafter's gradient compute, and the compiled target pass holds
+    no [B, L, V] array (with the kernels off it holds the logits)."""
     from dlmjax import kernels
     from dlmjax.heads.drafter import DrafterConfig, init_drafter
     from dlmjax.train.drafter import DrafterTrainSpec, drafter_train_loss, target_pass

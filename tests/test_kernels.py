@@ -331,7 +331,7 @@ def test_corrected_token_probabilities_from_hidden_states_equal_those_from_logit
 
 def test_the_lossless_decoders_equal_their_references_on_the_kernel_path(kernel_models):
     """mrp-spec = static and PSD = its policy one step per forward, both scored from hidden states
-    (the kernel path a GPU takes by default), with drafts accepted."""
+    (the kernel path a TPU takes by default, a GPU with --kernels on), with drafts accepted."""
     from dlmjax.decoding.api import generate
 
     models, _ = kernel_models
@@ -553,7 +553,7 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
         auto_path = decode_gpu.path_of("attention")
     assert [r["path"] for r in results["step"]] == [auto_path, "reference"]
     assert all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in results["step"])
-    assert [r["kernels"] for r in results["argmax"]] == ["auto", "off"]
+    assert [r["kernels"] for r in results["argmax"]] == ["on", "off"]
     assert [r["batch"] for r in results["transformers"]] == [1] and results["transformers"][0]["ms"] > 0
     tag = f"{jax.devices()[0].platform}-tiny"
     saved = json.loads((tmp_path / f"{tag}.json").read_text())
@@ -649,6 +649,25 @@ def test_the_kernels_lower_for_a_tpu(monkeypatch):
         text = jax.jit(call).trace(x, spec((2048, 151_700), jnp.bfloat16), spec((2048,), jnp.bfloat16),
                                    x).lower(lowering_platforms=("tpu",)).as_text()
         assert "tpu_custom_call" in text and "residual_argmax_tpu" in text
+
+
+def test_auto_runs_each_kernel_where_it_was_measured_to_pay(monkeypatch, caplog):
+    """kernels.AUTO: on a GPU "auto" runs flash attention but keeps residual_argmax's reference
+    (measured faster there), saying why, and the greedy decoders then keep their logits path; "on"
+    runs both; on a TPU "auto" runs both."""
+    from dlmjax.decoding.spec import parse_decoder
+
+    kernels._LOGGED.clear()
+    static = parse_decoder("static")
+    with caplog.at_level(logging.INFO, logger="dlmjax.kernels"):
+        for backend, mode, expected in [("gpu", "auto", {"attention": "kernel", "residual_argmax": None}),
+                                        ("gpu", "on", {"attention": "kernel", "residual_argmax": "kernel"}),
+                                        ("tpu", "auto", {"attention": "kernel", "residual_argmax": "kernel"})]:
+            monkeypatch.setattr(jax, "default_backend", lambda: backend)
+            with kernels.use(mode):
+                assert {name: kernels.choose(name) for name in expected} == expected, (backend, mode)
+                assert static.scores_from_hidden(None) == (expected["residual_argmax"] is not None)
+    assert "residual_argmax: reference path (on gpu the reference measured faster" in caplog.text
 
 
 def test_on_a_tpu_the_dispatcher_takes_the_tpu_kernel_and_probes_it(monkeypatch, caplog):

@@ -5,8 +5,9 @@
     DLMJAX_KERNELS=interpret python ...     # Pallas kernels in interpret mode (any device; tests)
 
 Modes:
-- "auto" (default): the kernels where they are supported, i.e. on GPU and TPU; on CPU the
-  reference (today's XLA code) runs.
+- "auto" (default): each kernel on the accelerators where it is measured to pay (`AUTO`): flash
+  attention on GPU and TPU, residual_argmax on TPU; elsewhere, and on CPU, the reference (the
+  XLA code) runs.
 - "on": the kernels wherever they are supported (on CPU that means nowhere: the reference runs,
   with the reason logged).
 - "interpret": the kernels in Pallas interpret mode on any device (slow; tests on CPU).
@@ -35,6 +36,11 @@ import os
 
 MODES = ("auto", "on", "interpret", "off")
 ACCELERATORS = ("gpu", "tpu")
+# Where "auto" runs each kernel: where its measured cost beats the reference's
+# (benchmarks/decode_gpu.py). On an H200, residual_argmax's Triton kernel took 1.5 to 2.3x the XLA
+# path's time at 64 to 1,024 positions of a 151,936-column vocabulary, while flash attention was
+# 1.1 to 2.5x faster (benchmarks/results/decode_gpu/gpu-h200.md); on GPU "on" still runs both.
+AUTO = {"attention": ("gpu", "tpu"), "residual_argmax": ("tpu",)}
 
 log = logging.getLogger("dlmjax.kernels")
 
@@ -102,6 +108,9 @@ def choose(kernel: str, unsupported: str | None = None) -> str | None:
     if mode != "interpret" and backend not in ACCELERATORS:
         if mode == "on":
             fallback(kernel, f"no Pallas kernel on {backend}")
+        return None
+    if mode == "auto" and backend not in AUTO[kernel.split("/")[0]]:
+        fallback(kernel, f"on {backend} the reference measured faster (kernels.AUTO); --kernels on runs the kernel")
         return None
     if unsupported is not None:
         fallback(kernel, unsupported)
