@@ -1,9 +1,12 @@
 """Drafter training losses (seed 003, ALGORITHMS.md section 3), composable by config.
 
-Every function takes one block layout: logits [..., K, V], labels [..., K] int, mask [..., K]
-bool (False at block position 0, which is the given token, and past the sequence's end), so a
-leading shape [B, N] of (row, anchor) works as well as [K]. Block position k = 1..K-1 is the
-k-th proposal. All softmaxes are float32.
+Every loss reads a drafter's predictions only through two numbers per block position: log p(label)
+and whether its argmax is the label (`LabelScores`, each [..., K]), with mask [..., K] bool (False
+at block position 0, which is the given token, and past the sequence's end), so a leading shape
+[B, N] of (row, anchor) works as well as [K]. Block position k = 1..K-1 is the k-th proposal.
+`label_scores` reads them from logits; `label_scores_from_hidden` from hidden states a chunk of
+positions at a time, so that training never holds the [..., K, V] logits of a whole batch (80 GB
+in float32 at Qwen3's vocabulary for 16 rows x 512 anchors x 16 positions). All in float32.
 
 - `uniform_ce`       mean cross-entropy over supervised positions (the baseline);
 - `decay_ce`         positional weighting w_k = exp(-(k - 1) / gamma), normalised by sum w
@@ -13,8 +16,8 @@ k-th proposal. All softmaxes are float32.
                      have such an error (times alpha_f in `drafter_loss`);
 - `chain_loss`       minus sum_k prod_{j<=k} p_j per block (p_j = drafter probability of label j;
                      a differentiable surrogate of the expected accepted length), mean over
-                     blocks. Computed as exp(cumsum(log p)) from log_softmax: finite value and
-                     gradient however close p is to 0 or 1.
+                     blocks. Computed as exp(cumsum(log p)): finite value and gradient however
+                     close p is to 0 or 1.
 
 `drafter_loss` = (decay_ce if gamma > 0 else uniform_ce) * ce_weight
                + alpha_f * first_error_focal + alpha_c * chain_loss.
@@ -23,17 +26,43 @@ k-th proposal. All softmaxes are float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 _NEG = -1e4  # log-probability of an unsupervised position in the chain product: exp() is exactly 0
+LOGITS_CHUNK_BYTES = 256 * 2**20  # float32 logits one chunk of `label_scores_from_hidden` holds
 
 
-def label_logprobs(logits, labels):
-    """log p(label) [..., K], float32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+class LabelScores(NamedTuple):
+    """Per block position [..., K]: log p(label) (float32) and whether the argmax is the label."""
+
+    logp: jax.Array
+    right: jax.Array
+
+
+def label_scores(logits, labels) -> LabelScores:
+    """From logits [..., K, V] and labels [..., K]."""
+    z = logits.astype(jnp.float32)
+    at_label = jnp.take_along_axis(z, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return LabelScores(at_label - jax.nn.logsumexp(z, axis=-1), jnp.argmax(z, axis=-1) == labels)
+
+
+def label_scores_from_hidden(hidden, lm_logits, labels) -> LabelScores:
+    """`label_scores(lm_logits(hidden), labels)` for hidden [..., K, D], a chunk of positions at a
+    time: each chunk's logits (LOGITS_CHUNK_BYTES of them) are made, read and dropped, and made
+    again in the backward pass (jax.checkpoint), so memory holds one chunk's, not all of them."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    vocab = jax.eval_shape(lm_logits, h[:1]).shape[-1]
+    rows = max(1, min(h.shape[0], LOGITS_CHUNK_BYTES // (4 * vocab)))
+    chunks = -(-h.shape[0] // rows)
+    pad = chunks * rows - h.shape[0]
+    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(chunks, rows, -1)
+    y = jnp.pad(y, (0, pad)).reshape(chunks, rows)
+    scores = jax.lax.map(jax.checkpoint(lambda hy: label_scores(lm_logits(hy[0]), hy[1])), (h, y))
+    return LabelScores(*(x.reshape(-1)[: labels.size].reshape(labels.shape) for x in scores))
 
 
 def position_weights(k_size: int, gamma: float):
@@ -42,33 +71,33 @@ def position_weights(k_size: int, gamma: float):
     return jnp.exp(-(k - 1.0) / gamma)
 
 
-def uniform_ce(logits, labels, mask):
+def uniform_ce(scores: LabelScores, mask):
     m = mask.astype(jnp.float32)
-    return -jnp.sum(label_logprobs(logits, labels) * m) / jnp.maximum(jnp.sum(m), 1.0)
+    return -jnp.sum(scores.logp * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def decay_ce(logits, labels, mask, gamma: float):
-    w = position_weights(labels.shape[-1], gamma) * mask.astype(jnp.float32)
-    return -jnp.sum(label_logprobs(logits, labels) * w) / jnp.maximum(jnp.sum(w), 1e-12)
+def decay_ce(scores: LabelScores, mask, gamma: float):
+    w = position_weights(mask.shape[-1], gamma) * mask.astype(jnp.float32)
+    return -jnp.sum(scores.logp * w) / jnp.maximum(jnp.sum(w), 1e-12)
 
 
-def first_error_onehot(logits, labels, mask):
+def first_error_onehot(scores: LabelScores, mask):
     """[..., K] bool: the first supervised position whose argmax is not the label (none if all right)."""
-    wrong = (jnp.argmax(logits, axis=-1) != labels) & mask
+    wrong = ~scores.right & mask
     before = jnp.cumsum(wrong.astype(jnp.int32), axis=-1) - wrong.astype(jnp.int32)
     return wrong & (before == 0)
 
 
-def first_error_focal(logits, labels, mask, focal_gamma: float):
-    logp = label_logprobs(logits, labels)
-    first = jax.lax.stop_gradient(first_error_onehot(logits, labels, mask)).astype(jnp.float32)
+def first_error_focal(scores: LabelScores, mask, focal_gamma: float):
+    logp = scores.logp
+    first = jax.lax.stop_gradient(first_error_onehot(scores, mask)).astype(jnp.float32)
     focal = (1.0 - jnp.exp(logp)) ** focal_gamma * (-logp)
     blocks = jnp.sum(first, axis=-1)  # 1 for a block with an error, else 0
     return jnp.sum(focal * first) / jnp.maximum(jnp.sum(blocks), 1.0)
 
 
-def chain_loss(logits, labels, mask):
-    logp = jnp.where(mask, label_logprobs(logits, labels), _NEG)
+def chain_loss(scores: LabelScores, mask):
+    logp = jnp.where(mask, scores.logp, _NEG)
     # position 0 is unsupervised but must not break the chain: it contributes log 1 = 0
     logp = logp.at[..., 0].set(0.0)
     prefix = jnp.exp(jnp.cumsum(logp, axis=-1))[..., 1:]  # prod_{j<=k} p_j for k = 1..K-1
@@ -86,11 +115,11 @@ class LossWeights:
     chain_alpha: float = 0.0  # alpha_c
 
 
-def drafter_loss(logits, labels, mask, w: LossWeights):
+def drafter_loss(scores: LabelScores, mask, w: LossWeights):
     """(loss, parts dict) with every term reported (the unused ones weighted by 0)."""
-    ce = decay_ce(logits, labels, mask, w.decay_gamma) if w.decay_gamma > 0 else uniform_ce(logits, labels, mask)
-    focal = first_error_focal(logits, labels, mask, w.focal_gamma)
-    chain = chain_loss(logits, labels, mask)
+    ce = decay_ce(scores, mask, w.decay_gamma) if w.decay_gamma > 0 else uniform_ce(scores, mask)
+    focal = first_error_focal(scores, mask, w.focal_gamma)
+    chain = chain_loss(scores, mask)
     total = w.ce_weight * ce
     if w.focal_alpha:
         total = total + w.focal_alpha * focal

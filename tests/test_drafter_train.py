@@ -18,7 +18,7 @@ from dlmjax.decoding.speculative import generate_with_drafter
 from dlmjax.io.dflash import load_drafter
 from dlmjax.io.hf import load_model
 from dlmjax.losses import (
-    LossWeights, chain_loss, decay_ce, drafter_loss, first_error_focal, first_error_onehot, uniform_ce,
+    LossWeights, chain_loss, decay_ce, drafter_loss, first_error_focal, first_error_onehot, label_scores, uniform_ce,
 )
 from dlmjax.train.config import RunConfigError, load_run_config
 from dlmjax.train.drafter import block_inputs, sample_anchors
@@ -38,43 +38,44 @@ PROBS = np.array([
 LOGITS = jnp.log(jnp.asarray(PROBS))
 LABELS = jnp.array([[0, 0, 1], [0, 0, 0]], jnp.int32)
 MASK = jnp.array([[False, True, True], [False, True, True]])
+SCORES = label_scores(LOGITS, LABELS)
 L = math.log
 
 
 def test_uniform_ce_by_hand():
     expected = (-L(0.8) - L(0.25) - L(0.9) - L(0.9)) / 4
-    assert float(uniform_ce(LOGITS, LABELS, MASK)) == pytest.approx(expected, rel=1e-5)
+    assert float(uniform_ce(SCORES, MASK)) == pytest.approx(expected, rel=1e-5)
 
 
 def test_decay_ce_by_hand():
     w2 = math.exp(-1 / 2.0)  # gamma 2: w_1 = 1, w_2 = exp(-1/2)
     expected = (-L(0.8) - w2 * L(0.25) - L(0.9) - w2 * L(0.9)) / (2 + 2 * w2)
-    assert float(decay_ce(LOGITS, LABELS, MASK, 2.0)) == pytest.approx(expected, rel=1e-5)
+    assert float(decay_ce(SCORES, MASK, 2.0)) == pytest.approx(expected, rel=1e-5)
 
 
 def test_first_error_focal_by_hand():
-    np.testing.assert_array_equal(np.asarray(first_error_onehot(LOGITS, LABELS, MASK)),
+    np.testing.assert_array_equal(np.asarray(first_error_onehot(SCORES, MASK)),
                                   [[False, False, True], [False, False, False]])
     expected = (1 - 0.25) ** 2 * -L(0.25)  # one block has an error; it is the mean's only term
-    assert float(first_error_focal(LOGITS, LABELS, MASK, 2.0)) == pytest.approx(expected, rel=1e-5)
+    assert float(first_error_focal(SCORES, MASK, 2.0)) == pytest.approx(expected, rel=1e-5)
 
 
 def test_chain_loss_by_hand():
     expected = -((0.8 + 0.8 * 0.25) + (0.9 + 0.9 * 0.9)) / 2
-    assert float(chain_loss(LOGITS, LABELS, MASK)) == pytest.approx(expected, rel=1e-5)
+    assert float(chain_loss(SCORES, MASK)) == pytest.approx(expected, rel=1e-5)
     # an unsupervised position ends the chain
     cut = MASK.at[0, 1].set(False)
-    assert float(chain_loss(LOGITS, LABELS, cut)) == pytest.approx(-(0.0 + 0.9 + 0.81) / 2, rel=1e-5)
+    assert float(chain_loss(SCORES, cut)) == pytest.approx(-(0.0 + 0.9 + 0.81) / 2, rel=1e-5)
 
 
 def test_losses_compose_additively():
     w = LossWeights(ce_weight=1.0, decay_gamma=2.0, focal_alpha=0.3, focal_gamma=2.0, chain_alpha=4.0)
-    total, parts = drafter_loss(LOGITS, LABELS, MASK, w)
-    expected = (decay_ce(LOGITS, LABELS, MASK, 2.0) + 0.3 * first_error_focal(LOGITS, LABELS, MASK, 2.0)
-                + 4.0 * chain_loss(LOGITS, LABELS, MASK))
+    total, parts = drafter_loss(SCORES, MASK, w)
+    expected = (decay_ce(SCORES, MASK, 2.0) + 0.3 * first_error_focal(SCORES, MASK, 2.0)
+                + 4.0 * chain_loss(SCORES, MASK))
     assert float(total) == pytest.approx(float(expected), rel=1e-6)
-    base, _ = drafter_loss(LOGITS, LABELS, MASK, LossWeights())
-    assert float(base) == pytest.approx(float(uniform_ce(LOGITS, LABELS, MASK)), rel=1e-6)
+    base, _ = drafter_loss(SCORES, MASK, LossWeights())
+    assert float(base) == pytest.approx(float(uniform_ce(SCORES, MASK)), rel=1e-6)
 
 
 @pytest.mark.parametrize("label_logit", [-60.0, 60.0], ids=["p->0", "p->1"])
@@ -82,10 +83,10 @@ def test_chain_loss_gradient_finite_at_extremes(label_logit):
     logits = jnp.zeros((1, 4, 5)).at[..., 0].set(label_logit)
     labels = jnp.zeros((1, 4), jnp.int32)
     mask = jnp.array([[False, True, True, True]])
-    for fn in (chain_loss, lambda lg, lb, m: first_error_focal(lg, lb, m, 2.0)):
-        grad = jax.grad(lambda x: fn(x, labels, mask))(logits)
+    for fn in (chain_loss, lambda scores, m: first_error_focal(scores, m, 2.0)):
+        grad = jax.grad(lambda x: fn(label_scores(x, labels), mask))(logits)
         assert np.isfinite(np.asarray(grad)).all()
-    value = float(chain_loss(logits, labels, mask))
+    value = float(chain_loss(label_scores(logits, labels), mask))
     assert value == pytest.approx(-3.0 if label_logit > 0 else 0.0, abs=1e-6)
 
 
@@ -193,3 +194,42 @@ def test_target_labels_come_without_the_targets_logits_on_the_kernel_path(target
         loss_of = lambda d: drafter_train_loss(d, target, batch, jax.random.key(0), spec=spec)  # noqa: E731
         (loss, _), grads = nnx.jit(nnx.value_and_grad(loss_of, has_aux=True))(drafter)
     assert np.isfinite(float(loss)) and any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
+
+
+def test_the_training_loss_makes_logits_a_chunk_at_a_time(target_dir, monkeypatch):
+    """The drafter's loss reads its predictions through label_scores_from_hidden: logits of 5
+    positions at a time here (16 block positions: 4 chunks, the last padded), made again in the
+    backward pass. Loss and gradient equal those of one chunk holding every position's logits,
+    and the compiled loss-and-gradient holds no vocabulary-wide array beyond one chunk's rows."""
+    from dlmjax import losses
+    from dlmjax.heads.drafter import DrafterConfig, init_drafter
+    from dlmjax.train.drafter import DrafterTrainSpec, drafter_train_loss
+    from hlo import logits_rows
+
+    target = load_model(target_dir)
+    vocab = target.config.vocab_size
+    cfg = DrafterConfig.for_target(target.config, num_layers=1, block_size=4, target_layer_ids=(1, 2),
+                                   mask_token_id=vocab - 1)
+    graphdef, state = nnx.split(init_drafter(cfg, seed=0))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(3, vocab - 1, (2, 24)), jnp.int32)
+    batch = {"tokens": tokens, "valid": jnp.ones((2, 24), bool), "target": jnp.arange(24)[None].repeat(2, 0) >= 8}
+    spec = DrafterTrainSpec(block_size=4, anchors_per_row=2, labels="data",
+                            weights=LossWeights(decay_gamma=2.0, focal_alpha=0.3, chain_alpha=1.0))
+
+    def loss_and_grad(state):
+        loss_of = lambda st: drafter_train_loss(nnx.merge(graphdef, st), target, batch, jax.random.key(0),  # noqa: E731
+                                                spec=spec)[0]
+        return jax.value_and_grad(loss_of)(state)
+
+    runs = {}
+    for rows in (5, 16):
+        monkeypatch.setattr(losses, "LOGITS_CHUNK_BYTES", rows * 4 * vocab)
+        run = jax.jit(lambda state: loss_and_grad(state))  # a new function: traced again under the new size
+        runs[rows] = run(state), logits_rows(run.lower(state).compile().as_text(), target.config)
+    (loss, grads), made = runs[5]
+    (whole_loss, whole_grads), whole_made = runs[16]
+    assert max(made) == 5 and max(whole_made) == 16
+    np.testing.assert_allclose(float(loss), float(whole_loss), rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from dlmjax.decoding.ar import greedy_tokens
 from dlmjax.heads.drafter import Drafter, context_features, visibilities
-from dlmjax.losses import LossWeights, drafter_loss
+from dlmjax.losses import LabelScores, LossWeights, drafter_loss, label_scores_from_hidden
 from dlmjax.models.transformer import Transformer
 
 LABELS = ("target", "data")
@@ -66,9 +66,9 @@ def block_inputs(tokens_bl, valid_bl, labels_bl, anchors_bn, ok_bn, *, block: in
     return blk, pos, labels, mask
 
 
-def drafter_logits(drafter: Drafter, target: Transformer, blk_bnk, pos_bnk, feats_blf, valid_bl):
-    """Draft logits [B, n, K, V]: every block of a row in one forward, each seeing the context
-    before its anchor and its own block only."""
+def drafter_hidden(drafter: Drafter, target: Transformer, blk_bnk, pos_bnk, feats_blf, valid_bl):
+    """Draft hidden states [B, n, K, D] (the target's lm_head makes their logits): every block of a
+    row in one forward, each seeing the context before its anchor and its own block only."""
     b, n, k = blk_bnk.shape
     l = feats_blf.shape[1]
     ctx_pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
@@ -78,7 +78,7 @@ def drafter_logits(drafter: Drafter, target: Transformer, blk_bnk, pos_bnk, feat
     anchor = jnp.broadcast_to(pos_bnk[..., :1], (b, n, k)).reshape(b, n * k)
     ctx_vis, blk_vis = visibilities(drafter.config, q_pos, jnp.broadcast_to(group, (b, n * k)), ctx_pos, anchor, valid_bl)
     h = drafter(target.embed_tokens(blk_bnk.reshape(b, n * k)), q_pos, ctx_kv, ctx_vis, blk_vis)
-    return target.lm_logits(h).reshape(b, n, k, -1)
+    return h.reshape(b, n, k, -1)
 
 
 def target_pass(target: Transformer, cfg, tokens_bl, valid_bl):
@@ -104,16 +104,17 @@ def drafter_train_loss(drafter: Drafter, target: Transformer, batch, key, *, spe
     anchors, ok = sample_anchors(key, valid, gen, spec.anchors_per_row)
     blk, pos, labels, mask = block_inputs(tokens, valid, labels_src, anchors, ok, block=spec.block_size,
                                           mask_id=cfg.mask_token_id)
-    logits = drafter_logits(drafter, target, blk, pos, feats, valid)
-    loss, parts = drafter_loss(logits, labels, mask, spec.weights)
-    metrics = {"loss": loss, **parts, **acceptance_metrics(logits, labels, mask)}
+    hidden = drafter_hidden(drafter, target, blk, pos, feats, valid)
+    scores = label_scores_from_hidden(hidden, target.lm_logits, labels)
+    loss, parts = drafter_loss(scores, mask, spec.weights)
+    metrics = {"loss": loss, **parts, **acceptance_metrics(scores, mask)}
     return loss, metrics
 
 
-def acceptance_metrics(logits, labels, mask):
+def acceptance_metrics(scores: LabelScores, mask):
     """Greedy acceptance that these blocks would get from a target whose choices are the labels:
     `accept_len` = 1 + the accepted prefix (mean over blocks), `top1` = per-position accuracy."""
-    right = (jnp.argmax(logits, axis=-1) == labels) & mask
+    right = scores.right & mask
     m = mask.astype(jnp.float32)
     prefix = jnp.cumprod(jnp.where(mask, right, False)[..., 1:], axis=-1).sum(axis=-1)
     blocks = jnp.any(mask, axis=-1).astype(jnp.float32)
