@@ -96,6 +96,45 @@ def test_loss_weightings_and_bad_weighting(tokenizer):
         block_diffusion_loss(model, batch, jax.random.key(0), block=4, mask_id=cfg.mask_token_id, weighting="1/t")
 
 
+@pytest.mark.parametrize("objective", ["block_diffusion", "next_token"])
+def test_the_losses_hold_a_chunk_of_logits_and_equal_full_cross_entropy(tokenizer, monkeypatch, objective):
+    """Both objectives read log p(token) and the argmax a chunk of positions' logits at a time
+    (losses.label_scores_from_hidden; 7 positions here): loss, accuracy and gradient equal one
+    chunk over every position, the compiled loss-and-gradient holds no wider vocabulary array, and
+    the next-token loss equals optax's cross-entropy of the model's own logits."""
+    import optax
+
+    from dlmjax import losses
+    from dlmjax.train.objectives import next_token_loss
+    from hlo import logits_rows
+
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.mask_id, eos_token_ids=(tokenizer.eos_id,),
+                      pad_token_id=tokenizer.pad_id, **TINY_MODEL)
+    graphdef, state = nnx.split(init_model(cfg, seed=2))
+    batch = vars(make_batch(sample_examples({"toy-arith": 1}, 2, 0, 1), tokenizer, seq_len=64, block=4, pad_id=0))
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    loss_fn = {"block_diffusion": lambda m: block_diffusion_loss(m, batch, jax.random.key(0), block=4,
+                                                                 mask_id=cfg.mask_token_id),
+               "next_token": lambda m: next_token_loss(m, batch)}[objective]
+    runs = {}
+    for rows in (7, 128):  # 128: every position (2 rows x 64) in one chunk
+        monkeypatch.setattr(losses, "LOGITS_CHUNK_BYTES", rows * 4 * cfg.vocab_size)
+        run = jax.jit(lambda st: jax.value_and_grad(lambda x: loss_fn(nnx.merge(graphdef, x)), has_aux=True)(st))
+        runs[rows] = run(state), max(logits_rows(run.lower(state).compile().as_text(), cfg))
+    ((loss, metrics), grads), made = runs[7]
+    ((whole, whole_metrics), whole_grads), whole_made = runs[128]
+    assert made == 7 and whole_made > 7
+    np.testing.assert_allclose(float(loss), float(whole), rtol=1e-6)
+    assert float(metrics["token_accuracy"]) == float(whole_metrics["token_accuracy"])
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    if objective == "next_token":
+        logits = nnx.merge(graphdef, state)(batch["tokens"], valid_bl=batch["valid"]).logits[:, :-1]
+        m = batch["target"][:, 1:]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+        np.testing.assert_allclose(float(loss), float(jnp.sum(ce * m) / jnp.sum(m)), rtol=1e-5)
+
+
 def test_config_overrides_and_errors(tmp_path):
     run = load_run_config("configs/toy-sdar.yaml", ["train.lr=1e-4", "data.tasks={toy-arith: 1}", "model.block_size=4"])
     assert run.train.lr == 1e-4 and run.data.tasks == {"toy-arith": 1} and run.model["block_size"] == 4

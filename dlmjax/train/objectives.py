@@ -1,4 +1,6 @@
-"""Training losses: masked block diffusion (SDAR-style) and next-token prediction.
+"""Training losses: masked block diffusion (SDAR-style) and next-token prediction. Both read the
+model's log p(token) and argmax through `losses.label_scores_from_hidden`, a chunk of positions'
+logits at a time, so a batch's [B, L, V] logits are never held at once.
 
 Block diffusion trains every block of a row in one forward, as at decoding time: a block is
 denoised while the blocks before it are clean. The forward runs over `[noisy ; clean]` (length
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from dlmjax.losses import label_scores_from_hidden
+from dlmjax.models import layers
 
 WEIGHTINGS = ("none", "inverse_t")
 
@@ -73,14 +77,14 @@ def block_diffusion_loss(model, batch, key, *, block: int, mask_id: int, weighti
         visible_bll=block_diffusion_visibility(positions, valid, block),
         compute_logits=False,
     )
-    logits = model.lm_logits(noisy_half_hidden(out.hidden, block, model.config.shift_logits))
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
+    scores = label_scores_from_hidden(noisy_half_hidden(out.hidden, block, model.config.shift_logits),
+                                      model.lm_logits, tokens)
     m = masked.astype(jnp.float32)
     if weighting == "none":
-        loss = jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)
+        loss = -jnp.sum(scores.logp * m) / jnp.maximum(jnp.sum(m), 1.0)
     else:
-        loss = jnp.sum(ce * m / t) / jnp.maximum(jnp.sum(target), 1)
-    accuracy = jnp.sum((jnp.argmax(logits, -1) == tokens) * m) / jnp.maximum(jnp.sum(m), 1.0)
+        loss = -jnp.sum(scores.logp * m / t) / jnp.maximum(jnp.sum(target), 1)
+    accuracy = jnp.sum(scores.right * m) / jnp.maximum(jnp.sum(m), 1.0)
     return loss, {"loss": loss, "token_accuracy": accuracy, "masked_tokens": jnp.sum(m)}
 
 
@@ -88,10 +92,11 @@ def next_token_loss(model, batch, key=None):
     """Causal LM loss on the target tokens (position i predicts token i + 1)."""
     del key
     tokens, valid, target = batch["tokens"], batch["valid"], batch["target"]
-    logits = model(tokens, valid_bl=valid).logits[:, :-1]
-    labels = tokens[:, 1:]
+    hidden = model(tokens, valid_bl=valid, compute_logits=False).hidden
+    if model.config.shift_logits:  # the column whose logits the model's own output puts at each position
+        hidden = layers.shift_right(hidden)
+    scores = label_scores_from_hidden(hidden[:, :-1], model.lm_logits, tokens[:, 1:])
     m = target[:, 1:].astype(jnp.float32)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    loss = jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)
-    accuracy = jnp.sum((jnp.argmax(logits, -1) == labels) * m) / jnp.maximum(jnp.sum(m), 1.0)
+    loss = -jnp.sum(scores.logp * m) / jnp.maximum(jnp.sum(m), 1.0)
+    accuracy = jnp.sum(scores.right * m) / jnp.maximum(jnp.sum(m), 1.0)
     return loss, {"loss": loss, "token_accuracy": accuracy, "masked_tokens": jnp.sum(m)}
