@@ -1,4 +1,5 @@
-"""Drafter training losses (seed 003, ALGORITHMS.md section 3), composable by config.
+"""Drafter training losses (seed 003, ALGORITHMS.md section 3), composable by config, and the
+label scores every training loss reads (`label_scores_from_hidden`).
 
 Every loss reads a drafter's predictions only through two numbers per block position: log p(label)
 and whether its argmax is the label (`LabelScores`, each [..., K]), with mask [..., K] bool (False
@@ -50,19 +51,23 @@ def label_scores(logits, labels) -> LabelScores:
 
 
 def label_scores_from_hidden(hidden, lm_logits, labels) -> LabelScores:
-    """`label_scores(lm_logits(hidden), labels)` for hidden [..., K, D], a chunk of positions at a
-    time: each chunk's logits (LOGITS_CHUNK_BYTES of them) are made, read and dropped, and made
-    again in the backward pass (jax.checkpoint), so memory holds one chunk's, not all of them."""
-    h = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    vocab = jax.eval_shape(lm_logits, h[:1]).shape[-1]
-    rows = max(1, min(h.shape[0], LOGITS_CHUNK_BYTES // (4 * vocab)))
-    chunks = -(-h.shape[0] // rows)
-    pad = chunks * rows - h.shape[0]
-    h = jnp.pad(h, ((0, pad), (0, 0))).reshape(chunks, rows, -1)
-    y = jnp.pad(y, (0, pad)).reshape(chunks, rows)
+    """`label_scores(lm_logits(hidden), labels)` for hidden [B, ..., D], labels [B, ...], a chunk
+    of each row's positions at a time: each chunk's logits (LOGITS_CHUNK_BYTES of them for the
+    batch) are made, read and dropped, and made again in the backward pass (jax.checkpoint), so
+    memory holds one chunk's, not all of them. Chunks cut along positions, not rows, so a batch
+    sharded over rows stays sharded."""
+    b, d = hidden.shape[0], hidden.shape[-1]
+    h = hidden.reshape(b, -1, d)
+    y = labels.reshape(b, -1)
+    vocab = jax.eval_shape(lm_logits, h[:1, :1]).shape[-1]
+    width = max(1, min(h.shape[1], LOGITS_CHUNK_BYTES // (4 * vocab * b)))  # positions per row per chunk
+    chunks = -(-h.shape[1] // width)
+    pad = chunks * width - h.shape[1]
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, chunks, width, d).swapaxes(0, 1)
+    y = jnp.pad(y, ((0, 0), (0, pad))).reshape(b, chunks, width).swapaxes(0, 1)
     scores = jax.lax.map(jax.checkpoint(lambda hy: label_scores(lm_logits(hy[0]), hy[1])), (h, y))
-    return LabelScores(*(x.reshape(-1)[: labels.size].reshape(labels.shape) for x in scores))
+    per_row = labels.size // b
+    return LabelScores(*(x.swapaxes(0, 1).reshape(b, -1)[:, :per_row].reshape(labels.shape) for x in scores))
 
 
 def position_weights(k_size: int, gamma: float):

@@ -197,10 +197,11 @@ def test_target_labels_come_without_the_targets_logits_on_the_kernel_path(target
 
 
 def test_the_training_loss_makes_logits_a_chunk_at_a_time(target_dir, monkeypatch):
-    """The drafter's loss reads its predictions through label_scores_from_hidden: logits of 5
-    positions at a time here (16 block positions: 4 chunks, the last padded), made again in the
-    backward pass. Loss and gradient equal those of one chunk holding every position's logits,
-    and the compiled loss-and-gradient holds no vocabulary-wide array beyond one chunk's rows."""
+    """The drafter's loss reads its predictions through label_scores_from_hidden: logits of 3
+    positions of each row at a time here (8 block positions a row: 3 chunks, the last padded),
+    made again in the backward pass. Loss and gradient equal those of one chunk holding every
+    position's logits, and the compiled loss-and-gradient holds no vocabulary-wide array beyond
+    one chunk's (2 rows x 3)."""
     from dlmjax import losses
     from dlmjax.heads.drafter import DrafterConfig, init_drafter
     from dlmjax.train.drafter import DrafterTrainSpec, drafter_train_loss
@@ -222,13 +223,13 @@ def test_the_training_loss_makes_logits_a_chunk_at_a_time(target_dir, monkeypatc
         return jax.value_and_grad(loss_of)(state)
 
     runs = {}
-    for rows in (5, 16):
-        monkeypatch.setattr(losses, "LOGITS_CHUNK_BYTES", rows * 4 * vocab)
+    for width in (3, 8):
+        monkeypatch.setattr(losses, "LOGITS_CHUNK_BYTES", 2 * width * 4 * vocab)
         run = jax.jit(lambda state: loss_and_grad(state))  # a new function: traced again under the new size
-        runs[rows] = run(state), logits_rows(run.lower(state).compile().as_text(), target.config)
-    (loss, grads), made = runs[5]
-    (whole_loss, whole_grads), whole_made = runs[16]
-    assert max(made) == 5 and max(whole_made) == 16
+        runs[width] = run(state), logits_rows(run.lower(state).compile().as_text(), target.config)
+    (loss, grads), made = runs[3]
+    (whole_loss, whole_grads), whole_made = runs[8]
+    assert max(made) == 6 and max(whole_made) == 16
     np.testing.assert_allclose(float(loss), float(whole_loss), rtol=1e-6)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)

@@ -99,9 +99,9 @@ def test_loss_weightings_and_bad_weighting(tokenizer):
 @pytest.mark.parametrize("objective", ["block_diffusion", "next_token"])
 def test_the_losses_hold_a_chunk_of_logits_and_equal_full_cross_entropy(tokenizer, monkeypatch, objective):
     """Both objectives read log p(token) and the argmax a chunk of positions' logits at a time
-    (losses.label_scores_from_hidden; 7 positions here): loss, accuracy and gradient equal one
-    chunk over every position, the compiled loss-and-gradient holds no wider vocabulary array, and
-    the next-token loss equals optax's cross-entropy of the model's own logits."""
+    (losses.label_scores_from_hidden; 7 positions of each of the 2 rows here): loss, accuracy and
+    gradient equal one chunk over every position, the compiled loss-and-gradient holds no wider
+    vocabulary array, and the next-token loss equals optax's cross-entropy of the model's logits."""
     import optax
 
     from dlmjax import losses
@@ -117,13 +117,13 @@ def test_the_losses_hold_a_chunk_of_logits_and_equal_full_cross_entropy(tokenize
                                                                  mask_id=cfg.mask_token_id),
                "next_token": lambda m: next_token_loss(m, batch)}[objective]
     runs = {}
-    for rows in (7, 128):  # 128: every position (2 rows x 64) in one chunk
-        monkeypatch.setattr(losses, "LOGITS_CHUNK_BYTES", rows * 4 * cfg.vocab_size)
+    for width in (7, 64):  # 64: every position of a row in one chunk
+        monkeypatch.setattr(losses, "LOGITS_CHUNK_BYTES", 2 * width * 4 * cfg.vocab_size)
         run = jax.jit(lambda st: jax.value_and_grad(lambda x: loss_fn(nnx.merge(graphdef, x)), has_aux=True)(st))
-        runs[rows] = run(state), max(logits_rows(run.lower(state).compile().as_text(), cfg))
+        runs[width] = run(state), max(logits_rows(run.lower(state).compile().as_text(), cfg))
     ((loss, metrics), grads), made = runs[7]
-    ((whole, whole_metrics), whole_grads), whole_made = runs[128]
-    assert made == 7 and whole_made > 7
+    ((whole, whole_metrics), whole_grads), whole_made = runs[64]
+    assert made == 14 and whole_made > 14
     np.testing.assert_allclose(float(loss), float(whole), rtol=1e-6)
     assert float(metrics["token_accuracy"]) == float(whole_metrics["token_accuracy"])
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(whole_grads)):
