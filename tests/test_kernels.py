@@ -594,14 +594,21 @@ def test_the_cli_sets_the_kernel_mode(monkeypatch):
 def test_the_kernels_lower_for_a_gpu_through_triton():
     """Lowered for CUDA from this CPU (no GPU needed): Pallas' Triton lowering accepts both kernels at
     SDAR-like shapes (power-of-two loads, the shifted last tile, the dynamic key loop). This is the
-    lowering, not the GPU compile or a run: those are owed to a GPU."""
+    lowering, not the GPU compile or a run: that is test_the_compiled_kernels_equal_their_references_at_model_shapes
+    on a GPU. From jax 0.11 the Triton lowering reads the GPU's description, so without a GPU
+    this skips there."""
     import functools
 
     from dlmjax.kernels.attention import kernel as attention_kernel
     from dlmjax.kernels.residual_argmax import kernel as argmax_kernel
 
     def lowered(fn, *args):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        try:
+            return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        except RuntimeError as error:
+            if "No supported GPU devices found" not in str(error):
+                raise
+            pytest.skip(f"jax {jax.__version__} lowers Pallas for Triton only with a GPU present ({error})")
 
     q, kv = jnp.zeros((1, 16, 4, 128), jnp.bfloat16), jnp.zeros((1, 300, 2, 128), jnp.bfloat16)
     pos, k_pos = jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 300), jnp.int32)
