@@ -60,6 +60,16 @@ def persistent_compilation_cache(tmp_path_factory):
     jax_cache.reset_cache()
 
 
+@pytest.fixture
+def kernel_numerics():
+    """For tests that check the kernels: the batch-invariant numerics keep the references (which
+    `scripts/test.sh --device gpu` turns on for the rest of the suite), so they are off here."""
+    import dlmjax
+
+    with dlmjax.numerics(invariant=False):
+        yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_programs():
     """Each worker runs hundreds of tests; jax keeps every compiled program (and the arrays its

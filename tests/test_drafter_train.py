@@ -162,6 +162,7 @@ def test_export_is_a_dflash_dir_that_decodes_like_ar(straight, target_dir):
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
 
 
+@pytest.mark.usefixtures("kernel_numerics")
 def test_target_labels_come_without_the_targets_logits_on_the_kernel_path(target_dir):
     """The frozen target's greedy labels of a training batch come through residual_argmax: in
     interpret mode (the path a TPU takes, and a GPU with --kernels on) they equal the argmax of

@@ -23,14 +23,7 @@ TOL = {"float32": 1e-5, "bfloat16": 1e-2}
 # The mode of the tests that compare a kernel path with the reference path: interpret mode on CPU,
 # the device's compiled kernels on a GPU or TPU.
 KERNEL = "interpret" if jax.default_backend() == "cpu" else "on"
-
-
-@pytest.fixture(autouse=True)
-def fast_numerics():
-    """The kernels are what these tests check; the batch-invariant mode (which scripts/test.sh
-    --device gpu sets for the rest of the suite) keeps the references, so it is off here."""
-    with dlmjax.numerics(invariant=False):
-        yield
+pytestmark = pytest.mark.usefixtures("kernel_numerics")  # conftest.py
 
 
 @st.composite

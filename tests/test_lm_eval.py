@@ -370,6 +370,7 @@ def test_a_block_causal_masked_position_is_scored_as_its_noisy_block_after_the_c
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("kernel_numerics")
 @pytest.mark.parametrize("which", ["toy-ar", "toy-sdar"])
 def test_likelihoods_on_the_kernel_path_make_no_logits(which, monkeypatch):
     """Where residual_argmax runs as a kernel (interpret mode here), the causal and the diffusion
