@@ -36,6 +36,7 @@ from flax import nnx
 
 from dlmjax import arithmetic, kernels
 from dlmjax.decoding import policies
+from dlmjax.losses import label_scores
 from dlmjax.models import layers
 from dlmjax.models.transformer import Transformer, take_rows
 from dlmjax.train.objectives import block_diffusion_visibility, noisy_half_hidden
@@ -62,9 +63,7 @@ def token_logprobs(model: Transformer, hidden_bkd, tokens_bk):
     [B, K, D]: from the [B, K, V] logits, or where `residual_argmax` runs as a kernel without them
     (`policies.hidden_token_logprobs`)."""
     if kernels.choose("residual_argmax") is None:
-        logits = model.lm_logits(hidden_bkd)
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens_bk[..., None], axis=-1)[..., 0]
-        return logp, jnp.argmax(logits, axis=-1) == tokens_bk
+        return label_scores(model.lm_logits(hidden_bkd), tokens_bk)
     logp, best = policies.hidden_token_logprobs(model, hidden_bkd, tokens_bk, mask_id=None)
     return logp, best.tokens == tokens_bk
 
