@@ -317,8 +317,9 @@ def main(argv=None):
               f"{platform.processor() or platform.machine()}, model {name}", ""]
     print("\n".join(header), flush=True)
     bw = bandwidth(args.copy_mib, args.repeats)
-    print(f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s", flush=True)
-    lines, results = header + [f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s", ""], dict(bandwidth_bytes_per_s=bw)
+    bandwidth_line = f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s"
+    print(bandwidth_line, flush=True)
+    lines, results = header + [bandwidth_line, ""], dict(bandwidth_bytes_per_s=bw)
     sections = dict(step=lambda: section_step(model, args, bw, args.kernels),
                     prefill=lambda: section_prefill(model, args, peak, args.kernels),
                     argmax=lambda: section_argmax(model, args, ["on", "off"]),  # the kernel itself vs XLA
