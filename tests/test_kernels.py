@@ -553,6 +553,26 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
     assert saved["step"] == results["step"] and "| batch | ms |" in (tmp_path / f"{tag}.md").read_text()
 
 
+def test_the_gpu_benchmark_reports_a_kernel_the_device_refused(monkeypatch):
+    """Where the dispatcher chooses a kernel but the device's compile probe refused it (so the
+    reference ran), decode_gpu's path column says so instead of "kernel"."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from benchmarks import decode_gpu
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernels, "_COMPILES", {})
+    with kernels.use("on"):
+        assert decode_gpu.path_of("attention") == "kernel"
+        kernels._COMPILES[("attention/cudnn", None, None, ())] = None  # compiled: not a refusal
+        assert decode_gpu.path_of("attention") == "kernel"
+        kernels._COMPILES[("attention", None, None, ())] = "does not compile here: LoweringError: ..."
+        assert decode_gpu.path_of("attention") == "reference (refused)"
+        assert decode_gpu.path_of("residual_argmax") == "kernel"
+
+
 def test_flash_attention_memory_is_linear_in_length():
     """Compiled scratch memory of one attention at L and 2L keys (block-causal self-attention): the
     XLA einsum's grows 4x (its [H, L, L] scores), the flash kernel's (interpret mode) 2x."""
