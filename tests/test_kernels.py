@@ -5,6 +5,7 @@ kernels, and the kernels are also checked at model shapes there."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -501,6 +502,66 @@ def test_a_part_with_every_key_hidden_adds_exact_zeros():
     np.testing.assert_array_equal(alone, with_hidden)
 
 
+def _prefill_part(length: int, attention: str, seed: int = 0, keys: int | None = None):
+    """q [1, length, 4, 8] at positions 0.. and one part of `keys` (default: as many) keys at
+    positions 0.. (the queries' own keys in a prefill), every key valid."""
+    rng = np.random.default_rng(seed)
+    keys = keys or length
+    q, k, v = (jnp.asarray(rng.normal(size=(1, n, h, 8)), jnp.float32) for n, h in ((length, 4), (keys, 2), (keys, 2)))
+    q_pos, k_pos = jnp.arange(length)[None], jnp.arange(keys)[None]
+    vis = Visibility(q_pos, jnp.zeros_like(q_pos), k_pos, jnp.zeros_like(k_pos), jnp.ones((1, keys), bool),
+                     attention=attention, block_size=4)
+    return q, [(k, v, vis)]
+
+
+@pytest.mark.parametrize("attention, tiles_read", [("causal", 10), ("block_causal", 10), ("bidirectional", 16)])
+def test_a_prefill_query_tile_reads_the_keys_up_to_its_frontier(attention, tiles_read):
+    """key_ranges: in a causal or block-causal prefill of 32 tokens (query and key tiles of 8), query
+    tile t reads key tiles 0..t, 10 of the 16 pairs (about half the square, as the FLOP count of
+    benchmarks/decode_gpu.py assumes); a bidirectional one reads all 16."""
+    from dlmjax.kernels.attention import key_ranges
+
+    _, [(_, _, vis)] = _prefill_part(32, attention)
+    starts, ends = (np.asarray(a) for a in key_ranges(vis, tile_q=8))
+    assert starts.shape == (1, 4) and np.all(starts == 0)
+    assert np.sum(-(-ends // 8)) == tiles_read
+
+
+@pytest.mark.parametrize("kernel", ["loop", "tpu"])
+def test_a_query_tile_reads_no_key_past_its_frontier(kernel):
+    """Both kernels skip the key tiles no query of a tile can see: 8 causal queries at positions 0..7
+    over 32 keys whose last 24 are NaN (any read would carry NaN into the output: 0 x NaN) equal the
+    einsum over clean keys. Before, a row read every key up to its written length."""
+    q, parts = _prefill_part(8, "causal", keys=32)
+    (k, v, vis), = parts
+    past = (jnp.arange(32) >= 8)[None, :, None, None]
+    poisoned = [(jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v), vis)]
+    if kernel == "tpu":
+        got = flash_tpu(q, poisoned, tile_q=4, tile_k=4, interpret=True)
+    else:
+        got = flash(q, poisoned, tile_q=4, tile_k=4, split_k=8, interpret=True)
+    _check_flash(q, parts, got)
+
+
+@pytest.mark.parametrize("attention", ["causal", "block_causal"])
+def test_skipping_the_tiles_past_the_frontier_changes_no_bit(attention):
+    """The loop kernel with each query tile's key range equals, bitwise, the same kernel reading
+    every key of the row (the row's whole length as every tile's range): the skipped tiles hold only
+    hidden keys, which add exact zeros."""
+    from dlmjax.kernels.attention import _part_args
+    from dlmjax.kernels.attention import kernel as attention_kernel
+
+    q, parts = _prefill_part(32, attention, seed=3)
+    (k, v, vis), = parts
+    args = _part_args(q, k, v, vis, 8)
+    whole_rows = (jnp.zeros((1, 4), jnp.int32), jnp.full((1, 4), 32, jnp.int32))
+    call = functools.partial(attention_kernel.flash_part, attention=attention, block_size=4, tile_q=8, tile_k=8,
+                             split_k=32, interpret=True)
+    assert not np.array_equal(args[-1], whole_rows[1])
+    np.testing.assert_array_equal(attention_kernel.combine([call(*args)]),
+                                  attention_kernel.combine([call(*args[:-2], *whole_rows)]))
+
+
 def test_the_cudnn_call_equals_the_xla_einsum_where_it_serves():
     """jax.nn.dot_product_attention serves plain bidirectional forwards on GPU (cuDNN); its XLA
     implementation on CPU checks the call (head layout, grouped heads, scaling) against ours."""
@@ -628,7 +689,7 @@ def test_the_kernels_lower_for_a_gpu_through_triton():
     flash_call = functools.partial(attention_kernel.flash_part, attention="block_causal", block_size=4, tile_q=16,
                                    tile_k=128, split_k=128, interpret=False, triton=True)
     assert "triton" in lowered(flash_call, q, kv, kv, pos, pos, k_pos, k_pos, jnp.ones((1, 300), bool),
-                               jnp.full((1,), 130, jnp.int32), jnp.full((1,), 250, jnp.int32))
+                               jnp.full((1, 1), 130, jnp.int32), jnp.full((1, 1), 250, jnp.int32))
     argmax_call = functools.partial(argmax_kernel.residual_argmax_stats, mask_id=5000, eps=1e-6, residual_scale=1.0,
                                     tile_m=16, tile_v=128, tile_d=128, split_v=1024, interpret=False, triton=True)
     x = jnp.zeros((16, 256), jnp.bfloat16)
@@ -656,9 +717,9 @@ def test_the_kernels_lower_for_a_tpu(monkeypatch):
         for attention, window in [("block_causal", None), ("causal", None), ("bidirectional", None), ("causal", 64)]:
             call = functools.partial(kernel_tpu.flash_part, attention=attention, block_size=4, tile_q=tile_q,
                                      tile_k=min(512, keys), interpret=False, window=window)
-            row = spec((2,), jnp.int32)  # each row's first and one-past-last key
-            text = jax.jit(call).trace(q, kv, kv, q_vec, q_vec, k_vec, k_vec, spec((2, keys), jnp.bool_), row,
-                                       row).lower(lowering_platforms=("tpu",)).as_text()
+            ranges = spec((2, queries // tile_q), jnp.int32)  # each query tile's first and one-past-last key
+            text = jax.jit(call).trace(q, kv, kv, q_vec, q_vec, k_vec, k_vec, spec((2, keys), jnp.bool_), ranges,
+                                       ranges).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text and "flash_attention_tpu" in text
     from dlmjax.kernels.residual_argmax import kernel_tpu as argmax_kernel
 

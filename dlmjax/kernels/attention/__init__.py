@@ -4,11 +4,11 @@ The chain, first that serves:
 1. `jax.nn.dot_product_attention` with cuDNN's flash attention on GPU, for a plain bidirectional
    forward (one part, one segment, every key valid: LLaDA/Dream prefill without padding);
 2. the Pallas flash kernel: any topology, segments (packed copies see the shared context and
-   themselves), per-row key ranges (a part is read up to the row's last valid key, so a decode
-   step reads only the written part of the cache, and from the first key a sliding window shows,
-   so a sliding-window layer reads only its window); memory linear in length. On GPU `kernel.py`
-   (Triton; a loop over key tiles); on TPU `kernel_tpu.py` (Mosaic; key tiles on the grid, heads
-   as 128-lane column blocks, so head dims that are multiples of 128);
+   themselves), key ranges per tile of queries (`key_ranges`: a causal or block-causal prefill's
+   tile reads up to its own frontier, about half the square; a decode step reads only the written
+   part of the cache; a sliding-window layer only its window); memory linear in length. On GPU
+   `kernel.py` (Triton; a loop over key tiles); on TPU `kernel_tpu.py` (Mosaic; key tiles on the
+   grid, heads as 128-lane column blocks, so head dims that are multiples of 128);
 3. the reference (`reference.py`, the XLA einsum): on CPU, in "off" mode, or for visibilities
    given as matrices (training layouts), with the reason logged.
 """
@@ -52,22 +52,29 @@ def _on_tpu() -> bool:
     return jax.default_backend() == "tpu"
 
 
-def row_lengths(valid_bs):
-    """[B] int32: one past each row's last valid key (0 for a row with none): the keys a row reads."""
-    idx = jnp.arange(1, valid_bs.shape[1] + 1, dtype=jnp.int32)
-    return jnp.max(jnp.where(valid_bs, idx, 0), axis=1)
+def key_ranges(vis, tile_q: int):
+    """([B, T] int32 first key, [B, T] int32 one past the last key) that each tile of `tile_q`
+    queries (T tiles; the last may hold padding) reads: the keys some query of the tile can see by
+    the topology, the sliding window and validity (segments left out: a tile reads what the widest
+    of its copies sees). A causal or block-causal prefill's tile then reads up to its own frontier,
+    about half the square; a decode step reads only the written part of the cache; a sliding-window
+    layer only its window. An empty range (no key for any query of the tile) is (S, 0).
 
-
-def row_starts(vis):
-    """[B] int32: each row's first key that a sliding window lets any of its queries see (every
-    key before it is hidden: q - k >= window for the row's earliest query); 0 without a window.
-    With `row_lengths`, the keys a row reads: a sliding-window layer reads only its window."""
-    b, s = vis.k_valid.shape
-    if vis.window is None:
-        return jnp.zeros((b,), jnp.int32)
-    earliest = jnp.min(vis.q_pos, axis=1, keepdims=True)
-    in_window = vis.k_valid & (earliest - vis.k_pos < vis.window)
-    return jnp.where(in_window.any(axis=1), jnp.argmax(in_window, axis=1), s).astype(jnp.int32)
+    Reading exactly these tiles changes no bit of a query that sees a key: a tile outside its range
+    holds only keys hidden from all of its queries, which add exact zeros to the online softmax."""
+    b, l = vis.q_pos.shape
+    s = vis.k_pos.shape[1]
+    tiles = -(-l // tile_q)
+    q_pos = jnp.pad(vis.q_pos, ((0, 0), (0, tiles * tile_q - l)), mode="edge").reshape(b, tiles, tile_q)
+    latest, earliest = q_pos.max(axis=-1)[..., None], q_pos.min(axis=-1)[..., None]  # [B, T, 1]
+    k_pos = vis.k_pos[:, None, :]  # [B, 1, S]
+    reach = _kernel.topology(latest, k_pos, vis.attention, vis.block_size)  # the tile's latest query sees most
+    if vis.window is not None:  # and its earliest reaches furthest back
+        reach &= earliest - k_pos < vis.window
+    seen = reach & vis.k_valid[:, None, :]
+    ends = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)
+    starts = jnp.where(seen.any(axis=-1), jnp.argmax(seen, axis=-1), s)
+    return starts.astype(jnp.int32), ends.astype(jnp.int32)
 
 
 def _cudnn_serves(kv_parts) -> bool:
@@ -139,7 +146,7 @@ def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int, int
         split = max(split_k // tile, 1) * tile if q.shape[1] == tile_q else -(-keys // tile) * tile
         call = functools.partial(_kernel.flash_part, **_topology(vis), tile_q=tile_q, tile_k=tile, split_k=split,
                                  interpret=interpret, triton=triton)
-        calls.append((call, _part_args(q, k, v, vis)))
+        calls.append((call, _part_args(q, k, v, vis, tile_q)))
     return calls
 
 
@@ -154,7 +161,7 @@ def tpu_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, interpret: bool):
         k, v, vis = _at_least(1, k, v, vis)
         call = functools.partial(_kernel_tpu.flash_part, **_topology(vis), tile_q=tile_q,
                                  tile_k=min(tile_k, k.shape[1]), interpret=interpret)
-        calls.append((call, _part_args(q, k, v, vis)))
+        calls.append((call, _part_args(q, k, v, vis, tile_q)))
     return calls
 
 
@@ -168,13 +175,13 @@ def _padded(q_blhd, tile_q: int):
     return jnp.pad(q_blhd, ((0, 0), (0, -q_blhd.shape[1] % tile_q), (0, 0), (0, 0)))
 
 
-def _part_args(q, k, v, vis) -> tuple:
+def _part_args(q, k, v, vis, tile_q: int) -> tuple:
     """A part's kernel arguments: the padded queries, their positions and segments padded alike,
-    then the keys, values, their visibility inputs and each row's length."""
+    then the keys, values, their visibility inputs and the key range of each tile of queries."""
     pad = ((0, 0), (0, q.shape[1] - vis.q_pos.shape[1]))
     q_pos, q_seg = (jnp.pad(a, pad).astype(jnp.int32) for a in (vis.q_pos, vis.q_seg))
     return (q, k, v, q_pos, q_seg, vis.k_pos.astype(jnp.int32), vis.k_seg.astype(jnp.int32), vis.k_valid,
-            row_starts(vis), row_lengths(vis.k_valid))
+            *key_ranges(vis, tile_q))
 
 
 def _floor_pow2(n: int) -> int:

@@ -1,10 +1,11 @@
 """Pallas flash attention over one key/value part: online softmax over key tiles, the visibility
 computed per tile from positions, segments and validity (never a [L, S] mask or score matrix in
-memory), and per row only the key tiles in that row's range read: from the tile holding its first
-key a sliding window shows (kv_start_b; 0 without a window) to its written length (kv_len_b).
+memory), and per tile of queries only the key tiles in that tile's range read (`key_ranges`:
+from the tile holding the first key any of its queries sees, kv_start_bt, to one past the last,
+kv_len_bt).
 
 One program per (row, query head, tile of `tile_q` queries, slice of `split_k` keys) loops over
-the key tiles of its slice within the row's range (a decode step's few queries split the keys over
+the key tiles of its slice within its query tile's range (a decode step's few queries split the keys over
 programs, flash-decoding style; a prefill has one slice; a slice outside the range reads
 nothing). A key count that is not a multiple of the tile gets a last tile that starts at
 S - tile_k and hides the keys already seen: every read is in bounds and the cache is never padded
@@ -50,7 +51,7 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
             acc_ref, max_ref, sum_ref, *, tile_k: int, split_k: int, attention: str, block_size: int | None,
             window: int | None):
     keys = k_ref.shape[0]
-    # whole tiles from the slice's start or the row's first tile, so no tile reaches into the next slice
+    # whole tiles from the slice's start or the query tile's first one, so no tile reaches into the next slice
     slice_start = pl.program_id(3) * split_k
     first = jnp.maximum(slice_start, jax.lax.div(kv_start_ref[0], tile_k) * tile_k)
     end = jnp.minimum(slice_start + split_k, kv_len_ref[0])
@@ -88,11 +89,11 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
 
 @functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "split_k", "interpret",
                                              "triton", "window"))
-def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_start_b, kv_len_b, *,
+def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_start_bt, kv_len_bt, *,
                attention: str, block_size: int | None, tile_q: int, tile_k: int, split_k: int, interpret: bool,
                triton: bool = False, window: int | None = None):
     """(acc [slices, B, L, H, hd] f32, m [slices, B, H, L], l [slices, B, H, L]) of one part;
-    L % tile_q == 0, S >= tile_k, split_k % tile_k == 0.
+    L % tile_q == 0, S >= tile_k, split_k % tile_k == 0; the key ranges [B, L / tile_q].
     `triton`: lower with Pallas' Triton backend (GPU): its blocks stay in global memory and the
     key loop loads one tile at a time (Mosaic GPU would stage whole rows in shared memory)."""
     b, l, h, d = q_blhd.shape
@@ -105,12 +106,12 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
     k_vec = pl.BlockSpec((None, s), lambda r, hd, i, j: (r, 0))
     acc_spec = pl.BlockSpec((None, None, tile_q, None, d), lambda r, hd, i, j: (j, r, i, hd, 0))
     stat = pl.BlockSpec((None, None, None, tile_q), lambda r, hd, i, j: (j, r, hd, i))
-    row_scalar = pl.BlockSpec((None, 1), lambda r, hd, i, j: (r, 0))
+    tile_scalar = pl.BlockSpec((None, 1), lambda r, hd, i, j: (r, i))
     kernel = functools.partial(_kernel, tile_k=tile_k, split_k=split_k, attention=attention, block_size=block_size,
                                window=window)
     return pl.pallas_call(
         kernel, grid=(b, h, l // tile_q, slices),
-        in_specs=[q_spec, kv_spec, kv_spec, q_vec, q_vec, k_vec, k_vec, k_vec, row_scalar, row_scalar],
+        in_specs=[q_spec, kv_spec, kv_spec, q_vec, q_vec, k_vec, k_vec, k_vec, tile_scalar, tile_scalar],
         out_specs=[acc_spec, stat, stat],
         out_shape=[jax.ShapeDtypeStruct((slices, b, l, h, d), jnp.float32),
                    jax.ShapeDtypeStruct((slices, b, h, l), jnp.float32),
@@ -118,7 +119,7 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
         interpret=interpret, name="flash_attention",
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2) if triton else None,
     )(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs.astype(jnp.int32),
-      kv_start_b.reshape(b, 1), kv_len_b.reshape(b, 1))
+      kv_start_bt, kv_len_bt)
 
 
 def combine(parts):

@@ -1,5 +1,5 @@
 """The flash kernel of `kernel.py` in the shape Mosaic (Pallas on TPU) compiles: the same
-visibility, online softmax and per-row lengths, with keys tiled by the grid instead of a loop.
+visibility, online softmax and key ranges, with keys tiled by the grid instead of a loop.
 
 Mosaic wants the last two dimensions of every block to be multiples of (8, 128) or whole, and
 VMEM holds a few MiB, not a row of a long cache. So:
@@ -7,11 +7,11 @@ VMEM holds a few MiB, not a row of a long cache. So:
 - heads are column blocks of free reshapes (q [B, L, H hd], k/v [B, S, Hkv hd]): a block is one
   head's [tile, hd] (hd a multiple of 128), and a grouped-query head reads its KV head in place;
 - the grid is (row, head, query tile, key tile); the key axis is sequential ("arbitrary") and
-  carries m, l and the accumulator in VMEM scratch. Each row's key range (kv_start_b, the first
-  key a sliding window shows, and kv_len_b, its written length) is prefetched into SMEM: key tiles
-  outside it are skipped, and their index map repeats the row's nearest tile in range, so Pallas
-  fetches nothing for them (a decode step reads only the written cache, a sliding-window layer
-  only its window);
+  carries m, l and the accumulator in VMEM scratch. Each query tile's key range (`key_ranges`:
+  the first key and one past the last that any of its queries sees, flattened row by row) is
+  prefetched into SMEM: key tiles outside it are skipped, and their index map repeats the nearest
+  tile in range, so Pallas fetches nothing for them (a causal prefill's tile reads up to its own
+  frontier, a decode step only the written cache, a sliding-window layer only its window);
 - a key count that is not a multiple of the tile gets a partial last tile whose slots past S are
   hidden and zeroed (never padded or copied);
 - m and l leave the kernel lane-replicated ([B, L, H 128]), as Mosaic stores rows of 128 lanes.
@@ -36,7 +36,8 @@ LANES = 128
 def _kernel(kv_start_ref, kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_valid_ref,
             acc_ref, max_ref, sum_ref, m_scratch, l_scratch, acc_scratch, *, keys: int, attention: str,
             block_size: int | None, window: int | None):
-    row, tile = pl.program_id(0), pl.program_id(3)
+    tile = pl.program_id(3)
+    query_tile = pl.program_id(0) * pl.num_programs(2) + pl.program_id(2)  # its index in the flat ranges
     tile_k = k_ref.shape[0]
     start = tile * tile_k
 
@@ -46,7 +47,7 @@ def _kernel(kv_start_ref, kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref,
         l_scratch[...] = jnp.zeros(l_scratch.shape, jnp.float32)
         acc_scratch[...] = jnp.zeros(acc_scratch.shape, jnp.float32)
 
-    @pl.when((start < kv_len_ref[row]) & (start + tile_k > kv_start_ref[row]))
+    @pl.when((start < kv_len_ref[query_tile]) & (start + tile_k > kv_start_ref[query_tile]))
     def _():
         q, v = q_ref[...], v_ref[...]
         visible = (topology(q_pos_ref[...], k_pos_ref[...], attention, block_size, window)
@@ -73,25 +74,28 @@ def _kernel(kv_start_ref, kv_len_ref, q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "interpret", "window"))
-def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_start_b, kv_len_b, *,
+def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_start_bt, kv_len_bt, *,
                attention: str, block_size: int | None, tile_q: int, tile_k: int, interpret: bool,
                window: int | None = None):
     """(acc [1, B, L, H, hd] f32, m [1, B, H, L], l [1, B, H, L]) of one part, as kernel.flash_part.
-    L % tile_q == 0; tile_q a multiple of 8 or L; tile_k a multiple of 128 or S."""
+    L % tile_q == 0; tile_q a multiple of 8 or L; tile_k a multiple of 128 or S; the key ranges
+    [B, L / tile_q]."""
     b, l, h, d = q_blhd.shape
     s, hkv = k_bshd.shape[1], k_bshd.shape[2]
-    group, key_tiles = h // hkv, pl.cdiv(s, tile_k)
+    group, key_tiles, query_tiles = h // hkv, pl.cdiv(s, tile_k), l // tile_q
 
-    def in_range(j, starts, lens, r):
-        """Key tile j, or row r's nearest tile from its start's tile to its last written one (0 for
-        an empty row). Starts and lengths are >= 0, so truncating division is floor."""
-        last = jnp.maximum(jax.lax.div(lens[r] + tile_k - 1, tile_k) - 1, 0)
-        return jnp.minimum(jnp.maximum(j, jax.lax.div(starts[r], tile_k)), last)
+    def in_range(j, starts, lens, r, i):
+        """Key tile j, or the nearest tile of row r's query tile i's range, from its start's tile to
+        its last (0 for an empty range). Starts and lengths are >= 0 (an empty range's start is S,
+        past its end), so truncating division is floor."""
+        t = r * query_tiles + i
+        last = jnp.maximum(jax.lax.div(lens[t] + tile_k - 1, tile_k) - 1, 0)
+        return jnp.minimum(jnp.maximum(j, jax.lax.div(starts[t], tile_k)), last)
 
     q_spec = pl.BlockSpec((None, tile_q, d), lambda r, hd, i, j, *_: (r, i, hd))
     q_vec = pl.BlockSpec((None, tile_q, 1), lambda r, hd, i, j, *_: (r, i, 0))
-    kv_spec = pl.BlockSpec((None, tile_k, d), lambda r, hd, i, j, st, n: (r, in_range(j, st, n, r), hd // group))
-    k_vec = pl.BlockSpec((None, 1, tile_k), lambda r, hd, i, j, st, n: (r, 0, in_range(j, st, n, r)))
+    kv_spec = pl.BlockSpec((None, tile_k, d), lambda r, hd, i, j, st, n: (r, in_range(j, st, n, r, i), hd // group))
+    k_vec = pl.BlockSpec((None, 1, tile_k), lambda r, hd, i, j, st, n: (r, 0, in_range(j, st, n, r, i)))
     acc_spec = pl.BlockSpec((None, tile_q, d), lambda r, hd, i, j, *_: (r, i, hd))
     stat = pl.BlockSpec((None, tile_q, LANES), lambda r, hd, i, j, *_: (r, i, hd))
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -109,7 +113,7 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
                    jax.ShapeDtypeStruct((b, l, h * LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="flash_attention_tpu",
-    )(kv_start_b.astype(jnp.int32), kv_len_b.astype(jnp.int32), q_blhd.reshape(b, l, h * d),
+    )(kv_start_bt.reshape(-1).astype(jnp.int32), kv_len_bt.reshape(-1).astype(jnp.int32), q_blhd.reshape(b, l, h * d),
       k_bshd.reshape(b, s, hkv * d), v_bshd.reshape(b, s, hkv * d), q_pos_bl[..., None], q_seg_bl[..., None],
       k_pos_bs[:, None], k_seg_bs[:, None], k_valid_bs.astype(jnp.int32)[:, None])
 
