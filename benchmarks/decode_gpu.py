@@ -10,8 +10,14 @@ Sections (each a markdown table; all go to benchmarks/results/decode_gpu/<device
    with the bytes the device reports as its peak use;
 4. argmax: residual_argmax's kernel (mode "on", whatever "auto" picks) vs the XLA path (full logits,
    then scoring) at M positions;
-5. decoders: tokens/s of each decoder at each batch (benchmarks/decode_throughput.run_batches);
-6. transformers: the eager forward of the same shape (Qwen3ForCausalLM, random weights) for the
+5. tiles: the GPU kernels' tile, warp and pipelining-stage choices (--attention-tiles,
+   --argmax-tiles), each kernel alone: flash attention over a block-causal prefill of each --prefill
+   length (batch 1, the shape's heads; TFLOP/s of the visible half) and residual_argmax at each
+   --argmax-positions, against the XLA path; a choice the device refuses to compile is recorded so.
+   The dispatchers' defaults (TILE_*, WARPS, STAGES) are what these tables chose. On CPU the
+   kernels run in interpret mode (proves the section runs; the times mean nothing);
+6. decoders: tokens/s of each decoder at each batch (benchmarks/decode_throughput.run_batches);
+7. transformers: the eager forward of the same shape (Qwen3ForCausalLM, random weights) for the
    same block against the same cache, per-step ms, on the same device (torch CUDA when present).
 
     PYTHONPATH=. python benchmarks/decode_gpu.py --shape sdar-1.7b          # on a GPU or TPU
@@ -43,12 +49,22 @@ from benchmarks.decode_throughput import SHAPES, random_sdar, run_batches
 from benchmarks.exactness import _prefill, step_ms
 from dlmjax import kernels
 from dlmjax.heads.mrp import init_head
+from dlmjax.kernels.attention import attention
 from dlmjax.kernels.residual_argmax import residual_argmax
+from dlmjax.models.layers import Visibility
 
 # dense, by the first key that is a substring of device_kind (a v5e reports "TPU v5 lite" or "TPU v5e", a v5p
 # "TPU v5" or "TPU v5p": the lite and e names come first)
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0,
                     "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU v5": 459.0, "TPU v4": 275.0}
+# Triton tile choices to time (GPU): the dispatchers' defaults first, then the shapes Hopper flash kernels use
+ATTENTION_TILES = ["tile_q=64,tile_k=128,warps=4,stages=2", "tile_q=128,tile_k=64,warps=4,stages=3",
+                   "tile_q=128,tile_k=64,warps=8,stages=3", "tile_q=128,tile_k=128,warps=8,stages=2",
+                   "tile_q=64,tile_k=64,warps=4,stages=3"]
+# residual_argmax: more positions per program re-read the lm_head fewer times (16 read it 4 times at 64)
+ARGMAX_TILES = ["tile_m=16,tile_v=128,tile_d=128,warps=4", "tile_m=64,tile_v=128,tile_d=64,warps=4",
+                "tile_m=64,tile_v=128,tile_d=64,warps=8", "tile_m=64,tile_v=64,tile_d=128,warps=4",
+                "tile_m=128,tile_v=64,tile_d=64,warps=8"]
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
 
 
@@ -209,6 +225,91 @@ def section_argmax(model, args, modes):
     return lines, records
 
 
+ATTENTION_OPTIONS = ("tile_q", "tile_k", "split_k", "warps", "stages")  # kernels.attention.attention's
+ARGMAX_OPTIONS = ("tile_m", "tile_v", "tile_d", "split_v", "warps", "stages")  # residual_argmax's
+
+
+def parse_tiles(text: str, allowed: tuple[str, ...]) -> dict:
+    """"tile_q=128,tile_k=64,warps=8" -> {"tile_q": 128, "tile_k": 64, "warps": 8}, names from `allowed`."""
+    try:
+        options = {key.strip(): int(value) for key, value in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        options = None
+    if options is None or not set(options) <= set(allowed):
+        raise argparse.ArgumentTypeError(f"{text!r}: give name=int pairs from {', '.join(allowed)}, "
+                                         f"e.g. {allowed[0]}=64,warps=8")
+    return options
+
+
+def tiles_arg(allowed: tuple[str, ...]):
+    """An argparse type: the text itself, once `parse_tiles` accepts it."""
+    return lambda text: parse_tiles(text, allowed) and text
+
+
+def prefill_parts(cfg, length: int):
+    """q [1, L, H, hd] and the one self part of a block-causal prefill of `length` tokens (bf16
+    random values at the shape's heads), and the attention FLOPs of its visible half."""
+    k = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(k[0], (1, length, cfg.num_heads, cfg.head_dim)).astype(cfg.dtype)
+    keys, values = (jax.random.normal(x, (1, length, cfg.num_kv_heads, cfg.head_dim)).astype(cfg.dtype) for x in k[1:])
+    pos = jnp.arange(length, dtype=jnp.int32)[None]
+    vis = Visibility(pos, jnp.zeros_like(pos), pos, jnp.zeros_like(pos), jnp.ones((1, length), bool),
+                     attention="block_causal", block_size=cfg.block_size)
+    visible = length * (length + cfg.block_size) / 2
+    return q, [(keys, values, vis)], 4 * visible * cfg.num_heads * cfg.head_dim
+
+
+def _timed_choice(kernel: str, mode: str, fn, repeats: int) -> tuple[float | None, str]:
+    """(median ms, path) of a kernel call under `mode`; a choice the device refuses is not timed."""
+    refused = len(kernels.refusals(kernel))
+    with kernels.use(mode):
+        path = path_of(kernel)
+        jax.block_until_ready(fn())  # traced (and compile-probed) under the mode
+        if len(kernels.refusals(kernel)) > refused:
+            return None, "reference (refused)"
+        return timed(fn, repeats), path
+
+
+def section_tiles(model, args, peak):
+    cfg = model.config
+    kernel_mode = "on" if jax.default_backend() in kernels.ACCELERATORS else "interpret"
+    lines = [f"Kernel tiles ({kernel_mode}), each kernel alone. Flash attention over a block-causal prefill (batch 1, "
+             f"{cfg.num_heads} heads over {cfg.num_kv_heads}, head dim {cfg.head_dim}; TFLOP/s of the visible half, "
+             f"peak {peak or '?'}):", "", "| tokens | tiles | path | ms | TFLOP/s | % of peak |",
+             "|---:|---|---|---:|---:|---:|"]
+    print("\n".join(lines), flush=True)
+    records = []
+    for length in args.prefill:
+        q, parts, flops = prefill_parts(cfg, length)
+        for tiles in ["XLA einsum", *args.attention_tiles]:
+            mode, options = ("off", {}) if tiles == "XLA einsum" else (kernel_mode, parse_tiles(tiles, ATTENTION_OPTIONS))
+            fn = jax.jit(lambda q, parts, o=tuple(options.items()): attention(q, parts, **dict(o)))
+            try:
+                ms, path = _timed_choice("attention", mode, lambda: fn(q, parts), args.repeats)
+            except Exception as error:  # RESOURCE_EXHAUSTED: the einsum's scores at long prefills
+                ms, path = None, f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+            tflops = None if ms is None else flops / (ms / 1e3) / 1e12
+            records.append(dict(kernel="attention", tokens=length, tiles=tiles, path=path, ms=ms, tflops=tflops))
+            share = f"{100 * tflops / peak:.0f}%" if tflops and peak else ""
+            lines.append(f"| {length} | {tiles} | {path} | " +
+                         ("| | |" if ms is None else f"{ms:.3f} | {tflops:.3g} | {share} |"))
+            print(lines[-1], flush=True)
+    w = model.lm_head_weight()
+    lines += ["", f"residual_argmax (V = {cfg.vocab_size}, hidden {cfg.hidden_size}):", "",
+              "| positions | tiles | path | ms |", "|---:|---|---|---:|"]
+    print("\n".join(lines[-5:]), flush=True)
+    for m in args.argmax_positions:
+        x = jax.random.normal(jax.random.key(0), (m, cfg.hidden_size)).astype(cfg.dtype)
+        for tiles in ["XLA logits + scoring", *args.argmax_tiles]:
+            mode, options = ("off", {}) if tiles.startswith("XLA") else (kernel_mode, parse_tiles(tiles, ARGMAX_OPTIONS))
+            fn = jax.jit(lambda h, o=tuple(options.items()): residual_argmax(h, w, mask_id=cfg.mask_token_id, **dict(o)))
+            ms, path = _timed_choice("residual_argmax", mode, lambda: fn(x), args.repeats)
+            records.append(dict(kernel="residual_argmax", positions=m, tiles=tiles, path=path, ms=ms))
+            lines.append(f"| {m} | {tiles} | {path} | {'' if ms is None else f'{ms:.3f}'} |")
+            print(lines[-1], flush=True)
+    return lines, records
+
+
 def section_decoders(model, head, args):
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, model.config.vocab_size - 2, args.prompt_len).tolist() for _ in range(args.prompts)]
@@ -286,6 +387,11 @@ def parse_args(argv=None):
     p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8192, 16384, 32768])
     p.add_argument("--argmax-positions", type=int, nargs="+", default=[64, 256])
     p.add_argument("--kernels", nargs="+", default=["auto", "off"], choices=kernels.MODES)
+    p.add_argument("--attention-tiles", nargs="+", default=ATTENTION_TILES, type=tiles_arg(ATTENTION_OPTIONS),
+                   help="flash-attention choices for the tiles section: tile_q=..,tile_k=..,warps=..,stages=..")
+    p.add_argument("--argmax-tiles", nargs="+", default=ARGMAX_TILES, type=tiles_arg(ARGMAX_OPTIONS),
+                   help="residual_argmax choices for the tiles section: tile_m=..,tile_v=..,tile_d=..,split_v=..,"
+                        "warps=..,stages=..")
     p.add_argument("--decoders", nargs="+",
                    default=["static", "threshold:tau=0.9", "psd:policy=threshold,tau=0.9,depth=3", "mrp-spec:drafts=3"])
     p.add_argument("--decoder-kernels", default="auto", choices=kernels.MODES)
@@ -294,11 +400,14 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--copy-mib", type=int, default=2048)
     p.add_argument("--peak-tflops", type=float, default=None)
-    p.add_argument("--skip", nargs="*", default=[], choices=["step", "prefill", "argmax", "decoders", "transformers"])
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["step", "prefill", "argmax", "tiles", "decoders", "transformers"])
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results/decode_gpu)")
     if p.parse_args(argv).tiny:  # tiny defaults; options given explicitly still win
         p.set_defaults(prompt_len=32, batches=[1, 2], prefill=[64], argmax_positions=[8], prompts=2, max_new=8,
-                       repeats=2, copy_mib=16, decoders=["threshold:tau=0.9"])
+                       repeats=2, copy_mib=16, decoders=["threshold:tau=0.9"],
+                       attention_tiles=["tile_q=16,tile_k=16", "tile_q=32,tile_k=16"],
+                       argmax_tiles=["tile_m=8,tile_v=128", "tile_m=16,tile_v=256"])
     args = p.parse_args(argv)
     if args.tiny:
         args.shape = "tiny"
@@ -323,6 +432,7 @@ def main(argv=None):
     sections = dict(step=lambda: section_step(model, args, bw, args.kernels),
                     prefill=lambda: section_prefill(model, args, peak, args.kernels),
                     argmax=lambda: section_argmax(model, args, ["on", "off"]),  # the kernel itself vs XLA
+                    tiles=lambda: section_tiles(model, args, peak),
                     decoders=lambda: section_decoders(model, head, args),
                     transformers=lambda: section_transformers(model, args))
     for key, run in sections.items():

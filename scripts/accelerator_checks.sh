@@ -7,12 +7,14 @@
 #      dominate: 12 tests of the exactness files of issue 16 finished in 200 s (12 workers), so
 #      run those files (test_hf_roundtrip, test_decoding, test_kv_cache, test_psd, test_mrp,
 #      test_policies) in a session of their own;
-#   2. benchmarks/decode_gpu.py at SDAR-1.7B shape: decode step vs the HBM roofline, prefill to 32k,
+#   2. benchmarks/decode_gpu.py at SDAR-1.7B shape: the kernels' tile choices, each kernel alone
+#      (bench-tiles/: flash attention at 2k-32k prefills, residual_argmax at 64-1,024 positions, to
+#      pick the dispatchers' defaults), then decode step vs the HBM roofline, prefill to 32k,
 #      residual_argmax vs the XLA path, transformers' eager step (bench-step/), then tokens/s per
 #      decoder (bench-decoders/); each prints its rows as it goes (bench-*.log);
 #   3. the 32k-token prefill at SDAR-8B shape (bench-8b/).
-# Each stage has its own time limit (seconds: TEST_S, STEP_S, DECODERS_S, PREFILL_8B_S; by default
-# 565 in all, one call's worth of a lent machine) so a slow one cannot starve the next. On the H200
+# Each stage has its own time limit (seconds: TEST_S, TILES_S, STEP_S, DECODERS_S, PREFILL_8B_S; by
+# default 565 in all, one call's worth of a lent machine) so a slow one cannot starve the next. On the H200
 # the step section, the prefill to 2k and compiles took 150 s, and three decoders (DECODERS) printed
 # no row in 125 s: one decoder per run. BENCH_OUT puts the benchmarks' result folders elsewhere than OUT.
 # On a machine whose python3 holds jax for its accelerator:
@@ -45,16 +47,18 @@ EOF
 cat "$OUT/versions.txt"
 
 # -v -v: test.sh passes -q, and one -v would cancel it
-stage tests "${TEST_S:-150}" env DLMJAX_PYTHON="$PY" scripts/test.sh --device "$DEVICE" -n "${TEST_WORKERS:-12}" -v -v \
+stage tests "${TEST_S:-100}" env DLMJAX_PYTHON="$PY" scripts/test.sh --device "$DEVICE" -n "${TEST_WORKERS:-12}" -v -v \
   -p no:cacheprovider ${TEST_FILES:-tests/test_kernels.py tests/test_numerics.py}
 grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -3
 
 BENCH=(benchmarks/decode_gpu.py --shape sdar-1.7b --repeats 10)
-stage bench-step "${STEP_S:-250}" "$PY" "${BENCH[@]}" --skip decoders --prefill 512 2048 8192 32768 \
+stage bench-tiles "${TILES_S:-100}" "$PY" "${BENCH[@]}" --skip step prefill argmax decoders transformers \
+  --prefill 2048 8192 32768 --argmax-positions 64 256 1024 --out "$BENCH_OUT/bench-tiles"
+stage bench-step "${STEP_S:-200}" "$PY" "${BENCH[@]}" --skip tiles decoders --prefill 512 2048 8192 32768 \
   --argmax-positions 64 256 1024 --out "$BENCH_OUT/bench-step"
-stage bench-decoders "${DECODERS_S:-120}" "$PY" "${BENCH[@]}" --skip step prefill argmax transformers \
+stage bench-decoders "${DECODERS_S:-120}" "$PY" "${BENCH[@]}" --skip step prefill argmax tiles transformers \
   --batches 1 16 64 --prompts 64 --max-new 64 --out "$BENCH_OUT/bench-decoders" \
   --decoders ${DECODERS:-threshold:tau=0.9}
 stage bench-8b "${PREFILL_8B_S:-45}" "$PY" benchmarks/decode_gpu.py --shape sdar-8b --repeats 4 --kernels auto \
-  --skip step argmax decoders transformers --prefill 32768 --out "$BENCH_OUT/bench-8b"
+  --skip step argmax tiles decoders transformers --prefill 32768 --out "$BENCH_OUT/bench-8b"
 cat "$OUT/stages.txt"

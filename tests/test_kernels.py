@@ -580,7 +580,6 @@ def test_the_cudnn_call_equals_the_xla_einsum_where_it_serves():
 
 def test_a_kernel_that_does_not_compile_falls_back_with_the_reason(caplog):
     """The compile probe: a kernel call the device refuses is reported, not raised."""
-    import functools
 
     def refuses(x, *, width):
         raise NotImplementedError(f"no lowering for width {width}")
@@ -609,6 +608,14 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
     assert all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in results["step"])
     assert [r["kernels"] for r in results["argmax"]] == ["on", "off"]
     assert [r["batch"] for r in results["transformers"]] == [1] and results["transformers"][0]["ms"] > 0
+    kernel_path = "interpret" if jax.default_backend() == "cpu" else "kernel"  # the tiles section's kernels
+    assert [(r["kernel"], r["tiles"], r["path"]) for r in results["tiles"]] == [
+        ("attention", "XLA einsum", "reference"), ("attention", "tile_q=16,tile_k=16", kernel_path),
+        ("attention", "tile_q=32,tile_k=16", kernel_path), ("residual_argmax", "XLA logits + scoring", "reference"),
+        ("residual_argmax", "tile_m=8,tile_v=128", kernel_path), ("residual_argmax", "tile_m=16,tile_v=256", kernel_path)]
+    assert all(r["ms"] > 0 for r in results["tiles"])
+    with pytest.raises(SystemExit):  # a tile option the kernel does not take is refused when parsed
+        decode_gpu.parse_args(["--tiny", "--argmax-tiles", "tile_q=8"])
     tag = f"{jax.devices()[0].platform}-tiny"
     saved = json.loads((tmp_path / f"{tag}.json").read_text())
     assert saved["step"] == results["step"] and "| batch | ms |" in (tmp_path / f"{tag}.md").read_text()
@@ -671,7 +678,6 @@ def test_the_kernels_lower_for_a_gpu_through_triton():
     lowering, not the GPU compile or a run: that is test_the_compiled_kernels_equal_their_references_at_model_shapes
     on a GPU. From jax 0.11 the Triton lowering reads the GPU's description, so without a GPU
     this skips there."""
-    import functools
 
     from dlmjax.kernels.attention import kernel as attention_kernel
     from dlmjax.kernels.residual_argmax import kernel as argmax_kernel
@@ -702,7 +708,6 @@ def test_the_kernels_lower_for_a_tpu(monkeypatch):
     prefill, a partial last key tile) in every topology and with a sliding window, and residual_argmax's kernel_tpu at a
     Qwen3-sized vocabulary (partial last tile), with the norm or the residual. Mosaic's lowering asks the chip generation,
     which a CPU has none of: a v5e's is given. This is the lowering, not the TPU compile or a run."""
-    import functools
 
     from jax._src.pallas.mosaic import tpu_info
 

@@ -28,6 +28,7 @@ from dlmjax.kernels.attention.reference import attention as reference
 __all__ = ["attention", "reference"]
 
 TILE_Q, TILE_K, SPLIT_K = 64, 128, 512  # SPLIT_K: keys per program when the queries fit one tile
+WARPS, STAGES = 4, 2  # each Triton program's warps and software-pipelining stages
 TPU_TILE_Q, TPU_TILE_K = 256, 512
 
 
@@ -86,9 +87,12 @@ def dot_product_attention(implementation: str):
     return functools.partial(jax.nn.dot_product_attention, implementation=implementation)
 
 
-def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K, split_k: int = SPLIT_K):
+def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K, split_k: int = SPLIT_K,
+              warps: int = WARPS, stages: int = STAGES):
     """Grouped-query attention of q [B, L, H, hd] over parts [(k [B, S, Hkv, hd], v, visible), ...]
-    with one joint softmax; see the module docstring for which path runs."""
+    with one joint softmax; see the module docstring for which path runs. The tiles, `warps` and
+    `stages` shape the GPU and interpret-mode kernel (benchmarks/decode_gpu.py's tiles section
+    times choices of them)."""
     how = kernels.choose("attention", _unsupported(q_blhd, kv_parts, kernels.current() == "interpret"))
     if how is None:
         return reference(q_blhd, kv_parts)
@@ -103,7 +107,8 @@ def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K, s
         calls = tpu_calls(q_blhd, kv_parts, tile_q=TPU_TILE_Q, tile_k=TPU_TILE_K, interpret=False)
     else:
         calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, split_k=split_k,
-                            interpret=how == "interpret", triton=how == "kernel" and jax.default_backend() == "gpu")
+                            interpret=how == "interpret", triton=how == "kernel" and jax.default_backend() == "gpu",
+                            warps=warps, stages=stages)
     if how == "kernel":
         for call, args in calls:
             error = kernels.compile_error("attention", call, *args)
@@ -131,7 +136,8 @@ def _run(q_blhd, calls):
 MIN_KEYS = 16  # GPU dots need >= 16 along every dimension
 
 
-def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int, interpret: bool, triton: bool = False):
+def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int, interpret: bool, triton: bool = False,
+                warps: int = WARPS, stages: int = STAGES):
     """[(kernel call, its arguments)] per part: queries padded to a whole number of power-of-two
     tiles (a decode chunk: one tile of 16), keys tiled by the largest power of two up to `tile_k`
     that the part holds (the last tile shifted left, so the cache is never padded). Queries that fit
@@ -145,7 +151,7 @@ def flash_calls(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int, int
         tile = min(tile_k, _floor_pow2(keys))
         split = max(split_k // tile, 1) * tile if q.shape[1] == tile_q else -(-keys // tile) * tile
         call = functools.partial(_kernel.flash_part, **_topology(vis), tile_q=tile_q, tile_k=tile, split_k=split,
-                                 interpret=interpret, triton=triton)
+                                 interpret=interpret, triton=triton, warps=warps, stages=stages)
         calls.append((call, _part_args(q, k, v, vis, tile_q)))
     return calls
 

@@ -88,14 +88,15 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "block_size", "tile_q", "tile_k", "split_k", "interpret",
-                                             "triton", "window"))
+                                             "triton", "warps", "stages", "window"))
 def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_start_bt, kv_len_bt, *,
                attention: str, block_size: int | None, tile_q: int, tile_k: int, split_k: int, interpret: bool,
-               triton: bool = False, window: int | None = None):
+               triton: bool = False, warps: int = 4, stages: int = 2, window: int | None = None):
     """(acc [slices, B, L, H, hd] f32, m [slices, B, H, L], l [slices, B, H, L]) of one part;
     L % tile_q == 0, S >= tile_k, split_k % tile_k == 0; the key ranges [B, L / tile_q].
     `triton`: lower with Pallas' Triton backend (GPU): its blocks stay in global memory and the
-    key loop loads one tile at a time (Mosaic GPU would stage whole rows in shared memory)."""
+    key loop loads one tile at a time (Mosaic GPU would stage whole rows in shared memory), each
+    program on `warps` warps with `stages` software-pipelining stages."""
     b, l, h, d = q_blhd.shape
     s, hkv = k_bshd.shape[1], k_bshd.shape[2]
     group = h // hkv
@@ -117,7 +118,7 @@ def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k
                    jax.ShapeDtypeStruct((slices, b, h, l), jnp.float32),
                    jax.ShapeDtypeStruct((slices, b, h, l), jnp.float32)],
         interpret=interpret, name="flash_attention",
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2) if triton else None,
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages) if triton else None,
     )(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs.astype(jnp.int32),
       kv_start_bt, kv_len_bt)
 

@@ -19,6 +19,7 @@ from dlmjax.kernels.residual_argmax.reference import residual_argmax as referenc
 __all__ = ["ArgmaxScores", "logits", "reference", "residual_argmax", "residual_argmax_tpu"]
 
 TILE_M, TILE_V, TILE_D, SPLIT_V = 16, 128, 128, 1024  # GPU-sized: 16 x 128 x 128 dots, 1024-column slices
+WARPS, STAGES = 4, 2  # each Triton program's warps and software-pipelining stages
 TPU_TILE_M, TPU_TILE_V = 256, 256  # a [D, 256] lm_head block double-buffered: 4 MiB of VMEM at D = 4096
 
 
@@ -36,7 +37,8 @@ def _unsupported(x_md, w_dv, interpret: bool) -> str | None:
 
 
 def residual_argmax(x_md, w_dv, *, mask_id: int | None, norm=None, residual=None, tile_m: int = TILE_M,
-                    tile_v: int = TILE_V, tile_d: int = TILE_D, split_v: int = SPLIT_V) -> ArgmaxScores:
+                    tile_v: int = TILE_V, tile_d: int = TILE_D, split_v: int = SPLIT_V, warps: int = WARPS,
+                    stages: int = STAGES) -> ArgmaxScores:
     """Per position m: the argmax of lm_head(norm(x_m)) (+ s * lm_head(h_p_m)) over the vocabulary
     without `mask_id` (None: over all of it, as an autoregressive model's greedy pick), its
     probability, the entropy and the top-1 minus top-2 probability.
@@ -44,7 +46,8 @@ def residual_argmax(x_md, w_dv, *, mask_id: int | None, norm=None, residual=None
     x_md [M, D] (final-normed already unless `norm` = (scale [D], eps)); w_dv [D, V] the lm_head;
     residual = (h_p [M, D], s): MRP's residual in logit space. Greedy only (no sampling). Tiles:
     `tile_m` positions x `tile_v` columns, dots over `tile_d` of the hidden size, one program per
-    `split_v` columns (all powers of two on GPU; shrunk to fit small shapes)."""
+    `split_v` columns (all powers of two on GPU; shrunk to fit small shapes), on `warps` warps with
+    `stages` pipelining stages on GPU (benchmarks/decode_gpu.py's tiles section times choices)."""
     how = kernels.choose("residual_argmax", _unsupported(x_md, w_dv, kernels.current() == "interpret"))
     if how is None:
         return reference(x_md, w_dv, mask_id=mask_id, norm=norm, residual=residual)
@@ -57,7 +60,7 @@ def residual_argmax(x_md, w_dv, *, mask_id: int | None, norm=None, residual=None
     split_v = max(split_v // tile_v, 1) * tile_v
     call = functools.partial(_kernel.residual_argmax_stats, mask_id=mask_id, **_static(norm, residual), tile_m=tile_m,
                              tile_v=tile_v, tile_d=tile_d, split_v=split_v, interpret=how == "interpret",
-                             triton=how == "kernel" and jax.default_backend() == "gpu")
+                             triton=how == "kernel" and jax.default_backend() == "gpu", warps=warps, stages=stages)
     return _probed(call, _inputs(x_md, w_dv, norm, residual, tile_m), how == "interpret", x_md, w_dv,
                    mask_id=mask_id, norm=norm, residual=residual)
 

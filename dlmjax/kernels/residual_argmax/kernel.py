@@ -131,14 +131,15 @@ def row_inputs(x_md, scale_d, h_p_md, *, tile_m: int, eps: float | None, residua
 
 
 @functools.partial(jax.jit, static_argnames=("mask_id", "eps", "residual_scale", "tile_m", "tile_v", "tile_d",
-                                             "split_v", "interpret", "triton"))
+                                             "split_v", "interpret", "triton", "warps", "stages"))
 def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int | None, eps: float | None,
                           residual_scale: float | None, tile_m: int, tile_v: int, tile_d: int, split_v: int,
-                          interpret: bool, triton: bool = False):
+                          interpret: bool, triton: bool = False, warps: int = 4, stages: int = 2):
     """The six running statistics of each vocabulary slice, each [M, slices] (see the module
     docstring); M % tile_m == 0, V >= tile_v, D % tile_d == 0, split_v % tile_v == 0 (the dispatcher
     pads rows and picks the tiles). `triton`: lower with Pallas' Triton backend (GPU), whose blocks
-    stay in global memory (Mosaic GPU would stage the whole lm_head in shared memory)."""
+    stay in global memory (Mosaic GPU would stage the whole lm_head in shared memory), each program
+    on `warps` warps with `stages` software-pipelining stages."""
     m, d = x_md.shape
     vocab = w_dv.shape[1]
     slices = pl.cdiv(vocab, split_v)
@@ -152,7 +153,7 @@ def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int
     return pl.pallas_call(
         kernel, grid=(m // tile_m, slices), in_specs=specs, out_specs=[stat] * 6,
         out_shape=[f32, i32, f32, f32, f32, f32], interpret=interpret, name="residual_argmax",
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2) if triton else None,
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages) if triton else None,
     )(*inputs)
 
 
