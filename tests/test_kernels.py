@@ -690,12 +690,12 @@ def test_the_kernels_lower_for_a_gpu_through_triton():
                 raise
             pytest.skip(f"jax {jax.__version__} lowers Pallas for Triton only with a GPU present ({error})")
 
-    q, kv = jnp.zeros((1, 16, 4, 128), jnp.bfloat16), jnp.zeros((1, 300, 2, 128), jnp.bfloat16)
-    pos, k_pos = jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 300), jnp.int32)
+    q, kv = jnp.zeros((1, 32, 4, 128), jnp.bfloat16), jnp.zeros((1, 300, 2, 128), jnp.bfloat16)
+    pos, k_pos = jnp.zeros((1, 32), jnp.int32), jnp.zeros((1, 300), jnp.int32)
     flash_call = functools.partial(attention_kernel.flash_part, attention="block_causal", block_size=4, tile_q=16,
                                    tile_k=128, split_k=128, interpret=False, triton=True)
-    assert "triton" in lowered(flash_call, q, kv, kv, pos, pos, k_pos, k_pos, jnp.ones((1, 300), bool),
-                               jnp.full((1, 1), 130, jnp.int32), jnp.full((1, 1), 250, jnp.int32))
+    ranges = jnp.array([[130, 140]], jnp.int32), jnp.array([[250, 300]], jnp.int32)  # two query tiles' keys
+    assert "triton" in lowered(flash_call, q, kv, kv, pos, pos, k_pos, k_pos, jnp.ones((1, 300), bool), *ranges)
     argmax_call = functools.partial(argmax_kernel.residual_argmax_stats, mask_id=5000, eps=1e-6, residual_scale=1.0,
                                     tile_m=16, tile_v=128, tile_d=128, split_v=1024, interpret=False, triton=True)
     x = jnp.zeros((16, 256), jnp.bfloat16)

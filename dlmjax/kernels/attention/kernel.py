@@ -5,9 +5,9 @@ from the tile holding the first key any of its queries sees, kv_start_bt, to one
 kv_len_bt).
 
 One program per (row, query head, tile of `tile_q` queries, slice of `split_k` keys) loops over
-the key tiles of its slice within its query tile's range (a decode step's few queries split the keys over
-programs, flash-decoding style; a prefill has one slice; a slice outside the range reads
-nothing). A key count that is not a multiple of the tile gets a last tile that starts at
+the key tiles of its slice within its query tile's range (a decode step's few queries split the
+keys over programs, flash-decoding style; a prefill has one slice; a slice outside the range
+reads nothing). A key count that is not a multiple of the tile gets a last tile that starts at
 S - tile_k and hides the keys already seen: every read is in bounds and the cache is never padded
 or copied. Grouped-query heads read their shared key/value head in place.
 
@@ -51,7 +51,7 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
             acc_ref, max_ref, sum_ref, *, tile_k: int, split_k: int, attention: str, block_size: int | None,
             window: int | None):
     keys = k_ref.shape[0]
-    # whole tiles from the slice's start or the query tile's first one, so no tile reaches into the next slice
+    # whole tiles from the slice's start or the query tile's first, so no tile reaches into the next slice
     slice_start = pl.program_id(3) * split_k
     first = jnp.maximum(slice_start, jax.lax.div(kv_start_ref[0], tile_k) * tile_k)
     end = jnp.minimum(slice_start + split_k, kv_len_ref[0])
