@@ -111,6 +111,22 @@ def jit(fun=None, **jit_kwargs):
     return call
 
 
+# A tiled computation runs as a loop of at least this many iterations. XLA removes a loop of one
+# iteration and fuses its body with what surrounds it, and the code it then emits for the tile
+# differs from the loop body's (on CPU, which product of `a * b + c * d` LLVM contracts into an
+# FMA): a batch that fits one tile rounded differently from a batch of several (2e-7 in fp32, RoPE
+# at XLA's default optimisation level). XLA also drops optimization barriers before fusing, so the
+# barriers below keep the tiles apart only where XLA honours them.
+MIN_TILES = 2
+
+
+def row_tiles(a_mk, tile: int):
+    """[M, K] -> [N, tile, K]: zero rows pad the last tile, and further tiles up to MIN_TILES."""
+    m = a_mk.shape[0]
+    n = max(MIN_TILES, -(-m // tile))
+    return jnp.pad(a_mk, ((0, n * tile - m), (0, 0))).reshape(n, tile, a_mk.shape[-1])
+
+
 def rowwise(fn, *arrays):
     """fn(*arrays) for a function that treats each row (each index of the leading axes; the last
     axis is the row) on its own, e.g. a norm or a softmax over the last axis. In invariant mode the
@@ -122,8 +138,7 @@ def rowwise(fn, *arrays):
         return fn(*arrays)
     lead, tile = arrays[0].shape[:-1], setting.row_tile
     m = math.prod(lead)
-    tiled = [jnp.pad(a.reshape(m, a.shape[-1]), ((0, -m % tile), (0, 0))).reshape(-1, tile, a.shape[-1])
-             for a in arrays]
+    tiled = [row_tiles(a.reshape(m, a.shape[-1]), tile) for a in arrays]
 
     def one_tile(xs):
         return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(xs)))
@@ -134,17 +149,15 @@ def rowwise(fn, *arrays):
 
 def matmul(x_mk, w_kn, preferred_element_type=None):
     """x @ w over rows [M, K]. In invariant mode the rows go through one fixed [row_tile, K] dot
-    per tile (zero rows pad the last), so a row's result never depends on M."""
+    per tile (`row_tiles`), so a row's result never depends on M."""
     setting = current()
     if not setting.invariant:
         return jnp.matmul(x_mk, w_kn, preferred_element_type=preferred_element_type)
-    m, k = x_mk.shape
-    tile = setting.row_tile
-    tiles = jnp.pad(x_mk, ((0, -m % tile), (0, 0))).reshape(-1, tile, k)
+    tiles = row_tiles(x_mk, setting.row_tile)
 
     def one_tile(x_tk):
         # The barrier keeps XLA from fusing the dot with what surrounds it differently per shape.
         y = jnp.matmul(jax.lax.optimization_barrier(x_tk), w_kn, preferred_element_type=preferred_element_type)
         return jax.lax.optimization_barrier(y)
 
-    return jax.lax.map(one_tile, tiles).reshape(-1, w_kn.shape[1])[:m]
+    return jax.lax.map(one_tile, tiles).reshape(-1, w_kn.shape[1])[: x_mk.shape[0]]

@@ -5,7 +5,11 @@ On CPU the fast mode already breaks bitwise invariance in fp32 (XLA picks matmul
 code by shape: measured 4e-6..9e-6 between a row alone and in a batch of 7), so these tests prove
 the mode on CPU too, not only on accelerators."""
 
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +81,32 @@ def test_invariant_mode_gives_a_row_bitwise_the_same_logits_in_any_layout(dtype)
         logits = layouts(model)
     for layout, value in logits.items():
         np.testing.assert_array_equal(value, logits["alone"], err_msg=f"{layout} differs from the row alone")
+
+
+AT_DEFAULT_LEVEL = """
+import sys, numpy as np, dlmjax
+from test_numerics import layouts, plain_model
+for dtype in ("float32", "bfloat16"):
+    with dlmjax.numerics(invariant=True):
+        logits = layouts(plain_model(dtype))
+    for layout, value in logits.items():
+        diff = float(np.abs(value - logits["alone"]).max())
+        print(dtype, layout, diff)
+        assert diff == 0, (dtype, layout, diff)
+"""
+
+
+def test_invariant_mode_holds_at_xlas_default_optimisation_level():
+    """The test above in a fresh process compiled as users compile: the suite compiles at LLVM level
+    0 (conftest, for speed), where LLVM contracts no product into an FMA. At the default level it
+    does, and which product it contracts depended on whether a tiled loop ran once or more: a row
+    alone differed from itself in a batch by 3e-7 in fp32 until every tiled loop ran at least twice
+    (arithmetic.MIN_TILES)."""
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", AT_DEFAULT_LEVEL], cwd=Path(__file__).parent, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.count(" 0.0\n") == 8
 
 
 def test_fast_mode_is_not_bitwise_invariant_here_so_the_test_above_can_fail():

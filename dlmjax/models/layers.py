@@ -141,12 +141,17 @@ def attention(q_blhd, kv_parts, query_group: int | None = None):
 
 def _attention_tiled(q_blhd, kv_parts, tile: int):
     """`_attention` row by row and over tiles of `tile` queries (zero queries pad the last), so that
-    every score and value reduction has one shape whatever the batch or the number of queries."""
+    every score and value reduction has one shape whatever the batch or the number of queries. The
+    rows run as a loop of at least `arithmetic.MIN_TILES` iterations (a lone row beside hidden
+    zero rows), for the reason given there."""
     b, l, h, d = q_blhd.shape
-    pad = -l % tile
-    q_btqhd = jnp.pad(q_blhd, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, -1, tile, h, d)
-    visible_btqs = [jnp.pad(vis, ((0, 0), (0, pad), (0, 0))).reshape(b, -1, tile, vis.shape[-1])
-                    for _, _, vis in kv_parts]
+    pad, rows = -l % tile, max(b, arithmetic.MIN_TILES)
+
+    def padded(x, axis_1: int):  # rows up to `rows`, axis 1 (queries) up to a whole tile
+        return jnp.pad(x, ((0, rows - b), (0, axis_1)) + ((0, 0),) * (x.ndim - 2))
+
+    q_btqhd = padded(q_blhd, pad).reshape(rows, -1, tile, h, d)
+    visible_btqs = [padded(vis, pad).reshape(rows, -1, tile, vis.shape[-1]) for _, _, vis in kv_parts]
 
     def one_row(xs):
         q_tqhd, keys, values, visible = xs
@@ -158,9 +163,9 @@ def _attention_tiled(q_blhd, kv_parts, tile: int):
 
         return jax.lax.map(one_tile, (q_tqhd, visible))
 
-    keys, values = [k for k, _, _ in kv_parts], [v for _, v, _ in kv_parts]
+    keys, values = [padded(k, 0) for k, _, _ in kv_parts], [padded(v, 0) for _, v, _ in kv_parts]
     out = jax.lax.map(one_row, (q_btqhd, keys, values, visible_btqs))
-    return out.reshape(b, l + pad, h, d)[:, :l]
+    return out.reshape(rows, l + pad, h, d)[:b, :l]
 
 
 def _attention(q_blhd, kv_parts):
