@@ -1,10 +1,20 @@
 """Shared by the benchmarks: random models whose head is scaled up so that their distributions
 are peaked, as a trained model's are (confidence-based decoders then commit several tokens per
-step instead of one)."""
+step instead of one); how to hand transformers' models their KV cache."""
 
 from __future__ import annotations
 
+import inspect
+
 import dlmjax
+
+
+def torch_cache_name(torch_model) -> str:
+    """The keyword that passes a KV cache to a transformers model's forward, and its output's
+    attribute holding it: `cache` where the forward takes it (transformers 5.24 deprecates
+    `past_key_values`, to be removed in 5.40), else `past_key_values` (earlier 5.x, such as the
+    lent H200's 5.17)."""
+    return "cache" if "cache" in inspect.signature(torch_model.forward).parameters else "past_key_values"
 
 
 def peaked_random_model(family: str, args, *, num_kv_heads: int) -> dlmjax.Transformer:

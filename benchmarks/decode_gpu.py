@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 import dlmjax
+from benchmarks.common import torch_cache_name
 from benchmarks.decode_throughput import SHAPES, random_sdar, run_batches
 from benchmarks.exactness import _prefill, step_ms
 from dlmjax import kernels
@@ -347,6 +348,7 @@ def section_transformers(model, args):
                      num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_position_embeddings=32768)
     torch.manual_seed(0)
     net = Qwen3ForCausalLM(hf).to(device=device, dtype=dtype).eval()
+    cache_name = torch_cache_name(net)
     lines = [f"transformers {__import__('transformers').__version__} eager forward on {device} "
              f"({args.block} tokens against {args.prompt_len} cached):", "", "| batch | ms |", "|---:|---:|"]
     print("\n".join(lines), flush=True)
@@ -355,10 +357,10 @@ def section_transformers(model, args):
         ids = torch.randint(0, cfg.vocab_size - 2, (batch, args.prompt_len + args.block), device=device)
         with torch.no_grad():
             cache = DynamicCache()
-            net(ids[:, : args.prompt_len], past_key_values=cache, use_cache=True)
+            net(ids[:, : args.prompt_len], **{cache_name: cache}, use_cache=True)
 
             def step():
-                net(ids[:, args.prompt_len:], past_key_values=cache, use_cache=True)
+                net(ids[:, args.prompt_len:], **{cache_name: cache}, use_cache=True)
                 cache.crop(-args.block)  # back to the prompt's cache
                 if device == "cuda":
                     torch.cuda.synchronize()

@@ -49,6 +49,7 @@ import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import dlmjax  # noqa: E402
+from benchmarks.common import torch_cache_name  # noqa: E402
 from dlmjax.models import KVCache  # noqa: E402
 
 
@@ -211,14 +212,15 @@ def main(argv=None):
             blk_j = jnp.asarray(blk_ids)
             pre_t = torch.from_numpy(pre_ids.astype(np.int64))
             blk_t = torch.from_numpy(blk_ids.astype(np.int64))
-            past = torch_model(input_ids=pre_t, use_cache=True).past_key_values
+            cache_name = torch_cache_name(torch_model)
+            past = getattr(torch_model(input_ids=pre_t, use_cache=True), cache_name)
 
             jax_ms, torch_ms = time_pair(
                 lambda: jax_step(state, blk_j, blk_pos, cache).block_until_ready(),
-                lambda kv: torch_model(input_ids=blk_t, past_key_values=kv, use_cache=True).logits,
+                lambda kv: torch_model(input_ids=blk_t, **{cache_name: kv}, use_cache=True).logits,
                 args.warmup, args.repeats, torch_setup=lambda: copy.deepcopy(past),
             )
-            ref = torch_model(input_ids=blk_t, past_key_values=copy.deepcopy(past), use_cache=True).logits
+            ref = torch_model(input_ids=blk_t, **{cache_name: copy.deepcopy(past)}, use_cache=True).logits
             diff = float(np.abs(np.asarray(jax_step(state, blk_j, blk_pos, cache)) - ref.numpy()).max())
             record(f"cached step {b}x{args.block} (+{args.seq} cached)", b, b * args.block, jax_ms, torch_ms, diff)
 
