@@ -156,7 +156,8 @@ def matmul(x_mk, w_kn, preferred_element_type=None):
     tiles = row_tiles(x_mk, setting.row_tile)
 
     def one_tile(x_tk):
-        # The barrier keeps XLA from fusing the dot with what surrounds it differently per shape.
+        # The barriers keep XLA from fusing the dot with what surrounds it differently per shape,
+        # where XLA honours them (see MIN_TILES).
         y = jnp.matmul(jax.lax.optimization_barrier(x_tk), w_kn, preferred_element_type=preferred_element_type)
         return jax.lax.optimization_barrier(y)
 
