@@ -453,6 +453,14 @@ def test_the_tpu_shaped_flash_kernel_equals_the_xla_einsum(case):
     _check_flash(q, parts, flash_tpu(q, parts, tile_q=case["tile_q"], tile_k=case["tile_k"], interpret=True))
 
 
+def _small_tiles(kernel: str, q, parts, split_k: int = 8):
+    """The "loop" kernel (`flash`) or the "tpu" one (`flash_tpu`) in interpret mode, in tiles of 4
+    queries and 4 keys."""
+    if kernel == "tpu":
+        return flash_tpu(q, parts, tile_q=4, tile_k=4, interpret=True)
+    return flash(q, parts, tile_q=4, tile_k=4, split_k=split_k, interpret=True)
+
+
 @pytest.mark.parametrize("kernel", ["loop", "tpu"])
 def test_a_sliding_window_hides_the_keys_behind_it(kernel):
     """A drafter's sliding-window layers: both kernels equal the einsum with a window of 2 over a
@@ -460,11 +468,7 @@ def test_a_sliding_window_hides_the_keys_behind_it(kernel):
     case = dict(b=3, h=4, hkv=2, copies=2, width=3, cache=11, attention="causal", window=2, seed=7)
     q, parts = _attention_inputs(case)
     assert _seen(parts).sum() > 0 and not np.asarray(parts[0][2].matrix()).all()
-    if kernel == "tpu":
-        got = flash_tpu(q, parts, tile_q=4, tile_k=4, interpret=True)
-    else:
-        got = flash(q, parts, tile_q=4, tile_k=4, split_k=8, interpret=True)
-    _check_flash(q, parts, got)
+    _check_flash(q, parts, _small_tiles(kernel, q, parts))
 
 
 @pytest.mark.parametrize("kernel", ["loop", "tpu"])
@@ -482,11 +486,7 @@ def test_a_sliding_window_layer_reads_only_its_window(kernel):
         assert first.max() >= 8, "the case must hold whole tiles behind the window"
         behind = (np.arange(40)[None] < (first // 4 * 4)[:, None])[:, :, None, None]
         poisoned = [(jnp.where(behind, jnp.nan, k), jnp.where(behind, jnp.nan, v), vis)] + rest
-        if kernel == "tpu":
-            got = flash_tpu(q, poisoned, tile_q=4, tile_k=4, interpret=True)
-        else:
-            got = flash(q, poisoned, tile_q=4, tile_k=4, split_k=split_k, interpret=True)
-        _check_flash(q, parts, got)
+        _check_flash(q, parts, _small_tiles(kernel, q, poisoned, split_k))
 
 
 def test_a_part_with_every_key_hidden_adds_exact_zeros():
@@ -536,11 +536,7 @@ def test_a_query_tile_reads_no_key_past_its_frontier(kernel):
     (k, v, vis), = parts
     past = (jnp.arange(32) >= 8)[None, :, None, None]
     poisoned = [(jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v), vis)]
-    if kernel == "tpu":
-        got = flash_tpu(q, poisoned, tile_q=4, tile_k=4, interpret=True)
-    else:
-        got = flash(q, poisoned, tile_q=4, tile_k=4, split_k=8, interpret=True)
-    _check_flash(q, parts, got)
+    _check_flash(q, parts, _small_tiles(kernel, q, poisoned))
 
 
 @pytest.mark.parametrize("attention", ["causal", "block_causal"])
