@@ -114,8 +114,8 @@ def jit(fun=None, **jit_kwargs):
 # A tiled computation runs as a loop of at least this many iterations. XLA removes a loop of one
 # iteration and fuses its body with what surrounds it, and the code it then emits for the tile
 # differs from the loop body's (on CPU, which product of `a * b + c * d` LLVM contracts into an
-# FMA): a batch that fits one tile rounded differently from a batch of several (2e-7 in fp32, RoPE
-# at XLA's default optimisation level). XLA also drops optimization barriers before fusing, so the
+# FMA): a batch that fits one tile rounded differently from a batch of several (up to 3e-7 in fp32
+# at XLA's default optimisation level, from RoPE). XLA also drops optimization barriers before fusing, so the
 # barriers below keep the tiles apart only where XLA honours them.
 MIN_TILES = 2
 

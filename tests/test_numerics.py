@@ -84,7 +84,7 @@ def test_invariant_mode_gives_a_row_bitwise_the_same_logits_in_any_layout(dtype)
 
 
 AT_DEFAULT_LEVEL = """
-import sys, numpy as np, dlmjax
+import numpy as np, dlmjax
 from test_numerics import layouts, plain_model
 for dtype in ("float32", "bfloat16"):
     with dlmjax.numerics(invariant=True):
@@ -97,9 +97,9 @@ for dtype in ("float32", "bfloat16"):
 
 
 def test_invariant_mode_holds_at_xlas_default_optimisation_level():
-    """The test above in a fresh process compiled as users compile: the suite compiles at LLVM level
-    0 (conftest, for speed), where LLVM contracts no product into an FMA. At the default level it
-    does, and which product it contracts depended on whether a tiled loop ran once or more: a row
+    """The test above in a fresh process compiled as users compile. The suite compiles at LLVM level
+    0 (conftest, for speed), where these layouts were equal; at XLA's default level LLVM contracts
+    products into FMAs, and which product depended on whether a tiled loop ran once or more: a row
     alone differed from itself in a batch by 3e-7 in fp32 until every tiled loop ran at least twice
     (arithmetic.MIN_TILES)."""
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
