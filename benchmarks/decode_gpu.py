@@ -16,7 +16,9 @@ Sections (each a markdown table; all go to benchmarks/results/decode_gpu/<device
    --argmax-positions, against the XLA path; a choice the device refuses to compile is recorded so.
    The dispatchers' defaults (TILE_*, WARPS, STAGES) are what these tables chose. On CPU the
    kernels run in interpret mode (proves the section runs; the times mean nothing);
-6. decoders: tokens/s of each decoder at each batch (benchmarks/decode_throughput.run_batches);
+6. decoders: tokens/s of each decoder at each batch (benchmarks/decode_throughput.run_batches),
+   and the wall time of its first call (compile included: on the H200 a 1.7B decoder's compile
+   was too long to print a row in 120 s);
 7. transformers: the eager forward of the same shape (Qwen3ForCausalLM, random weights) for the
    same block against the same cache, per-step ms, on the same device (torch CUDA when present).
 
@@ -49,6 +51,7 @@ from benchmarks.common import torch_cache_name
 from benchmarks.decode_throughput import SHAPES, random_sdar, run_batches
 from benchmarks.exactness import _prefill, step_ms
 from dlmjax import kernels
+from dlmjax.decoding.api import generate
 from dlmjax.heads.mrp import init_head
 from dlmjax.kernels.attention import attention
 from dlmjax.kernels.residual_argmax import residual_argmax
@@ -315,18 +318,22 @@ def section_decoders(model, head, args):
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, model.config.vocab_size - 2, args.prompt_len).tolist() for _ in range(args.prompts)]
     lines = [f"Decoders ({len(prompts)} prompts of {args.prompt_len} tokens, {args.max_new} new tokens, fixed batches, "
-             f"kernels {args.decoder_kernels}):", "", "| decoder | batch | forwards | tokens/s | wall s |",
-             "|---|---:|---:|---:|---:|"]
+             f"kernels {args.decoder_kernels}):", "",
+             "| decoder | batch | first call s (compile) | forwards | tokens/s | wall s |", "|---|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     records = []
     with kernels.use(args.decoder_kernels):
         for spec in args.decoders:
             for batch in args.batches:
-                rows, forwards, _, wall = run_batches(model, prompts, batch, decoder=spec, max_new_tokens=args.max_new,
-                                                      head=head)
+                options = dict(decoder=spec, max_new_tokens=args.max_new, head=head)
+                start = time.perf_counter()
+                generate(model, prompts[:batch], **options)  # compiles this decoder at this batch
+                first = time.perf_counter() - start
+                rows, forwards, _, wall = run_batches(model, prompts, batch, **options)
                 rate = sum(row.num_tokens for row in rows) / wall
-                records.append(dict(decoder=spec, batch=batch, forwards=forwards, tokens_per_s=rate, wall_s=wall))
-                lines.append(f"| `{spec}` | {batch} | {forwards} | {rate:.0f} | {wall:.2f} |")
+                records.append(dict(decoder=spec, batch=batch, first_call_s=first, forwards=forwards,
+                                    tokens_per_s=rate, wall_s=wall))
+                lines.append(f"| `{spec}` | {batch} | {first:.1f} | {forwards} | {rate:.0f} | {wall:.2f} |")
                 print(lines[-1], flush=True)
     return lines, records
 
@@ -375,7 +382,6 @@ def section_transformers(model, args):
         records.append(dict(batch=batch, ms=ms, device=device))
         lines.append(f"| {batch} | {ms:.2f} |")
         print(lines[-1], flush=True)
-    del net
     return lines, records
 
 

@@ -587,8 +587,8 @@ def test_a_kernel_that_does_not_compile_falls_back_with_the_reason(caplog):
 
 
 def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
-    """benchmarks/decode_gpu.py --tiny on CPU (the decoder and prefill sections reuse code tested
-    elsewhere and are skipped here for time): every section writes what it measured."""
+    """benchmarks/decode_gpu.py --tiny on CPU (the prefill section reuses code tested elsewhere and
+    is skipped here for time): every section writes what it measured."""
     import json
     import sys
     from pathlib import Path
@@ -596,13 +596,15 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
     sys.path.insert(0, str(Path(__file__).parents[1]))
     from benchmarks import decode_gpu
 
-    results = decode_gpu.main(["--tiny", "--batches", "1", "--skip", "decoders", "prefill", "--out", str(tmp_path)])
+    results = decode_gpu.main(["--tiny", "--batches", "1", "--skip", "prefill", "--out", str(tmp_path)])
     assert [(r["batch"], r["kernels"]) for r in results["step"]] == [(1, "auto"), (1, "off")]
     with kernels.use("auto"):  # the reference on CPU; on a GPU the kernel unless the numerics are invariant
         auto_path = decode_gpu.path_of("attention")
     assert [r["path"] for r in results["step"]] == [auto_path, "reference"]
     assert all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in results["step"])
     assert [r["kernels"] for r in results["argmax"]] == ["on", "off"]
+    (decoder,) = results["decoders"]  # threshold at batch 1: the first call's time, then the timed batches
+    assert decoder["batch"] == 1 and decoder["first_call_s"] > 0 and decoder["tokens_per_s"] > 0
     assert [r["batch"] for r in results["transformers"]] == [1] and results["transformers"][0]["ms"] > 0
     kernel_path = "interpret" if jax.default_backend() == "cpu" else "kernel"  # the tiles section's kernels
     assert [(r["kernel"], r["tiles"], r["path"]) for r in results["tiles"]] == [
