@@ -33,6 +33,7 @@ kernel modes both run the references (dlmjax.kernels), so "auto" and "off" time 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import platform
@@ -250,6 +251,11 @@ def tiles_arg(allowed: tuple[str, ...]):
     return lambda text: parse_tiles(text, allowed) and text
 
 
+def tile_rows(baseline: str, choices: list[str], allowed: tuple[str, ...], kernel_mode: str) -> list[tuple]:
+    """(label, kernel mode, options) of each row of a tiles table: the XLA path, then each choice."""
+    return [(baseline, "off", {})] + [(text, kernel_mode, parse_tiles(text, allowed)) for text in choices]
+
+
 def prefill_parts(cfg, length: int):
     """q [1, L, H, hd] and the one self part of a block-causal prefill of `length` tokens (bf16
     random values at the shape's heads), and the attention FLOPs of its visible half."""
@@ -285,9 +291,8 @@ def section_tiles(model, args, peak):
     records = []
     for length in args.prefill:
         q, parts, flops = prefill_parts(cfg, length)
-        for tiles in ["XLA einsum", *args.attention_tiles]:
-            mode, options = ("off", {}) if tiles == "XLA einsum" else (kernel_mode, parse_tiles(tiles, ATTENTION_OPTIONS))
-            fn = jax.jit(lambda q, parts, o=tuple(options.items()): attention(q, parts, **dict(o)))
+        for tiles, mode, options in tile_rows("XLA einsum", args.attention_tiles, ATTENTION_OPTIONS, kernel_mode):
+            fn = jax.jit(functools.partial(attention, **options))
             try:
                 ms, path = _timed_choice("attention", mode, lambda: fn(q, parts), args.repeats)
             except Exception as error:  # RESOURCE_EXHAUSTED: the einsum's scores at long prefills
@@ -304,9 +309,8 @@ def section_tiles(model, args, peak):
     print("\n".join(lines[-5:]), flush=True)
     for m in args.argmax_positions:
         x = jax.random.normal(jax.random.key(0), (m, cfg.hidden_size)).astype(cfg.dtype)
-        for tiles in ["XLA logits + scoring", *args.argmax_tiles]:
-            mode, options = ("off", {}) if tiles.startswith("XLA") else (kernel_mode, parse_tiles(tiles, ARGMAX_OPTIONS))
-            fn = jax.jit(lambda h, o=tuple(options.items()): residual_argmax(h, w, mask_id=cfg.mask_token_id, **dict(o)))
+        for tiles, mode, options in tile_rows("XLA logits + scoring", args.argmax_tiles, ARGMAX_OPTIONS, kernel_mode):
+            fn = jax.jit(functools.partial(residual_argmax, w_dv=w, mask_id=cfg.mask_token_id, **options))
             ms, path = _timed_choice("residual_argmax", mode, lambda: fn(x), args.repeats)
             records.append(dict(kernel="residual_argmax", positions=m, tiles=tiles, path=path, ms=ms))
             lines.append(f"| {m} | {tiles} | {path} | {'' if ms is None else f'{ms:.3f}'} |")
@@ -319,7 +323,8 @@ def section_decoders(model, head, args):
     prompts = [rng.randint(0, model.config.vocab_size - 2, args.prompt_len).tolist() for _ in range(args.prompts)]
     lines = [f"Decoders ({len(prompts)} prompts of {args.prompt_len} tokens, {args.max_new} new tokens, fixed batches, "
              f"kernels {args.decoder_kernels}):", "",
-             "| decoder | batch | first call s (compile) | forwards | tokens/s | wall s |", "|---|---:|---:|---:|---:|---:|"]
+             "| decoder | batch | first call s (compile) | forwards | tokens/s | wall s |",
+             "|---|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     records = []
     with kernels.use(args.decoder_kernels):

@@ -200,6 +200,7 @@ def main(argv=None):
             record(f"full fwd {b}x{args.seq}", b, b * args.seq, jax_ms, torch_ms, diff)
 
         # 2. decode-size step: prefill seq tokens, then a block of `block` tokens against the cache
+        cache_name = torch_cache_name(torch_model)
         for b in batches:
             total = args.seq + args.block
             ids = rng.integers(0, args.vocab, size=(b, total), dtype=np.int32)
@@ -212,7 +213,6 @@ def main(argv=None):
             blk_j = jnp.asarray(blk_ids)
             pre_t = torch.from_numpy(pre_ids.astype(np.int64))
             blk_t = torch.from_numpy(blk_ids.astype(np.int64))
-            cache_name = torch_cache_name(torch_model)
             past = getattr(torch_model(input_ids=pre_t, use_cache=True), cache_name)
 
             jax_ms, torch_ms = time_pair(

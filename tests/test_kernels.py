@@ -586,15 +586,22 @@ def test_a_kernel_that_does_not_compile_falls_back_with_the_reason(caplog):
     assert kernels.compile_error("demo", functools.partial(lambda x, width: x * width, width=3), jnp.ones(2)) is None
 
 
-def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
-    """benchmarks/decode_gpu.py --tiny on CPU (the prefill section reuses code tested elsewhere and
-    is skipped here for time): every section writes what it measured."""
-    import json
+@pytest.fixture
+def decode_gpu():
+    """benchmarks/decode_gpu.py, imported from the checkout (benchmarks/ is not installed)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1]))
     from benchmarks import decode_gpu
+
+    return decode_gpu
+
+
+def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path, decode_gpu):
+    """benchmarks/decode_gpu.py --tiny on CPU (the prefill section reuses code tested elsewhere and
+    is skipped here for time): every section writes what it measured."""
+    import json
 
     results = decode_gpu.main(["--tiny", "--batches", "1", "--skip", "prefill", "--out", str(tmp_path)])
     assert [(r["batch"], r["kernels"]) for r in results["step"]] == [(1, "auto"), (1, "off")]
@@ -610,7 +617,8 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
     assert [(r["kernel"], r["tiles"], r["path"]) for r in results["tiles"]] == [
         ("attention", "XLA einsum", "reference"), ("attention", "tile_q=16,tile_k=16", kernel_path),
         ("attention", "tile_q=32,tile_k=16", kernel_path), ("residual_argmax", "XLA logits + scoring", "reference"),
-        ("residual_argmax", "tile_m=8,tile_v=128", kernel_path), ("residual_argmax", "tile_m=16,tile_v=256", kernel_path)]
+        ("residual_argmax", "tile_m=8,tile_v=128", kernel_path),
+        ("residual_argmax", "tile_m=16,tile_v=256", kernel_path)]
     assert all(r["ms"] > 0 for r in results["tiles"])
     with pytest.raises(SystemExit):  # a tile option the kernel does not take is refused when parsed
         decode_gpu.parse_args(["--tiny", "--argmax-tiles", "tile_q=8"])
@@ -619,15 +627,9 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path):
     assert saved["step"] == results["step"] and "| batch | ms |" in (tmp_path / f"{tag}.md").read_text()
 
 
-def test_the_gpu_benchmark_reports_a_kernel_the_device_refused(monkeypatch):
+def test_the_gpu_benchmark_reports_a_kernel_the_device_refused(monkeypatch, decode_gpu):
     """Where the dispatcher chooses a kernel but the device's compile probe refused it (so the
     reference ran), decode_gpu's path column says so instead of "kernel"."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from benchmarks import decode_gpu
-
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kernels, "_COMPILES", {})
     with kernels.use("on"):

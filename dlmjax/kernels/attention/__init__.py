@@ -23,12 +23,12 @@ import jax.numpy as jnp
 from dlmjax import kernels
 from dlmjax.kernels.attention import kernel as _kernel
 from dlmjax.kernels.attention import kernel_tpu as _kernel_tpu
+from dlmjax.kernels.attention.kernel import STAGES, WARPS
 from dlmjax.kernels.attention.reference import attention as reference
 
 __all__ = ["attention", "reference"]
 
 TILE_Q, TILE_K, SPLIT_K = 64, 128, 512  # SPLIT_K: keys per program when the queries fit one tile
-WARPS, STAGES = 4, 2  # each Triton program's warps and software-pipelining stages
 TPU_TILE_Q, TPU_TILE_K = 256, 512
 
 

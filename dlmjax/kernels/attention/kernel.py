@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 MASK_VALUE = -1e30  # as layers.MASK_VALUE: a hidden key's score
+WARPS, STAGES = 4, 2  # each Triton program's warps and software-pipelining stages (the dispatcher's defaults)
 
 
 def topology(q_pos, k_pos, attention: str, block_size: int | None, window: int | None = None):
@@ -91,7 +92,7 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, q_seg_ref, k_pos_ref, k_seg_ref, k_v
                                              "triton", "warps", "stages", "window"))
 def flash_part(q_blhd, k_bshd, v_bshd, q_pos_bl, q_seg_bl, k_pos_bs, k_seg_bs, k_valid_bs, kv_start_bt, kv_len_bt, *,
                attention: str, block_size: int | None, tile_q: int, tile_k: int, split_k: int, interpret: bool,
-               triton: bool = False, warps: int = 4, stages: int = 2, window: int | None = None):
+               triton: bool = False, warps: int = WARPS, stages: int = STAGES, window: int | None = None):
     """(acc [slices, B, L, H, hd] f32, m [slices, B, H, L], l [slices, B, H, L]) of one part;
     L % tile_q == 0, S >= tile_k, split_k % tile_k == 0; the key ranges [B, L / tile_q].
     `triton`: lower with Pallas' Triton backend (GPU): its blocks stay in global memory and the

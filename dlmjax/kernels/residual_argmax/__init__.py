@@ -13,13 +13,13 @@ import jax.numpy as jnp
 from dlmjax import kernels
 from dlmjax.kernels.residual_argmax import kernel as _kernel
 from dlmjax.kernels.residual_argmax import kernel_tpu as _kernel_tpu
+from dlmjax.kernels.residual_argmax.kernel import STAGES, WARPS
 from dlmjax.kernels.residual_argmax.reference import ArgmaxScores, logits
 from dlmjax.kernels.residual_argmax.reference import residual_argmax as reference
 
 __all__ = ["ArgmaxScores", "logits", "reference", "residual_argmax", "residual_argmax_tpu"]
 
 TILE_M, TILE_V, TILE_D, SPLIT_V = 16, 128, 128, 1024  # GPU-sized: 16 x 128 x 128 dots, 1024-column slices
-WARPS, STAGES = 4, 2  # each Triton program's warps and software-pipelining stages
 TPU_TILE_M, TPU_TILE_V = 256, 256  # a [D, 256] lm_head block double-buffered: 4 MiB of VMEM at D = 4096
 
 

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30  # a hidden column's logit: finite, so exp(NEG - m) * (NEG - m) is 0, not NaN
+WARPS, STAGES = 4, 2  # each Triton program's warps and software-pipelining stages (the dispatcher's defaults)
 
 
 def _tile_stats(logits_mt, valid_1t, first_col):
@@ -134,7 +135,7 @@ def row_inputs(x_md, scale_d, h_p_md, *, tile_m: int, eps: float | None, residua
                                              "split_v", "interpret", "triton", "warps", "stages"))
 def residual_argmax_stats(x_md, w_dv, scale_d=None, h_p_md=None, *, mask_id: int | None, eps: float | None,
                           residual_scale: float | None, tile_m: int, tile_v: int, tile_d: int, split_v: int,
-                          interpret: bool, triton: bool = False, warps: int = 4, stages: int = 2):
+                          interpret: bool, triton: bool = False, warps: int = WARPS, stages: int = STAGES):
     """The six running statistics of each vocabulary slice, each [M, slices] (see the module
     docstring); M % tile_m == 0, V >= tile_v, D % tile_d == 0, split_v % tile_v == 0 (the dispatcher
     pads rows and picks the tiles). `triton`: lower with Pallas' Triton backend (GPU), whose blocks
