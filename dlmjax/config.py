@@ -276,7 +276,9 @@ _HF_KEYS = {
     "max_position_embeddings", "tie_word_embeddings", "attention_bias", "block_size", "layer_types",
 }
 _FAMILY_KEYS = {  # keys only one family of the hf layout reads
-    "fast_dllm_v2": {"bd_size"},
+    # `conplemenrary_mask` (sic, as the published 7B config spells it; `complementary_mask` in later
+    # ports) switches complementary masking in its training loss: no numerics of the forward
+    "fast_dllm_v2": {"bd_size", "conplemenrary_mask", "complementary_mask"},
     # the MRP head beside an SDAR backbone in the published MRP checkpoints (SDARMRPForCausalLM,
     # heavyball/sdar-*-mrp-3lyr): its modules and layers per module; the backbone's forward is
     # unchanged, and dlmjax.heads.mrp.load_head checks them against the head's tensors

@@ -83,19 +83,19 @@ def test_export_round_trip(qwen2_and_checkpoint, tmp_path):
 
 
 def test_published_7b_config_translates():
-    """A config in the form of Efficient-Large-Model/Fast_dLLM_v2_7B's (Qwen2.5-7B-Instruct's fields
-    plus Fast-dLLM v2's) translates to the 7B shape, block 32, mask 151665."""
+    """Efficient-Large-Model/Fast_dLLM_v2_7B's config.json as published (its training switch
+    `conplemenrary_mask` spelt as there) translates to the 7B shape, block 32, mask 151665."""
     raw = {
-        "architectures": ["Fast_dLLM_QwenForCausalLM"], "model_type": "Fast_dLLM_Qwen",
-        "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+        "architectures": ["Fast_dLLM_QwenForCausalLM"], "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig", "AutoModel": "modeling.Fast_dLLM_QwenModel",
                      "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
-        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
-        "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
-        "max_position_embeddings": 32768, "max_window_layers": 28, "num_attention_heads": 28,
-        "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
-        "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "transformers_version": "4.53.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
-        "bd_size": 32, "layer_types": ["full_attention"] * 28,
+        "bd_size": 32, "bos_token_id": 151643, "conplemenrary_mask": True, "eos_token_id": 151645,
+        "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+        "layer_types": ["full_attention"] * 28, "max_position_embeddings": 32768, "max_window_layers": 28,
+        "model_type": "Fast_dLLM_Qwen", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+        "pad_token_id": 151645, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.53.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
     }
     cfg = from_hf_config(raw)
     assert (cfg.family, cfg.block_size, cfg.mask_token_id, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
@@ -110,8 +110,8 @@ def test_published_7b_config_translates():
         from_hf_config({**raw, "dual_cache": True})
     with pytest.raises(ConfigError, match="bd_size"):
         from_hf_config({**raw, "bd_size": 0})
-    # bd_size is Fast-dLLM v2's own key: other families refuse it
-    with pytest.raises(ConfigError, match=r"unknown config keys \['bd_size'\]"):
+    # bd_size and the training switch are Fast-dLLM v2's own keys: other families refuse them
+    with pytest.raises(ConfigError, match=r"unknown config keys \['bd_size', 'conplemenrary_mask'\]"):
         from_hf_config({**raw, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
 
 

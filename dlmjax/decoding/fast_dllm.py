@@ -10,8 +10,10 @@ Efficient-Large-Model/Fast_dLLM_v2_7B), on its block-causal, shifted-logit model
   whole block and commits, in the leftmost sub-block that still has masks, every masked position
   with confidence > `tau`, and always the most confident one.
 
-Block 32 (the model's `bd_size`), sub-blocks of 8, tau 0.9 are its authors' settings: the spec
-`fast-dllm-v2` (`fast-dllm-v2:tau=0.9,sub_block=8`). Confidence excludes the mask token, as in
+Block 32 (the model's `bd_size`), sub-blocks of 8, tau 0.9 are its authors' settings (eval.py's
+default): the spec `fast-dllm-v2` (`fast-dllm-v2:tau=0.9,sub_block=8`). Their benchmark script
+(v2/eval_script.sh) runs gsm8k and minerva_math with threshold 1, one token per forward:
+`fast-dllm-v2:tau=1`. Confidence excludes the mask token, as in
 every decoder here (generate()'s softmax keeps it). generate()'s stop-token check ends a block
 early once the stop token and everything before it are decoded; here the row finishes its block
 (the tokens up to the stop token are the same, the forwards can be more).
