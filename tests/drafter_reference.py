@@ -75,12 +75,14 @@ class RefDrafter(nn.Module):
             num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
             num_key_value_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"], vocab_size=raw["vocab_size"],
             rms_norm_eps=raw["rms_norm_eps"], rope_parameters=params, max_position_embeddings=raw["max_position_embeddings"],
+            # the window as transformers (and the servers) read it: only with `use_sliding_window`
+            use_sliding_window=raw.get("use_sliding_window", False), sliding_window=raw.get("sliding_window", 4096),
+            layer_types=raw.get("layer_types"),
         )
         self.ids = list(raw["dflash_config"]["target_layer_ids"])
         self.mask_id = raw["dflash_config"]["mask_token_id"]
         self.block_size = raw["block_size"]
-        self.layer_types = raw.get("layer_types") or ["full_attention"] * raw["num_hidden_layers"]
-        self.window = raw.get("sliding_window")
+        self.layer_types, self.window = self.c.layer_types, self.c.sliding_window
         self.fc = nn.Linear(len(self.ids) * raw["hidden_size"], raw["hidden_size"], bias=False)
         self.hidden_norm = Qwen3RMSNorm(raw["hidden_size"], eps=raw["rms_norm_eps"])
         self.layers = nn.ModuleList([RefLayer(self.c) for _ in range(raw["num_hidden_layers"])])

@@ -136,6 +136,10 @@ def test_default_target_layer_ids_and_always_written():
         (lambda r: r["dflash_config"].update(extra=1), "extra"),
         (lambda r: r.update(architectures=["Qwen3ForCausalLM"]), "DFlashDraftModel"),
         (lambda r: r.update(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling"),
+        (lambda r: r["dflash_config"].update(target_layer_ids=[9, 1]), r"must increase, each id once \(e.g. \[1, 9\]\)"),
+        (lambda r: r["dflash_config"].update(target_layer_ids=[1, 1]), "must increase, each id once"),
+        # transformers drops the window without the switch (vLLM and SGLang then refuse the drafter)
+        (lambda r: r.update(layer_types=["sliding_attention"], sliding_window=8), "use_sliding_window"),
     ],
 )
 def test_strict_config_errors_name_the_key(change, message):
@@ -225,6 +229,25 @@ def test_fresh_drafter_saves_in_dflash_names(target, tmp_path):
     assert load_drafter(tmp_path, ours.config).config.replace(hf_extra=()) == cfg.replace(dtype="bfloat16", hf_extra=())
 
 
+def test_sliding_window_layers_export_as_transformers_reads_them(target, tmp_path):
+    """A drafter with sliding-window layers (made here, not imported) saves a config.json from
+    which transformers' Qwen3Config, which vLLM and SGLang read, takes the same window and layers;
+    and the window is read back the way transformers reads it (4096 when only switched on)."""
+    from transformers import Qwen3Config
+
+    _, ours, _ = target
+    cfg = DrafterConfig.for_target(ours.config, num_layers=2, block_size=4, mask_token_id=MASK_ID,
+                                   layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+    save_drafter(init_drafter(cfg), tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    read = Qwen3Config(**{k: v for k, v in written.items() if k not in ("architectures", "dflash_config")})
+    assert (read.sliding_window, read.layer_types) == (3, ["sliding_attention", "full_attention"])
+    assert load_drafter(tmp_path, ours.config).config.sliding_window == 3
+    switched_on = {k: v for k, v in written.items() if k != "sliding_window"}
+    assert from_dflash_config(switched_on).sliding_window == Qwen3Config(**{
+        k: v for k, v in switched_on.items() if k not in ("architectures", "dflash_config")}).sliding_window == 4096
+
+
 # ----------------------------------------------------------------------------------------------
 # parity with the PyTorch reference
 
@@ -280,7 +303,7 @@ def test_block_visibilities_are_the_matrices_as_kernel_visibilities():
 
 def test_context_features_are_hf_hidden_states_id_plus_one(target, tmp_path):
     tm, ours, _ = target
-    cfg = from_dflash_config(tiny_drafter_config(num_layers=3, ids=[5, 0, 2]))  # unsorted, incl. the last layer
+    cfg = from_dflash_config(tiny_drafter_config(num_layers=3, ids=[0, 2, 5]))  # incl. the last layer
     tokens = np.random.RandomState(1).randint(0, 90, (1, 9))
     out = ours(jnp.asarray(tokens), hidden_layers=cfg.hidden_layers)
     got = np.asarray(context_features(ours, cfg, out.layer_hidden))

@@ -89,6 +89,12 @@ class DrafterConfig:
             raise ConfigError("sliding_attention layers need `sliding_window` (a positive int) in config.json")
         if not self.target_layer_ids:
             raise ConfigError("dflash_config.target_layer_ids is empty; give at least one target layer id")
+        if list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+            raise ConfigError(
+                f"target_layer_ids {list(self.target_layer_ids)} must increase, each id once "
+                f"(e.g. {sorted(set(self.target_layer_ids))}): vLLM and SGLang collect the target's hidden states in "
+                "layer order, so other orders would feed `fc` its inputs permuted"
+            )
         if self.block_size < 2:
             raise ConfigError(f"block_size={self.block_size}; a drafter block needs at least 2 tokens")
         if self.num_heads % self.num_kv_heads:
@@ -99,9 +105,9 @@ class DrafterConfig:
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
-        """The target's `hidden_layers=` argument: HF hidden_states indices id + 1, sorted and
-        unique (the target collects them in layer order; `context_features` maps them back)."""
-        return tuple(sorted({i + 1 for i in self.target_layer_ids}))
+        """The target's `hidden_layers=` argument: HF hidden_states indices id + 1 (increasing,
+        as the ids are; `context_features` maps them back)."""
+        return tuple(i + 1 for i in self.target_layer_ids)
 
     def layer_model_config(self) -> ModelConfig:
         """A ModelConfig that builds the drafter's Qwen3-style decoder layers."""

@@ -4,7 +4,8 @@ A DFlash directory holds config.json and model.safetensors:
 
 - config.json: `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"` and Qwen3's fields
   (hidden_size, num_hidden_layers, heads, head_dim, intermediate_size, rms_norm_eps, rope_theta
-  or rope_parameters, layer_types, sliding_window, dtype, ...), plus `block_size`,
+  or rope_parameters, layer_types, sliding_window with use_sliding_window (without it transformers,
+  and the servers after it, drop the window), dtype, ...), plus `block_size`,
   `num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`.
 - weights: `fc.weight` [D, n_ids * D], `hidden_norm.weight`, `norm.weight` and per layer
   `layers.{i}.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
@@ -77,12 +78,21 @@ def _rope_theta(raw: dict) -> float:
     return float(raw["rope_theta"])
 
 
+# Qwen3Config's default `sliding_window`; it keeps a window only where `use_sliding_window` is true
+_QWEN3_DEFAULT_WINDOW = 4096
+
+
+def _sliding_window(raw: dict) -> int | None:
+    """The window as transformers' Qwen3Config reads it (and vLLM, SGLang and z-lab after it):
+    `sliding_window` (default 4096) where `use_sliding_window` is true, else none."""
+    return raw.get("sliding_window", _QWEN3_DEFAULT_WINDOW) if raw.get("use_sliding_window") else None
+
+
 def _layer_types(raw: dict, n: int) -> tuple[str, ...]:
     if "layer_types" in raw and raw["layer_types"] is not None:
         return tuple(raw["layer_types"])
     # transformers' Qwen3Config rule when layer_types is absent
-    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
-    first_sliding = raw.get("max_window_layers", n)
+    window, first_sliding = _sliding_window(raw), raw.get("max_window_layers", n)
     return tuple(SLIDING if window is not None and i >= first_sliding else FULL for i in range(n))
 
 
@@ -124,6 +134,13 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
     if dtype not in DTYPES:
         raise ConfigError(f"config key `dtype` = {dtype!r}; supported: {', '.join(DTYPES)}")
     n = raw["num_hidden_layers"]
+    layer_types, window = _layer_types(raw, n), _sliding_window(raw)
+    if SLIDING in layer_types and window is None:
+        raise ConfigError(
+            "layer_types names sliding_attention layers but `use_sliding_window` is not true: transformers then "
+            "drops the window (vLLM and SGLang refuse such a drafter); set `use_sliding_window: true` and "
+            "`sliding_window`, or make those layers full_attention"
+        )
     ids = dcfg.get("target_layer_ids") or default_target_layer_ids(raw["num_target_layers"], n)
     cfg = DrafterConfig(
         hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_layers=n,
@@ -131,8 +148,8 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
         vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"], target_layer_ids=tuple(ids),
         mask_token_id=int(dcfg["mask_token_id"]), block_size=int(block_size),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(raw),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096), layer_types=_layer_types(raw, n),
-        sliding_window=raw.get("sliding_window") if SLIDING in _layer_types(raw, n) else None, dtype=dtype,
+        max_position_embeddings=raw.get("max_position_embeddings", 4096), layer_types=layer_types,
+        sliding_window=window if SLIDING in layer_types else None, dtype=dtype,
     )
     # Everything except the fields DrafterConfig owns is written back as it was read.
     owned = {
@@ -171,8 +188,10 @@ def to_dflash_config(cfg: DrafterConfig) -> dict:
         verbatim["rope_parameters"] = {**verbatim["rope_parameters"], "rope_theta": _same_number(verbatim["rope_parameters"].get("rope_theta"), cfg.rope_theta)}
     else:
         out["rope_theta"] = _same_number(verbatim.pop("rope_theta", None), cfg.rope_theta)
-    if SLIDING in cfg.layer_types:
-        out["sliding_window"] = cfg.sliding_window
+    if SLIDING in cfg.layer_types:  # transformers (and the servers after it) keep the window only with the switch
+        out["sliding_window"], out["use_sliding_window"] = cfg.sliding_window, True
+        for key in ("sliding_window", "use_sliding_window"):
+            verbatim.pop(key, None)
     defaults = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rope_scaling": None,
                 "tie_word_embeddings": False, "use_cache": True}
     for key, value in defaults.items():
