@@ -75,7 +75,7 @@ def reference_llada2(model, prompt, *, tau, steps, editing_threshold=None, max_p
             conf = {c: float(probs[c].max()) for c in cols}
             chosen = []
             if masked:
-                q = quota[min(step, steps - 1)]
+                q = 1 if editing_threshold is not None else quota[min(step, steps - 1)]  # LLaDA2.1: always 1
                 high = [c for c in masked if conf[c] > tau]
                 chosen = high if len(high) >= q else sorted(masked, key=lambda c: (-conf[c], c))[:q]
             edited = []
@@ -104,8 +104,8 @@ CASES = {  # spec -> reference options
     "llada2:tau=0.95": dict(tau=0.95, steps=32),  # steps capped at 12 > block: quota 1, then 0
     "llada2:tau=0.7,editing_threshold=0.3,max_post_steps=2": dict(tau=0.7, steps=32, editing_threshold=0.3,
                                                                   max_post_steps=2),
-    "llada2:tau=0.7,steps=4,editing_threshold=0.0,max_post_steps=0": dict(tau=0.7, steps=4, editing_threshold=0.0,
-                                                                          max_post_steps=0),
+    "llada2:tau=0.7,editing_threshold=0.0,max_post_steps=0": dict(tau=0.7, steps=32, editing_threshold=0.0,
+                                                                  max_post_steps=0),
 }
 
 
@@ -155,8 +155,9 @@ def test_random_llada2_moe_preset(tmp_path, monkeypatch):
     # per step; the untrained model passes no 0.95, so the block of 30 masks takes 8 forwards
     row = generate(moe, [prompt], decoder="llada2", max_new_tokens=8).rows[0]
     assert (row.nfe, len(row.tokens), row.tpf) == (8, 8, 30 / 8)
+    # LLaDA2.1 (editing) commits one token per step where nothing passes tau, whatever the steps
     edited = generate(moe, [prompt], decoder="llada2:editing_threshold=0.0,max_post_steps=3", max_new_tokens=8)
-    assert 8 < edited.rows[0].nfe <= 8 + 3 and len(edited.rows[0].tokens) == 8
+    assert 30 < edited.rows[0].nfe <= 30 + 3 and len(edited.rows[0].tokens) == 8
 
 
 def test_options_typed_and_ranged():
@@ -171,6 +172,7 @@ def test_options_typed_and_ranged():
                           ("llada2:tau=0", r"tau=0.0 must be in \(0, 1\]"),
                           ("llada2:max_post_steps=-1", "max_post_steps=-1 must be >= 0"),
                           ("llada2:max_post_steps=4", "set editing_threshold too"),
+                          ("llada2:editing_threshold=0.5,steps=4", "with editing_threshold .*LLaDA2.1.*drop steps"),
                           ("llada2:editing_threshold=high", "not a valid float")]:
         with pytest.raises(DecoderSpecError, match=message):
             parse_decoder(spec)

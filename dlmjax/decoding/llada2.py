@@ -4,12 +4,13 @@ What its authors ship (the `generate()` of the LLaDA2.0 / 2.1 model cards; the s
 SGLang's dLLM `JointThreshold` algorithm and diffusers' block-refinement scheduler), per block
 of a block-causal model, from each forward of the block:
 
-- Mask to token (M2T), at the block's s-th step with masks: a quota q_s spreads the block over
-  `steps` steps (`block // steps` each, the first `block % steps` steps one more; `steps` is
-  first capped at max_new_tokens, as generate() caps it at gen_length). Commit every masked
-  position whose confidence is > `tau`, if there are at least q_s of them; otherwise the q_s most
-  confident masked positions. Block 32 and steps 32 make q_s = 1: threshold decoding that
-  commits at least one token per step.
+- Mask to token (M2T), at the block's s-th step with masks: commit every masked position whose
+  confidence is > `tau`, if there are at least q_s of them; otherwise the q_s most confident
+  masked positions. LLaDA2.0's quota q_s spreads the block over `steps` steps (`block // steps`
+  each, the first `block % steps` steps one more; `steps` is first capped at max_new_tokens, as
+  generate() caps it at gen_length); block 32 and steps 32 make q_s = 1. LLaDA2.1's generate()
+  (the one with editing) reads no `steps`: its q_s is always 1 (`num_to_transfer`), so with
+  `editing_threshold` set `steps` is refused.
 - Token to token (T2T, LLaDA2.1; on when `editing_threshold` is set): in the same step, every
   generated (not prompt), already committed position whose predicted token differs from its
   current one with confidence > `editing_threshold` takes the predicted token.
@@ -27,7 +28,9 @@ count of steps with masks (the quota index) and of post steps, and tells the eng
 reference loop's (tested: tests/test_llada2.py against a plain loop, no cache, full forward per
 step). Confidence is the probability of the proposed token, the mask token excluded, as in
 every decoder here; with sampling, edits read the sampled token (keys folded with the post-step
-count, so post steps draw fresh noise).
+count, so post steps draw fresh noise). With sampling, a token's confidence is its probability
+under the tempered, nucleus-filtered distribution it was drawn from, as LLaDA2's
+`_sample_with_temperature_topk_topp` gives it (`sampled_confidence`); it has no top-k.
 """
 
 from __future__ import annotations
@@ -71,10 +74,11 @@ def quota_commit(scores: policies.Scores, masked_bk, tau: float, quota_b):
 @dataclass(frozen=True)
 class LLaDA2(DiffusionDecoder):
     """LLaDA2's decoding (module docstring): tau (confidence threshold, 0.95), steps (per block;
-    the quota's schedule, 32), editing_threshold (LLaDA2.1's T2T editing; unset: off),
-    max_post_steps (editing steps after a block's last mask is filled, 16)."""
+    LLaDA2.0's quota schedule, 32), editing_threshold (LLaDA2.1's T2T editing, with a quota of 1;
+    unset: off), max_post_steps (editing steps after a block's last mask is filled, 16)."""
 
     name: ClassVar[str] = "llada2"
+    sampled_confidence: ClassVar[bool] = True
     limits = {"tau": OPEN_UNIT, "steps": AT_LEAST_1, "editing_threshold": PROBABILITY,
               "max_post_steps": AT_LEAST_0}
     tau: float = 0.95
@@ -87,6 +91,10 @@ class LLaDA2(DiffusionDecoder):
         if not self.editing and self.max_post_steps != 16:
             raise DecoderSpecError(f"llada2: max_post_steps={self.max_post_steps} bounds LLaDA2.1's editing steps; "
                                    "set editing_threshold too (e.g. editing_threshold=0.5), or drop max_post_steps")
+        if self.editing and self.steps != 32:
+            raise DecoderSpecError(f"llada2: steps={self.steps} sets LLaDA2.0's per-step quota; with editing_threshold "
+                                   "(LLaDA2.1) every step commits the masked positions above tau, or else the most "
+                                   "confident one, whatever the steps (as its generate() does): drop steps")
 
     @property
     def editing(self) -> bool:
@@ -108,7 +116,7 @@ class LLaDA2(DiffusionDecoder):
         scores = self.scores(fwd, state, keys_b)
 
         steps = min(self.steps, fwd.geometry.max_new_tokens)
-        quota = quota_schedule(fwd.geometry.block, steps)[jnp.minimum(step, steps - 1)]
+        quota = jnp.ones_like(step) if self.editing else quota_schedule(fwd.geometry.block, steps)[jnp.minimum(step, steps - 1)]
         m2t = policies.with_progress_guard(quota_commit(scores, masked_bk, self.tau, quota), scores, masked_bk)
         has_mask = jnp.any(masked_bk, axis=-1)
         edit = jnp.zeros_like(masked_bk)

@@ -34,16 +34,19 @@ def nucleus_filter(logits, top_p: float):
     return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
-def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: float = 1.0, keys_b=None) -> Scores:
+def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: float = 1.0, keys_b=None,
+          sampled_confidence: bool = False) -> Scores:
     """Propose tokens, never `mask_id` (None: any token). Greedy at temperature 0; else Gumbel-max
-    per row with `keys_b` [B]."""
+    per row with `keys_b` [B] from the tempered, then nucleus-filtered, logits. A sampled token's
+    confidence is its probability under the untempered logits, or with `sampled_confidence`
+    under the distribution it was drawn from (LLaDA2's rule)."""
     logits = logits_bkv.astype(jnp.float32)
     if mask_id is not None:
         logits = logits.at[..., mask_id].set(-jnp.inf)
     if temperature == 0.0:
         return Scores(*arithmetic.rowwise(_position_scores, logits))
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
-    sample = partial(_position_scores, temperature=temperature, top_p=top_p)
+    sample = partial(_position_scores, temperature=temperature, top_p=top_p, sampled_confidence=sampled_confidence)
     return Scores(*arithmetic.rowwise(sample, logits, gumbel))
 
 
@@ -73,19 +76,26 @@ def hidden_token_logprobs(model, hidden_bkd, tokens_bk, *, mask_id: int | None, 
     return token_logits(tokens_bk) - token_logits(best.tokens) + jnp.log(best.confidence), best
 
 
-def _position_scores(logits_v, gumbel_v=None, *, temperature: float = 0.0, top_p: float = 1.0):
+def _position_scores(logits_v, gumbel_v=None, *, temperature: float = 0.0, top_p: float = 1.0,
+                     sampled_confidence: bool = False):
     """(token, confidence, entropy, margin) of each position's logits (last axis): the argmax, or
-    the Gumbel-max sample of the tempered, nucleus-filtered logits."""
+    the Gumbel-max sample of the tempered, then nucleus-filtered, logits (transformers' order, and
+    the references': Dream, LLaDA2, the `ar` decoder here). Confidence is the token's probability
+    under the logits, or with `sampled_confidence` under the distribution it was drawn from."""
     logp = jax.nn.log_softmax(logits_v, axis=-1)
     probs = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
+    drawn_from = probs
     if gumbel_v is None:
         tokens = jnp.argmax(logits_v, axis=-1)
     else:
-        noisy = nucleus_filter(logits_v, top_p) / temperature if top_p < 1.0 else logits_v / temperature
-        tokens = jnp.argmax(noisy + gumbel_v, axis=-1)
+        tempered = logits_v / temperature
+        sampled = nucleus_filter(tempered, top_p) if top_p < 1.0 else tempered
+        tokens = jnp.argmax(sampled + gumbel_v, axis=-1)
+        if sampled_confidence:
+            drawn_from = jax.nn.softmax(sampled, axis=-1)
     tokens = tokens.astype(jnp.int32)
-    confidence = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+    confidence = jnp.take_along_axis(drawn_from, tokens[..., None], axis=-1)[..., 0]
     top2 = jax.lax.top_k(probs, 2)[0]
     return tokens, confidence, entropy, top2[..., 0] - top2[..., 1]
 

@@ -32,8 +32,9 @@ class DiffusionDecoder:
     """Options every diffusion decoder shares.
 
     temperature: 0 is greedy; otherwise Gumbel-max sampling at this temperature (confidence is
-      still the untempered probability of the chosen token, as in LLaDA's reference).
-    top_p: nucleus filter for sampling.
+      still the untempered probability of the chosen token, as in LLaDA's reference; decoders
+      with `sampled_confidence` take its probability under the tempered, filtered distribution).
+    top_p: nucleus filter for sampling, applied to the tempered logits.
     block: decoding block size; default: the model's block_size (block-causal models must use
       it), 32 for bidirectional models.
     cache: bidirectional models only: none (exact: full forward each step), prefix or dual
@@ -41,6 +42,7 @@ class DiffusionDecoder:
     """
 
     name: ClassVar[str] = ""
+    sampled_confidence: ClassVar[bool] = False  # confidence of a sampled token: see `temperature`
     limits = {"temperature": AT_LEAST_0, "top_p": OPEN_UNIT, "block": AT_LEAST_1, "cache": OneOf(CACHE_MODES)}
     temperature: float = 0.0
     top_p: float = 1.0
@@ -85,7 +87,7 @@ class DiffusionDecoder:
         if self.temperature == 0.0:
             return fwd.block_scores(state.logits, state.hidden)
         return policies.score(state.logits, mask_id=fwd.mask_id, temperature=self.temperature, top_p=self.top_p,
-                              keys_b=keys_b)
+                              keys_b=keys_b, sampled_confidence=self.sampled_confidence)
 
     def init_carry(self, fwd, batch: int):
         """The decoder's own per-row state carried from round to round (`DecodeState.carry`, every
