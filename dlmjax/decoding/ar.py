@@ -75,9 +75,9 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
     model = nnx.merge(graphdef, state)
     b, lp = tokens_bl.shape
     positions = positions_from_valid(valid_bl)
-    cache = KVCache.init(model.config, b, lp + max_new_tokens)
     # the loop carries the last position's hidden state: the prompt's [B, L, V] logits are never made
-    out = model(tokens_bl, positions, valid_bl=valid_bl, cache=cache, write_cache=True, compute_logits=False)
+    out = model(tokens_bl, positions, valid_bl=valid_bl, compute_logits=False)
+    cache = KVCache.init(model.config, b, lp + max_new_tokens).append(out.chunk_kv, positions, valid_bl)
     next_pos = positions[:, -1] + 1
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
 
@@ -113,7 +113,7 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         jnp.full((b, max_new_tokens), pad_id, jnp.int32),
         jnp.zeros((b,), bool),
         out.hidden[:, -1],
-        out.cache,
+        cache,
         key,
         jnp.ones((), jnp.int32),
     )

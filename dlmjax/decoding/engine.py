@@ -321,12 +321,12 @@ class BlockForwards:
     def refresh(self, canvas, block_b):
         """prefix/dual: one full-canvas forward that rewrites the whole cache; (logits, hidden) of
         each row's block `block_b`, and the cache."""
-        out = self.model(canvas, self.rows.positions, valid_bl=self.rows.valid,
-                         cache=self._empty_cache(canvas.shape[0]), write_cache=True, compute_logits=False)
+        out = self.model(canvas, self.rows.positions, valid_bl=self.rows.valid, compute_logits=False)
+        cache = self._empty_cache(canvas.shape[0]).append(out.chunk_kv, self.rows.positions, self.rows.valid)
         start, k = self.block_start(block_b), self.geometry.block
         hidden = take_rows(out.hidden, start, k)[:, None]
         logits, hidden = self._block_outputs(hidden, take_rows(out.hidden, jnp.maximum(start - 1, 0), 1))
-        return logits[:, 0], hidden[:, 0], out.cache
+        return logits[:, 0], hidden[:, 0], cache
 
     def evaluate(self, canvas, copies_bnk, cache, head_cache, block_b, store_b):
         """The round forward: (logits [B, N, K, V], hidden [B, N, K, D], writes) of every row's N
