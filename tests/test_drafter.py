@@ -136,7 +136,8 @@ def test_default_target_layer_ids_and_always_written():
         (lambda r: r["dflash_config"].update(extra=1), "extra"),
         (lambda r: r.update(architectures=["Qwen3ForCausalLM"]), "DFlashDraftModel"),
         (lambda r: r.update(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling"),
-        (lambda r: r["dflash_config"].update(target_layer_ids=[9, 1]), r"must increase, each id once \(e.g. \[1, 9\]\)"),
+        (lambda r: r["dflash_config"].update(target_layer_ids=[9, 1]),
+         r"must increase, each id once \(e.g. \[1, 9\]\)"),
         (lambda r: r["dflash_config"].update(target_layer_ids=[1, 1]), "must increase, each id once"),
         # transformers drops the window without the switch (vLLM and SGLang then refuse the drafter)
         (lambda r: r.update(layer_types=["sliding_attention"], sliding_window=8), "use_sliding_window"),
