@@ -129,6 +129,31 @@ def test_humaneval_canonical_solutions_pass_and_wrong_code_fails(tmp_path):
     assert len(local.items) == 1 and local.skipped == ["row 2: missing or empty 'prompt'"]
 
 
+def test_humaneval_scores_chat_answers_that_restate_the_function():
+    """Instruct models (the presets run humaneval with a chat template) answer with the whole
+    function, usually fenced and with prose around it; base models continue the body. Each of
+    these passes with the canonical solution, and the same shapes with a wrong body fail."""
+    problem = load_eval_set("humaneval").items[0].reference
+    body, prompt = problem["canonical_solution"], problem["prompt"]
+    def_line = prompt[prompt.index(f"def {problem['entry_point']}"):].split("\n")[0]
+
+    def answers(body):
+        return [
+            body,  # a base model's continuation
+            f"Here is the completed function:\n```python\n{prompt}{body}```\n\nIt compares every pair.",
+            f"```python\n{prompt}{body}```",
+            f"{prompt}{body}\n\nprint({problem['entry_point']}([1.0, 2.0], 0.5))\n",  # unfenced, with a demo
+            f"```python\n{def_line}\n{body}```",  # no imports: the prompt's stay in front
+            f"```python\n{body}```",  # a fenced body
+        ]
+
+    loaded = load_eval_set("humaneval")
+    right, wrong = answers(body), answers("    return None\n")
+    items = [loaded.items[0]] * len(right)
+    assert loaded.score(items, right) == [True] * len(right)
+    assert loaded.score(items, wrong) == [False] * len(wrong)
+
+
 # -------------------------------------------------------------------------------------------- runner
 
 

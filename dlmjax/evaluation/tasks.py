@@ -9,6 +9,8 @@ file (`.jsonl`, `.jsonl.gz`, `.json`), a directory holding one, or a Hugging Fac
 
 from __future__ import annotations
 
+import re
+
 import gzip
 import json
 import os
@@ -188,8 +190,23 @@ def truncate_completion(text: str, stops=HUMANEVAL_STOPS) -> str:
     return text[:cut]
 
 
+# after a whole function a chat answer may go on with a demo; helper definitions stay
+_AFTER_A_FUNCTION_STOPS = ("\nif __name__", "\nprint(", "\nassert ")
+
+
+def humaneval_code(problem: dict, completion: str) -> str:
+    """The solution code of a completion: a fenced block's code where there is one (chat answers),
+    else the completion. Code that defines the entry point itself (a chat answer restating the
+    function) follows the prompt, whose imports and helpers it keeps and whose stub it replaces;
+    other code continues the prompt's function body, cut after it (`truncate_completion`)."""
+    code = extract_code(completion) if "```" in completion else completion
+    if re.search(rf"^def {re.escape(problem['entry_point'])}\s*\(", code, re.MULTILINE):
+        return f"{problem['prompt']}\n{truncate_completion(code, _AFTER_A_FUNCTION_STOPS)}"
+    return f"{problem['prompt']}{truncate_completion(code)}"
+
+
 def humaneval_program(problem: dict, completion: str) -> str:
-    return f"{problem['prompt']}{truncate_completion(completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+    return f"{humaneval_code(problem, completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
 def _humaneval(data, timeout_s: float = 10.0, strict: bool = False) -> EvalSet:
