@@ -135,6 +135,9 @@ def test_constraint_config_checks():
     ("#### 1,000,000", "1000000"), ("She has 16-3-4=9 eggs", "9"), ("x = -7", "-7"),
     ("costs $1,250.00 in total.", "1250"), ("#### $18", "18"), ("#### 0.25", "0.25"), ("#### -0", "0"),
     ("#### 007", "7"), ("12 then 13 then #### 14 and 15", "14"), ("####", None),
+    # markdown headings are not answer lines: the last number counts (lm-eval's flexible-extract)
+    ("#### Step 1: eggs\n16 - 3 - 4 = 9\n#### Step 2: money\n9 * 2 = 18\nThe answer is 18.", "18"),
+    ("#### 12\n#### Check: 12 + 3 = 15", "12"),
 ])
 def test_extract_final_number(text, expected):
     assert extract_final_number(text) == expected

@@ -237,20 +237,20 @@ def _canonical(number: str) -> str | None:
     return "0" if value == 0 else format(value.normalize(), "f")
 
 
+# GSM8K's answer line: `#### N`, the number right after the marker (a markdown heading such as
+# `#### Step 2: ...` is not one)
+_ANSWER_LINE = re.compile(r"####[ \t]*(" + _NUMBER.pattern + ")")
+
+
 def extract_final_number(text: str) -> str | None:
-    """The canonical number after the last ``####`` if there is one, else the last number in ``text``.
+    """The canonical number of the last ``#### N`` line if there is one, else the last number in ``text``.
 
     Canonical: no thousands commas or ``$``, a leading minus kept, no trailing period, decimals
     normalised (``"3.50"`` -> ``"3.5"``, ``"4.0"`` -> ``"4"``). None if there is no number.
     """
-    if "####" in text:
-        found = _NUMBER.search(text.rsplit("####", 1)[1])
-    else:
-        matches = _NUMBER.findall(text)
-        found = matches[-1] if matches else None
-    if found is None:
-        return None
-    return _canonical(found if isinstance(found, str) else found.group(0))
+    marked = _ANSWER_LINE.findall(text)
+    numbers = marked or _NUMBER.findall(text)
+    return _canonical(numbers[-1]) if numbers else None
 
 
 def gsm8k_correct(completion: str, reference_answer_text: str) -> bool:
