@@ -109,6 +109,8 @@ def test_the_shipped_math500_loads_and_every_solutions_boxed_answer_matches_its_
     ("90 degrees", "90"),
     ("12 \\text{ cm}", "12"),
     ("5\\mbox{ inches}", "5"),
+    ("864", "864 \\mbox{ inches}^2"),  # two MATH-500 answers carry a squared unit
+    ("15 \\text{ cm}^{2}", "15\\mbox{ cm}^2"),
     ("x = 7", "7"),
     ("10{,}000", "10000"),
     ("1,000", "1000"),
@@ -143,6 +145,7 @@ def test_the_last_boxed_answer_is_scored():
     assert last_boxed("nested \\boxed{\\frac{a}{b^{2}}} end") == "\\frac{a}{b^{2}}"
     assert last_boxed("\\boxed 7.") == "7"
     assert last_boxed("truncated \\boxed{\\frac{1}{2") is None  # an unclosed box is no answer
+    assert last_boxed("\\boxed{3}, no: \\boxed{\\frac{1") is None  # nor is the box before a truncated one
     assert last_boxed("no box: the answer is 4") is None
     assert not math_correct("the answer is 4", "4")
     assert math_correct("\\fbox{4}", "4")

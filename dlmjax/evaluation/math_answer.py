@@ -38,7 +38,9 @@ def last_boxed(text: str) -> str | None:
         group = _braced(text, match.end())
         if group is not None:
             found = group[0]
-        elif text[match.end():match.end() + 1] != "{":  # `\boxed 5`; an unclosed `{` is no answer
+        elif text[match.end():match.end() + 1] == "{":  # unclosed: a truncated last answer is no answer
+            found = None
+        else:  # `\boxed 5`
             bare = re.match(r"[^\s$]+", text[match.end():])
             found = bare.group().rstrip(".") if bare else found
     return found
@@ -72,7 +74,8 @@ def normalize(answer: str) -> str:
     a = re.sub(r"\\(?:displaystyle|!|,|;|:| )|~", "", a)
     a = a.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("^{\\circ}", "").replace("^\\circ", "")
     a = a.replace("\\%", "").replace("%", "").replace("\\$", "")
-    a = re.sub(r"(?<=\S)\s*\\(?:text|mbox|textbf)\{\s*[a-zA-Z][a-zA-Z .^0-9]*\}$", "", a)  # trailing unit
+    # a trailing unit, squared or cubed too (`864 \mbox{ inches}^2`)
+    a = re.sub(r"(?<=\S)\s*\\(?:text|mbox|textbf)\{\s*[a-zA-Z][a-zA-Z .^0-9]*\}(?:\^\{?\d\}?)?$", "", a)
     for command in ("text", "textbf", "mbox", "mathrm"):
         a = _unwrap(a, command)
     a = re.sub(r"\s*(?:degrees?|units?)$", "", a)
