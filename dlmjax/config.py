@@ -664,6 +664,11 @@ _LLADA2_FIXED = {
     "moe_router_enable_expert_bias": _must_equal((True, None), "LLaDA2's gate always carries expert_bias"),
     "router_dtype": _must_equal(("fp32", "float32", None), "the router runs in float32"),
     "num_nextn_predict_layers": _must_equal((0, None), "multi-token-prediction layers are not implemented"),
+    # in the published configs; modeling_llada2_moe.py reads none of them (its norms are RMSNorms,
+    # its router a sigmoid, its q/k/v one fused `query_key_value`)
+    "use_rmsnorm": _must_equal((True, None), "LLaDA2's norms are RMSNorms"),
+    "norm_softmax": _must_equal((False, None), "LLaDA2 routes by sigmoid scores"),
+    "using_split_qkv_in_self_attention": _must_equal((False, None), "LLaDA2 stores one fused query_key_value"),
 }
 
 

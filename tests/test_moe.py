@@ -179,3 +179,27 @@ def test_moe_row_is_bitwise_the_same_alone_in_a_batch_and_as_a_packed_copy():
         logits = moe_layouts(model)
     for layout, value in logits.items():
         np.testing.assert_array_equal(value, logits["alone"], err_msg=f"{layout} differs from the row alone")
+
+
+def test_a_bf16_softmax_router_scores_the_gates_bf16_logits_as_transformers_does():
+    """transformers' Qwen3-MoE (and LLaDA-MoE's, SDAR's code) run the gate Linear in the model's
+    dtype and take the softmax in float32. In bf16 the chosen experts then equal theirs except
+    where two experts tie at the k-th place (torch.topk leaves the order of ties open); scoring the
+    logits in float32 instead picks other experts for about 2% of tokens, ties or not."""
+    import jax
+    import torch
+
+    t, d, e, k = 1024, 512, 64, 8
+    rng = np.random.default_rng(0)
+    h = torch.from_numpy(rng.standard_normal((t, d)).astype(np.float32)).to(torch.bfloat16)
+    w = torch.from_numpy((rng.standard_normal((e, d)) * 0.02).astype(np.float32)).to(torch.bfloat16)
+    probs = torch.softmax(torch.nn.functional.linear(h, w), dim=-1, dtype=torch.float)
+    want = np.sort(torch.topk(probs, k, dim=-1).indices.numpy(), axis=-1)
+    cfg = moe_config(num_experts=e, num_experts_per_tok=k, hidden_size=d, dtype="bfloat16")
+    logits = moe.router_logits(jnp.asarray(h.float().numpy(), jnp.bfloat16),
+                               jnp.asarray(w.float().numpy().T, jnp.bfloat16), cfg)
+    _, experts = moe.route(cfg, logits)
+    differs = ~np.all(np.sort(np.asarray(experts), axis=-1) == want, axis=-1)
+    ranked = -np.sort(-np.asarray(jax.nn.softmax(logits.astype(jnp.float32), axis=-1)), axis=-1)
+    tied_at_k = ranked[:, k - 1] == ranked[:, k]
+    assert differs.any() and not (differs & ~tied_at_k).any()

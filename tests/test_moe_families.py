@@ -328,6 +328,11 @@ def test_llada2_config_fields():
     assert from_hf_config(default_block).block_size == 32
     with pytest.raises(ConfigError, match="multi-token-prediction"):
         from_hf_config({**llada2_config_json(LLADA2), "num_nextn_predict_layers": 1})
+    # keys the published configs (inclusionAI's llada2_mini / llada2_flash) carry and the modeling code never reads
+    published = {"use_rmsnorm": True, "norm_softmax": False, "using_split_qkv_in_self_attention": False}
+    assert from_hf_config({**llada2_config_json(LLADA2), **published}) == cfg
+    with pytest.raises(ConfigError, match="fused query_key_value"):
+        from_hf_config({**llada2_config_json(LLADA2), "using_split_qkv_in_self_attention": True})
 
 
 # ----------------------------------------------------------------------------------------------

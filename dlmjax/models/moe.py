@@ -1,11 +1,14 @@
-"""Dropless mixture-of-experts layer: a router in float32, SiLU-gated experts, an optional shared expert.
+"""Dropless mixture-of-experts layer: a router scored in float32, SiLU-gated experts, an optional shared expert.
 
     y = sum_k weight_tk * expert_{e_tk}(x_t)  (+ shared(x_t))
 
 Routers (`ModelConfig.router`), each as its family's modeling code computes it:
-- "softmax": softmax over all experts in float32, then top-k; `norm_topk_prob` renormalises the
-  k weights to sum to 1 (Qwen3-MoE, SDAR-MoE), or not (LLaDA-MoE);
-- "sigmoid": DeepSeek-V3's router (LLaDA2): sigmoid scores; a per-expert bias is added for the
+- "softmax": the gate's logits in the model's dtype (its Linear in bf16 for a bf16 model, as
+  transformers' Qwen3-MoE, LLaDA-MoE's and SDAR's code run it), then softmax over all experts in
+  float32 and top-k; `norm_topk_prob` renormalises the k weights to sum to 1 (Qwen3-MoE,
+  SDAR-MoE), or not (LLaDA-MoE);
+- "sigmoid": DeepSeek-V3's router (LLaDA2), logits in float32 (its gate casts both operands):
+  sigmoid scores; a per-expert bias is added for the
   choice only; experts form `router_groups` groups, a group scored by the sum of its two best
   experts, and a token picks its experts inside its `router_topk_groups` best groups; the weights
   are the unbiased sigmoids of the chosen experts, renormalised (`norm_topk_prob`), times
@@ -193,10 +196,19 @@ def combine(y_tkd, weights_tk):
     return out.astype(y_tkd.dtype)
 
 
+def router_logits(rows_td, router_de, cfg: ModelConfig):
+    """[T, E] gate logits as the family computes them (module docstring): in the rows' dtype for
+    the softmax routers (float32 accumulation, rounded like the reference's Linear), in float32
+    for the sigmoid router."""
+    if cfg.router == "sigmoid":
+        return arithmetic.matmul(rows_td.astype(jnp.float32), router_de.astype(jnp.float32))
+    logits = arithmetic.matmul(rows_td, router_de.astype(rows_td.dtype), preferred_element_type=jnp.float32)
+    return logits.astype(rows_td.dtype)
+
+
 def _routed(rows_td, router_de, bias_e, gate_up, down, cfg: ModelConfig, experts_fn):
-    """rows -> router (float32) -> experts_fn(rows, experts, gate_up, down) [T, k, D] -> combined [T, D]."""
-    logits_te = arithmetic.matmul(rows_td.astype(jnp.float32), router_de.astype(jnp.float32))
-    weights_tk, experts_tk = route(cfg, logits_te, bias_e)
+    """rows -> router -> experts_fn(rows, experts, gate_up, down) [T, k, D] -> combined [T, D]."""
+    weights_tk, experts_tk = route(cfg, router_logits(rows_td, router_de, cfg), bias_e)
     return combine(experts_fn(rows_td, experts_tk, gate_up, down), weights_tk)
 
 
