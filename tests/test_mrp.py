@@ -240,3 +240,67 @@ def test_reference_names_round_trip_through_a_checkpoint_dir(toy, tmp_path):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p))
     assert set(head_tensors(loaded)) == set(names)
     load_model(out)  # the backbone still loads from the directory that now also holds the head
+
+
+def reference_remask(model, head, prompt, *, tau, delta, max_new):
+    """(tokens, forwards, vetoes) of the reference code's remask (`_generate_residual_remask`: the
+    residual rule, the head reading the pre-commit block alone), written as a plain loop: no
+    cache, one full backbone forward per step."""
+    from dlmjax.heads.mrp import head_output
+
+    cfg = model.config
+    block, mask, eos = cfg.block_size, cfg.mask_token_id, set(cfg.eos_token_ids)
+    start = (len(prompt) // block) * block
+    num_blocks = -(-(len(prompt) - start + max_new) // block)
+    seq = list(prompt) + [mask] * (start + num_blocks * block - len(prompt))
+    forwards = vetoes = 0
+    for b in range(num_blocks):
+        lo, hi = start + b * block, start + (b + 1) * block
+        while mask in seq[lo:hi]:
+            out = model(jnp.asarray([seq[:hi]], jnp.int32))
+            forwards += 1
+            logits = out.logits[0, lo:hi].astype(jnp.float32).at[:, mask].set(-jnp.inf)
+            probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+            tokens, conf = probs.argmax(-1), probs.max(-1)
+            masked = np.asarray(seq[lo:hi]) == mask
+            h_p = head_output(head, model, 0, jnp.asarray([seq[lo:hi]], jnp.int32), out.hidden[:, lo:hi],
+                              jnp.arange(lo, hi, dtype=jnp.int32)[None])
+            size = np.abs(np.asarray(head.config.residual_scale * model.token_logits(h_p, jnp.asarray(tokens)[None]))[0])
+            proposed = masked & (conf > tau)
+            kept = proposed & (size <= delta)
+            if proposed.any() and not kept.any():
+                kept[np.argmin(np.where(proposed, size, np.inf))] = True
+            if not kept.any():
+                kept[np.argmax(np.where(masked, conf, -1.0))] = True
+            vetoes += int(proposed.sum() - kept[proposed].sum())
+            for j in np.flatnonzero(kept):
+                seq[lo + j] = int(tokens[j])
+        if eos & set(seq[len(prompt):hi]):
+            break
+    out = seq[len(prompt): len(prompt) + max_new]
+    cut = min((i for i, t in enumerate(out) if t in eos), default=len(out) - 1)
+    return out[: cut + 1], forwards, vetoes
+
+
+def test_remask_as_the_reference_code_runs_it_equals_a_plain_loop(toy, prompts):
+    """`mrp-remask:rule=residual,head_input=pre,head_context=block` is the reference code's remask:
+    tokens and per-row forwards equal a no-cache loop of it (batch and alone), with vetoes."""
+    model, tokenizer, path = toy
+    head = load_head(path, model.config)
+    tau, delta, max_new = 0.3, 0.5, 16
+    spec = f"mrp-remask:tau={tau},delta={delta},rule=residual,head_input=pre,head_context=block"
+    ids = [tokenizer.encode(p) for p in prompts]
+    together = generate(model, ids, decoder=spec, head=head, max_new_tokens=max_new)
+    total_vetoes = 0
+    for i, prompt in enumerate(ids):
+        tokens, forwards, vetoes = reference_remask(model, head, prompt, tau=tau, delta=delta, max_new=max_new)
+        total_vetoes += vetoes
+        assert (together.rows[i].tokens, together.rows[i].nfe) == (tokens, forwards), i
+    assert total_vetoes > 0, "no proposal was vetoed: the test is vacuous"
+    alone = generate(model, [ids[1]], decoder=spec, head=head, max_new_tokens=max_new).rows[0]
+    assert (alone.tokens, alone.nfe) == (together.rows[1].tokens, together.rows[1].nfe)
+    # the default reads the head's cache of the earlier blocks: other vetoes (here the same tokens
+    # after more or fewer forwards)
+    cached = generate(model, ids, decoder=spec.replace("head_context=block", "head_context=cache"), head=head,
+                      max_new_tokens=max_new)
+    assert [r.nfe for r in cached.rows] != [r.nfe for r in together.rows]

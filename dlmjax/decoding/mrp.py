@@ -55,6 +55,7 @@ from dlmjax.heads.mrp import apply_residual, head_output
 
 REMASK_RULES = ("residual", "confidence", "both")
 REMASK_HEAD_INPUTS = ("others", "pre")
+REMASK_HEAD_CONTEXTS = ("cache", "block")
 
 
 @struct.dataclass
@@ -94,12 +95,13 @@ def head_step(fwd: BlockForwards, step: int, tokens_bk, chain: Chain, head_cache
 def head_copies(fwd: BlockForwards, step: int, copies_bnk, hidden_bkd, head_cache, block_b):
     """h_p [B, N, K, D] of N versions of each row's block in ONE head forward (chain step
     `step`): packed side by side like `BlockForwards.verify`, each copy seeing the head's cache
-    and itself, all reading the same hidden state."""
+    (None: no context, the copy alone) and itself, all reading the same hidden state."""
     b, n, k = copies_bnk.shape
     positions, valid = fwd.columns(fwd.block_start(block_b), k)
     h_p = head_output(fwd.head, fwd.model, step, copies_bnk.reshape(b, n * k), jnp.tile(hidden_bkd, (1, n, 1)),
                       jnp.tile(positions, (1, n)), segments_bl=copy_segments(b, n, k),
-                      valid_bl=jnp.tile(valid, (1, n)), cache=head_cache[fwd.head.module_index(step)],
+                      valid_bl=jnp.tile(valid, (1, n)),
+                      cache=None if head_cache is None else head_cache[fwd.head.module_index(step)],
                       chunk_parts=copy_parts(n, k))
     return h_p.reshape(b, n, k, -1)
 
@@ -213,14 +215,20 @@ class MRPSpec(MRPDecoder):
 @dataclass(frozen=True)
 class MRPRemask(MRPDecoder):
     """tau: commit threshold; delta: residual veto bound; rule: residual | confidence | both;
-    head_input: others (each proposal judged with the other proposals committed) | pre."""
+    head_input: others (each proposal judged with the other proposals committed) | pre;
+    head_context: cache (the head attends to its KV cache of the earlier blocks, as in training,
+    where it sees the clean context) | block (the block alone, as the reference code's remask,
+    which stores no head KV). The reference code's remask is
+    `rule=residual,head_input=pre,head_context=block`."""
 
     name: ClassVar[str] = "mrp-remask"
-    limits = {"tau": OPEN_UNIT, "delta": POSITIVE, "rule": OneOf(REMASK_RULES), "head_input": OneOf(REMASK_HEAD_INPUTS)}
+    limits = {"tau": OPEN_UNIT, "delta": POSITIVE, "rule": OneOf(REMASK_RULES), "head_input": OneOf(REMASK_HEAD_INPUTS),
+              "head_context": OneOf(REMASK_HEAD_CONTEXTS)}
     tau: float = 0.9
     delta: float = 1.0
     rule: str = "both"
     head_input: str = "others"
+    head_context: str = "cache"
 
     def select(self, scores, masked_bk):
         return policies.threshold_commit(scores, masked_bk, self.tau)
@@ -241,13 +249,14 @@ class MRPRemask(MRPDecoder):
 
     def head_at_proposals(self, fwd: BlockForwards, state: DecodeState, before_bk, proposed_after_bk):
         """h_p [B, K, D], the head's output at every position of the block (C = s lm_head(h_p)),
-        read as `head_input` says."""
+        read as `head_input` and `head_context` say."""
+        context = state.head_cache if self.head_context == "cache" else None
         if self.head_input == "pre":
-            return head_copies(fwd, 0, before_bk[:, None], state.hidden, state.head_cache, state.block)[:, 0]
+            return head_copies(fwd, 0, before_bk[:, None], state.hidden, context, state.block)[:, 0]
         k = before_bk.shape[1]
         # Copy j: every proposal committed except position j, which keeps its pre-commit token.
         copies = jnp.where(jnp.eye(k, dtype=bool)[None], before_bk[:, None, :], proposed_after_bk[:, None, :])
-        h_p = head_copies(fwd, 0, copies, state.hidden, state.head_cache, state.block)  # [B, K(copy), K, D]
+        h_p = head_copies(fwd, 0, copies, state.hidden, context, state.block)  # [B, K(copy), K, D]
         return h_p[:, jnp.arange(k), jnp.arange(k)]  # copy j's output at position j
 
     def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
