@@ -9,11 +9,10 @@ file (`.jsonl`, `.jsonl.gz`, `.json`), a directory holding one, or a Hugging Fac
 
 from __future__ import annotations
 
-import re
-
 import gzip
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
