@@ -19,6 +19,7 @@ from dlmjax.io.hf import export_model, load_model
 from dlmjax.io.tokenizer import load_tokenizer
 from dlmjax.models.transformer import init_model
 from dlmjax.sharding import make_mesh
+from dlmjax.toy.tasks import extract_final_number
 from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.validation import InputError
 
@@ -100,6 +101,10 @@ def test_the_shipped_gsm8k_test_split_loads():
     loaded = load_eval_set("gsm8k")
     assert len(loaded.items) == 1319 and not loaded.skipped
     assert loaded.score(loaded.items[:1], [loaded.items[0].reference]) == [True]
+    # a base model goes on with a question of its own: its numbers are not the answer
+    answer = extract_final_number(loaded.items[0].reference)
+    going_on = f" She makes ${answer} every day.\n\nQuestion: Tom has 3 apples and buys 4 more."
+    assert loaded.score(loaded.items[:1], [going_on]) == [True]
 
 
 def test_dataset_errors_name_the_fix(tmp_path):

@@ -166,6 +166,13 @@ def gsm8k_prompt(question: str) -> str:
     return f"Question: {question.strip()}\nAnswer:"
 
 
+def gsm8k_answer(completion: str) -> str:
+    """The completion up to the next "Question:" (lm-eval's stop string for gsm8k): a base model
+    answering the `Question: ... Answer:` prompt goes on with a question of its own, whose
+    numbers are not its answer."""
+    return completion.split("Question:", 1)[0]
+
+
 def _gsm8k(data, strict: bool = False) -> EvalSet:
     if data is None:
         data = GSM8K_TEST
@@ -178,7 +185,7 @@ def _gsm8k(data, strict: bool = False) -> EvalSet:
     items = [EvalItem(number - 1, gsm8k_prompt(row["question"]), row["answer"]) for number, row in usable]
 
     def scorer(batch, completions):
-        return [gsm8k_correct(text, item.reference) for item, text in zip(batch, completions)]
+        return [gsm8k_correct(gsm8k_answer(text), item.reference) for item, text in zip(batch, completions)]
 
     return EvalSet("gsm8k", items, 256, scorer, skipped)
 
