@@ -265,7 +265,8 @@ def reference_remask(model, head, prompt, *, tau, delta, max_new):
             masked = np.asarray(seq[lo:hi]) == mask
             h_p = head_output(head, model, 0, jnp.asarray([seq[lo:hi]], jnp.int32), out.hidden[:, lo:hi],
                               jnp.arange(lo, hi, dtype=jnp.int32)[None])
-            size = np.abs(np.asarray(head.config.residual_scale * model.token_logits(h_p, jnp.asarray(tokens)[None]))[0])
+            residual = head.config.residual_scale * model.token_logits(h_p, jnp.asarray(tokens)[None])
+            size = np.abs(np.asarray(residual)[0])
             proposed = masked & (conf > tau)
             kept = proposed & (size <= delta)
             if proposed.any() and not kept.any():

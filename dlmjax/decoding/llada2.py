@@ -115,10 +115,10 @@ class LLaDA2(DiffusionDecoder):
             keys_b = jax.vmap(jax.random.fold_in)(keys_b, post)
         scores = self.scores(fwd, state, keys_b)
 
-        steps = min(self.steps, fwd.geometry.max_new_tokens)
         if self.editing:  # LLaDA2.1: num_to_transfer = 1
             quota = jnp.ones_like(step)
         else:
+            steps = min(self.steps, fwd.geometry.max_new_tokens)
             quota = quota_schedule(fwd.geometry.block, steps)[jnp.minimum(step, steps - 1)]
         m2t = policies.with_progress_guard(quota_commit(scores, masked_bk, self.tau, quota), scores, masked_bk)
         has_mask = jnp.any(masked_bk, axis=-1)

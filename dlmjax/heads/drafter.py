@@ -270,14 +270,14 @@ def block_hidden(drafter: Drafter, target: Transformer, block_bl, positions_bl, 
 
 
 def context_features(target: Transformer, cfg: DrafterConfig, layer_hidden) -> jax.Array:
-    """The target's hidden states collected at `cfg.hidden_layers` -> [B, L, n_ids * D] in id order.
+    """The target's hidden states collected at `cfg.hidden_layers` (one per id, in id order) ->
+    [B, L, n_ids * D].
 
     HF's `hidden_states[N]` (id N - 1, the last layer) is the final-normed state, so that one
     gets the target's final norm; every other id is the raw residual stream after layer id.
     """
     n = target.config.num_layers
-    by_index = dict(zip(cfg.hidden_layers, layer_hidden))
-    feats = [target.final_norm(by_index[i + 1]) if i == n - 1 else by_index[i + 1] for i in cfg.target_layer_ids]
+    feats = [target.final_norm(h) if i == n - 1 else h for i, h in zip(cfg.target_layer_ids, layer_hidden)]
     return jnp.concatenate(feats, axis=-1)
 
 
