@@ -20,6 +20,7 @@ from dlmjax.train.config import RunConfigError, load_run_config
 from dlmjax.train import unfused
 from dlmjax.train.loop import make_optimizer, train
 from dlmjax.train.mrp import kl_per_position, per_position_loss, reveal
+from dlmjax.train.objectives import mask_blocks
 
 pytestmark = pytest.mark.usefixtures("persistent_compilation_cache")  # conftest.py
 
@@ -95,6 +96,32 @@ def test_reveal_uncovers_gt_topk_masked_positions_per_block():
     assert revealed.reshape(2, 2, 4).sum(-1).tolist() == [[2, 1], [0, 2]]  # 2 per block, all if fewer
     np.testing.assert_array_equal(np.asarray(tokens)[revealed], np.asarray(clean)[revealed])
     np.testing.assert_array_equal(np.asarray(tokens)[np.asarray(still)], 2)
+
+
+def test_mask_rate_is_one_per_row_by_default_and_one_per_block_on_request():
+    """The MRP reference draws one noise level per sample (row); the backbone objective one per
+    (row, block). Rows of 64 tokens in blocks of 4; prompt tokens are never masked."""
+    b, l = 6, 64
+    tokens = jnp.arange(b * l, dtype=jnp.int32).reshape(b, l) % 50 + 3
+    positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    target = positions >= 8
+    rates = {}
+    for rate in ("per_row", "per_block"):
+        noisy, masked, t = mask_blocks(jax.random.key(3), tokens, target, positions, block=4, mask_id=1, rate=rate)
+        t = np.asarray(t)
+        assert ((t >= 1e-3) & (t <= 1)).all()
+        np.testing.assert_array_equal(np.asarray(noisy), np.where(np.asarray(masked), 1, np.asarray(tokens)))
+        assert not np.asarray(masked)[:, :8].any()
+        rates[rate] = t
+    assert (rates["per_row"] == rates["per_row"][:, :1]).all()
+    per_block = rates["per_block"].reshape(b, -1, 4)
+    assert (per_block == per_block[..., :1]).all() and len(np.unique(per_block[0, :, 0])) == l // 4
+    assert load_run_config(CONFIG, []).mrp.mask_rate == "per_block"  # the shipped head's recipe
+    assert load_run_config(CONFIG, ["mrp.mask_rate=per_row"]).mrp.mask_rate == "per_row"
+    with pytest.raises(RunConfigError, match="per_row"):
+        load_run_config(CONFIG, ["mrp.mask_rate=per_sample"])
+    with pytest.raises(ValueError, match="per_row"):
+        mask_blocks(jax.random.key(3), tokens, target, positions, block=4, mask_id=1, rate="per_sample")
 
 
 def test_per_position_losses():

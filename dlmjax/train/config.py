@@ -37,7 +37,7 @@ import yaml
 
 from dlmjax.config import ModelConfig
 from dlmjax.train.mrp import LOSSES
-from dlmjax.train.objectives import WEIGHTINGS
+from dlmjax.train.objectives import MASK_RATES, WEIGHTINGS
 from dlmjax.validation import (
     AT_LEAST_0, AT_LEAST_1, POSITIVE, PROBABILITY, InputError, OneOf, Range, annotation_kinds, check_fields,
     check_value,
@@ -111,8 +111,10 @@ class MRPSection:
     gt_topk: int = 1  # masked positions revealed per block and chain step
     chain_steps: int = 1  # head iterations trained per example (n)
     temperature: float = 1.0  # KD temperature T (kd_diff losses)
+    mask_rate: str = "per_row"  # per_row: one noise level per row (the reference) | per_block: one per (row, block)
     limits = {"num_layers": AT_LEAST_1, "num_modules": AT_LEAST_1, "gt_topk": AT_LEAST_1, "chain_steps": AT_LEAST_1,
-              "init_std": AT_LEAST_0, "init_norm_scale": AT_LEAST_0, "temperature": POSITIVE, "loss": OneOf(LOSSES)}
+              "init_std": AT_LEAST_0, "init_norm_scale": AT_LEAST_0, "temperature": POSITIVE, "loss": OneOf(LOSSES),
+              "mask_rate": OneOf(MASK_RATES)}
 
     def __post_init__(self):
         check_fields(self, "mrp.", error=RunConfigError)

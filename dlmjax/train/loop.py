@@ -198,7 +198,7 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
     head_cfg = MRPConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_modules=m.num_modules,
                          num_layers=m.num_layers, residual_scale=m.residual_scale)
     loss = partial(mrp_loss, block=cfg.block_size, mask_id=cfg.mask_token_id, loss=m.loss, gt_topk=m.gt_topk,
-                   chain_steps=m.chain_steps, temperature=m.temperature)
+                   chain_steps=m.chain_steps, temperature=m.temperature, mask_rate=m.mask_rate)
     head_graphdef, _ = nnx.split(abstract_head(cfg, head_cfg))
     backbone_graphdef, _ = nnx.split(backbone)
 

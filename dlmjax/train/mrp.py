@@ -5,7 +5,9 @@ Every forward uses the block-diffusion layout of `objectives.py`: `[noisy ; clea
 positions repeated) under `block_diffusion_visibility`, so every block of a row trains at once
 with the blocks before it clean, as at decoding time.
 
-States of one row, with a noise level p = (1 - 1e-3) t + 1e-3, t ~ U(0, 1), per (row, block):
+States of one row, with a noise level p = (1 - 1e-3) t + 1e-3, t ~ U(0, 1), drawn once per row
+(`mask_rate="per_row"`, the reference's per-sample draw and the default) or per (row, block)
+(`"per_block"`, as the backbone objective draws it):
 
     A   = x_t: each target token masked with probability p (prompt tokens never)
     B_1 = A with `gt_topk` random masked positions of every block revealed (ground truth)
@@ -107,7 +109,7 @@ def masked_mean(values_bl, where_bl):
 
 
 def mrp_loss(head, model, batch, key, *, block: int, mask_id: int, loss: str = "kd_diff", gt_topk: int = 1,
-             chain_steps: int = 1, temperature: float = 1.0):
+             chain_steps: int = 1, temperature: float = 1.0, mask_rate: str = "per_row"):
     """(loss, metrics) of an MRP head on a frozen backbone for one batch (tokens, valid, target [B, L]).
 
     metrics: `loss`; `kl` = unweighted mean KL(l_B1 || l_A + C) at the first step's supervised
@@ -121,7 +123,7 @@ def mrp_loss(head, model, batch, key, *, block: int, mask_id: int, loss: str = "
     visible = block_diffusion_visibility(positions, valid, block)
     mask_key, *reveal_keys = jax.random.split(key, chain_steps + 1)
 
-    state, masked, p = mask_blocks(mask_key, tokens, target, positions, block=block, mask_id=mask_id)
+    state, masked, p = mask_blocks(mask_key, tokens, target, positions, block=block, mask_id=mask_id, rate=mask_rate)
     logits_a, hidden_a, hidden_clean = backbone_forward(model, state, tokens, positions, visible)
     states, still_masked, targets = [], [], []
     for k in range(chain_steps):

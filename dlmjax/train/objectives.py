@@ -48,13 +48,21 @@ def noisy_half_hidden(hidden_b2ld, block: int, shift: bool):
     return jnp.concatenate([noisy[:, :1], jnp.where(starts, clean[:, :-1], noisy[:, :-1])], axis=1)
 
 
-def mask_blocks(key, tokens_bl, target_bl, positions_bl, *, block: int, mask_id: int):
-    """(noisy tokens, masked [B, L] bool, t [B, L] per-position mask rate of its block)."""
+MASK_RATES = ("per_block", "per_row")
+
+
+def mask_blocks(key, tokens_bl, target_bl, positions_bl, *, block: int, mask_id: int, rate: str = "per_block"):
+    """(noisy tokens, masked [B, L] bool, t [B, L] the mask rate at each position).
+
+    rate "per_block": each (row, block) draws its own t ~ U(1e-3, 1); "per_row": one t per row for
+    all its blocks (the MRP reference's per-sample draw, p = (1 - 1e-3) t + 1e-3)."""
+    if rate not in MASK_RATES:
+        raise ValueError(f"mask rate {rate!r}; choose one of {', '.join(MASK_RATES)}")
     b, l = tokens_bl.shape
-    num_blocks = -(-l // block)
+    num_blocks = -(-l // block) if rate == "per_block" else 1
     t_key, m_key = jax.random.split(key)
     t_bn = jax.random.uniform(t_key, (b, num_blocks), minval=1e-3, maxval=1.0)
-    t_bl = jnp.take_along_axis(t_bn, positions_bl // block, axis=1)
+    t_bl = jnp.take_along_axis(t_bn, positions_bl // block, axis=1) if rate == "per_block" else jnp.broadcast_to(t_bn, (b, l))
     masked = target_bl & (jax.random.uniform(m_key, (b, l)) < t_bl)
     return jnp.where(masked, mask_id, tokens_bl), masked, t_bl
 
