@@ -141,8 +141,9 @@ def draft_logits(drafter: RefDrafter, target, feats, block_ids):
 @torch.no_grad()
 def speculative_greedy(drafter: RefDrafter, target, prompt: list[int], max_new_tokens: int, block_size: int,
                        eos_ids=()):
-    """Greedy DFlash decoding, batch 1, no caches. Returns (new tokens, per-step accepted lengths
-    (accepted drafts + 1 bonus, the first token from the prefill not counted))."""
+    """Greedy DFlash decoding, batch 1, no caches. Returns (new tokens, per-step accepted lengths:
+    accepted drafts + 1 bonus, cut at the first EOS and at max_new_tokens as DFlash's
+    `acceptance_lengths` are; the first token from the prefill not counted)."""
     seq = torch.tensor([prompt])
     logits, _ = target_pass(target, seq, drafter.ids)
     out = [int(logits[0, -1].argmax())]
@@ -157,7 +158,10 @@ def speculative_greedy(drafter: RefDrafter, target, prompt: list[int], max_new_t
         post = logits[0, -block_size:].argmax(-1)
         n = int((block[0, 1:] == post[:-1]).long().cumprod(0).sum())
         new = block[0, 1 : n + 1].tolist() + [int(post[n])]
-        steps.append(n + 1)
+        new = new[: max_new_tokens - len(out)]
+        stops = [i for i, t in enumerate(new) if t in set(eos_ids)]
+        new = new[: stops[0] + 1] if stops else new
+        steps.append(len(new))
         out.extend(new)
     eos_at = [i for i, t in enumerate(out) if t in set(eos_ids)]
     if eos_at:

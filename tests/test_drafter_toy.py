@@ -65,6 +65,17 @@ def test_accepted_lengths_match_pytorch_reference(toy):
     assert max(max(r) for r in spec.accepted_lengths()) >= 4
 
 
+@pytest.mark.parametrize("max_new", [3, MAX_NEW])
+def test_accepted_lengths_add_up_to_the_tokens_output(toy, max_new):
+    """A round counts the tokens it outputs, cut at EOS and at max_new_tokens (DFlash's
+    acceptance_lengths): a row's rounds add up to its tokens after the prefill's first."""
+    _, model, tokenizer, drafter, prompts = toy
+    spec = generate_with_drafter(model, drafter, prompts, max_new_tokens=max_new, eos_ids=(tokenizer.eos_id,),
+                                 pad_id=0)
+    generated = np.asarray(spec.num_generated)
+    assert [sum(r) for r in spec.accepted_lengths()] == (generated - 1).tolist()
+
+
 def test_export_reimport_decodes_identically(toy, tmp_path):
     _, model, tokenizer, drafter, prompts = toy
     save_drafter(drafter, tmp_path / "again", dtype=None)

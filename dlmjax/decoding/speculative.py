@@ -18,8 +18,10 @@ keeps the context K/V of accepted tokens, from the verification forward's hidden
 stops at its first EOS (padded after it, like `generate_ar`) or at `max_new_tokens`.
 
 Counts: `target_forwards` = verification rounds (the prefill not counted); `accepted[b, r]` =
-tokens row b gained in round r (accepted drafts + 1); `mean_accepted_length` = their mean over
-the rounds a row took part in (tokens per target forward, DFlash's acceptance length).
+tokens row b output in round r: accepted drafts + 1, cut at its EOS and at `max_new_tokens` as
+the output is (so a row's rounds add up to its tokens after the prefill's first, as in DFlash's
+`acceptance_lengths`); `mean_accepted_length` = their mean over the rounds a row took part in
+(tokens per target forward, DFlash's acceptance length).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class SpecResult:
     tokens: jax.Array  # [B, max_new_tokens] int32, pad after a row's EOS
     num_generated: jax.Array  # [B] int32, EOS included
     target_forwards: jax.Array  # int32 scalar: verification forwards (prefill excluded)
-    accepted: jax.Array  # [B, max_new_tokens] int32: tokens gained per round (0 once a row is done)
+    accepted: jax.Array  # [B, max_new_tokens] int32: tokens output per round (0 once a row is done)
 
     @property
     def nfe(self):
@@ -187,12 +189,12 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
         tcache = _write_verified(c["tcache"], out.chunk_kv, c["offset"], bpos, valid)
         ctx = drafter.context(context_features(target, dcfg, out.layer_hidden))
         dcache = _write_verified(c["dcache"], drafter.context_kv(ctx, bpos), c["offset"], bpos, valid)
-        gained = jnp.where(active, n + 1, 0)
+        gained = jnp.where(active, n + 1, 0)  # the caches advance past every verified token
         return dict(
             round=c["round"] + 1, generated=generated, count=count, done=done,
             last=jnp.where(active, bonus, c["last"]), pos=c["pos"] + gained, offset=c["offset"] + gained,
             tcache=tcache, dcache=dcache, key=key,
-            accepted=c["accepted"].at[:, c["round"]].set(gained),
+            accepted=c["accepted"].at[:, c["round"]].set(keep.sum(axis=1).astype(jnp.int32)),
         )
 
     init = dict(
