@@ -70,3 +70,15 @@ def test_threshold_decay_margin_and_entropy():
     assert as_list(policies.margin_commit(s, masked, 0.5)) == [True, False, False, True]
     # lowest entropies first while the running sum stays <= 0.35: 0.1, 0.2 (0.3 would reach 0.6)
     assert as_list(policies.entropy_commit(s, masked, 0.35)) == [True, False, False, True]
+
+
+def test_entropy_commits_the_lowest_entropy_position_when_every_one_is_over_gamma():
+    """dInfer's and SDAR's entropy-bounded sampler keep at least the lowest-entropy position (their
+    `max(1, ...)`), also where another position is more confident; the decoder does the same."""
+    from dlmjax.decoding.spec import Entropy
+
+    masked = jnp.asarray([[True, True, False]])
+    s = scores([0.45, 0.50, 0.99], entropy=[0.95, 1.67, 0.01])
+    assert as_list(policies.entropy_commit(s, masked, 0.5)) == [True, False, False]
+    assert as_list(Entropy(gamma=0.5).commit_set(s, masked)) == [True, False, False]
+    assert as_list(policies.entropy_commit(s, jnp.zeros((1, 3), bool), 0.5)) == [False] * 3

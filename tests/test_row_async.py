@@ -87,14 +87,17 @@ def test_batch_stream_and_single_prompts_equal_the_lockstep_engine(peaky, spec):
         check_rows(PEAKY, spec, {i: alone.rows[0]}, [i])
 
 
-def test_sampled_rows_are_the_same_in_a_batch_a_stream_and_alone(peaky):
+@pytest.mark.parametrize("spec", ["static:temperature=0.8,top_p=0.9", "entropy:gamma=2.5"])
+def test_rows_are_the_same_in_a_batch_a_stream_and_alone(peaky, spec):
     """Sampling draws each row's noise from its own key (seed and row id), so a sampled row's
     tokens and forwards do not depend on its neighbours: a batch, a refilled stream and the row
-    alone agree. (The lockstep files hold no sampled rows: their engine filtered the nucleus before
-    tempering, and the sampler now tempers first, as the references do.)"""
+    alone agree; so do the entropy-bounded decoder's. (The lockstep files hold neither: their
+    engine filtered the nucleus before tempering, where the sampler now tempers first as the
+    references do, and its entropy decoder fell back to the most confident position, where it now
+    commits the lowest-entropy one as dInfer and SDAR do.)"""
     model, head = peaky
-    prompts, kw = PEAKY["prompts"], dict(decoder="static:temperature=0.8,top_p=0.9", head=head,
-                                         max_new_tokens=PEAKY["max_new_tokens"], seed=PEAKY["seed"])
+    prompts, kw = PEAKY["prompts"], dict(decoder=spec, head=head, max_new_tokens=PEAKY["max_new_tokens"],
+                                         seed=PEAKY["seed"])
     batch = generate(model, prompts, **kw).rows
     assert len({tuple(row.tokens) for row in batch}) > 1
     rows = dict(Stream(model, prompts, batch_size=5, refill=2, **kw))
@@ -103,7 +106,7 @@ def test_sampled_rows_are_the_same_in_a_batch_a_stream_and_alone(peaky):
         alone = generate(model, [prompts[i]], row_ids=[i], **kw).rows[0]
         assert (alone.tokens, alone.nfe) == (batch[i].tokens, batch[i].nfe)
     greedy = generate(model, prompts, **{**kw, "decoder": "static"}).rows
-    assert [r.tokens for r in batch] != [r.tokens for r in greedy]  # the sampling is not vacuous
+    assert [r.tokens for r in batch] != [r.tokens for r in greedy]  # not vacuous: not the static decoder
 
 
 def test_continuous_batching_costs_fewer_forwards_than_batches(toy):

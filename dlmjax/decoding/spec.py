@@ -137,7 +137,7 @@ class Threshold(DiffusionDecoder):
 @dataclass(frozen=True)
 class Entropy(DiffusionDecoder):
     """Entropy-bounded (dInfer's EB sampler): commit masked positions in order of increasing
-    entropy while their summed entropy stays <= gamma; always at least one."""
+    entropy while their summed entropy stays <= gamma; always at least the lowest-entropy one."""
 
     name: ClassVar[str] = "entropy"
     limits = {"gamma": AT_LEAST_0}  # 0: one token per step
