@@ -126,7 +126,7 @@ def test_rejection_sampling_step_preserves_p():
     draft = jax.random.categorical(keys[0], jnp.log(jnp.asarray(q)), shape=(n_samples,)).astype(jnp.int32)[:, None]
     p_b = jnp.broadcast_to(jnp.asarray(p), (n_samples, 2, 4))
     q_b = jnp.broadcast_to(jnp.asarray(q), (n_samples, 1, 4))
-    n, bonus = accept_sampled(draft, q_b, p_b, keys[1])
+    n, bonus = accept_sampled(draft, q_b, p_b, jax.random.split(keys[1], n_samples))
     token = np.where(np.asarray(n) == 1, np.asarray(draft)[:, 0], np.asarray(bonus))
     freq = np.bincount(token, minlength=4) / n_samples
     chi2 = n_samples * (((freq - p) ** 2) / p).sum()

@@ -76,6 +76,23 @@ def test_accepted_lengths_add_up_to_the_tokens_output(toy, max_new):
     assert [sum(r) for r in spec.accepted_lengths()] == (generated - 1).tolist()
 
 
+@pytest.mark.parametrize("decoder", ["drafter:temperature=1.0", "ar:temperature=1.0"])
+def test_a_sampled_row_does_not_depend_on_its_batch(toy, decoder):
+    """`row_ids` keys each row's sampling stream for the causal decoders too: a prompt decoded
+    alone with its id gives the tokens it gets in a batch, in a stream of small batches, and
+    another seed gives other tokens."""
+    from dlmjax.decoding.api import Stream, generate
+
+    model_dir, model, tokenizer, drafter, prompts = toy
+    kw = dict(tokenizer=tokenizer, decoder=decoder, max_new_tokens=MAX_NEW, drafter=drafter, seed=5)
+    batch = [row.tokens for row in generate(model, prompts, **kw).rows]
+    for i in (2, 5):
+        assert generate(model, [prompts[i]], row_ids=[i], **kw).rows[0].tokens == batch[i]
+    streamed = dict(Stream(model, prompts, batch_size=3, **kw))
+    assert [streamed[i].tokens for i in range(len(prompts))] == batch
+    assert [row.tokens for row in generate(model, prompts, **{**kw, "seed": 6}).rows] != batch
+
+
 def test_export_reimport_decodes_identically(toy, tmp_path):
     _, model, tokenizer, drafter, prompts = toy
     save_drafter(drafter, tmp_path / "again", dtype=None)

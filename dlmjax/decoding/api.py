@@ -258,7 +258,7 @@ def generate(
                                    "`dlmjax train configs/drafter/toy-ar.yaml`")
         out = generate_with_drafter(model, drafter, req.ids, max_new_tokens=max_new_tokens, block=decoder.block,
                                     temperature=decoder.temperature, top_p=decoder.top_p, seed=seed, eos_ids=req.eos,
-                                    pad_id=req.pad, mesh=mesh)
+                                    pad_id=req.pad, row_ids=row_ids, mesh=mesh)
         out = jax.device_get(out)
         counts = np.asarray(out.num_generated)
         lengths = out.accepted_lengths()
@@ -267,7 +267,7 @@ def generate(
         accepted = [sum(a) / len(a) if a else 0.0 for a in lengths]
     elif req.causal:
         out = generate_ar(model, req.ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
-                          top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, mesh=mesh)
+                          top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, row_ids=row_ids, mesh=mesh)
         out = jax.device_get(out)
         # Each token comes from one forward (the prefill gives the first): TPF is 1 by definition.
         counts = np.asarray(out.num_generated)
@@ -332,6 +332,7 @@ class Stream:
         self.batch = _round_up(min(batch_size, self.count), data)
         self.refill = min(self.batch, _round_up(refill or max(1, self.batch // 8), data))
         self.seed, self.mesh, self.drafter = seed, mesh, drafter
+        self.row_ids = list(range(len(self.request.ids))) if row_ids is None else list(row_ids)
         self.forwards = 0  # model forwards run
         self.start_forwards = 0  # of which forwards that started new rows (prefills yielding block 0)
         self.slot_forwards = 0  # rows carried by those forwards, summed (batch x forwards for full batches)
@@ -367,7 +368,8 @@ class Stream:
             chunk = list(range(start, min(start + self.batch, self.count)))
             padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
             result = generate(req.model, [req.ids[i] for i in padded], tokenizer=req.tokenizer, decoder=req.decoder,
-                              max_new_tokens=req.max_new_tokens, seed=self.seed, mesh=self.mesh, drafter=self.drafter)
+                              max_new_tokens=req.max_new_tokens, seed=self.seed, row_ids=[self.row_ids[i] for i in padded],
+                              mesh=self.mesh, drafter=self.drafter)
             yield None, None, result.forwards, result.forwards * self.batch, 1
             for i, row in zip(chunk, result.rows):
                 yield i, row, 0, 0, 0

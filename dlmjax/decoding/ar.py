@@ -3,6 +3,8 @@
 The whole loop is one `jax.jit`: a prefill forward writes the prompt's KV, then a
 `lax.while_loop` appends one token per step. Rows are left-padded prompts; a row stops at its
 first EOS and is padded after it. This is the reference that speculative decoders must match.
+Sampling draws each row's step from its own key (seed, row id, step), so a sampled row does not
+depend on its batch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dlmjax import arithmetic, kernels
-from dlmjax.decoding.policies import hidden_scores, nucleus_filter
+from dlmjax.decoding.policies import hidden_scores, nucleus_filter, row_keys
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
 from dlmjax.validation import InputError
@@ -35,6 +37,15 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[jax.Array, jax.Arra
     tokens = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
     valid = [[False] * (width - len(p)) + [True] * len(p) for p in prompts]
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool)
+
+
+def batch_row_ids(row_ids, batch: int) -> jax.Array:
+    """[B] int32 sampling-stream ids: the given ones (one per prompt), else 0..B-1."""
+    if row_ids is None:
+        return jnp.arange(batch, dtype=jnp.int32)
+    if len(row_ids) != batch:
+        raise InputError(f"row_ids has {len(row_ids)} entries for {batch} prompts; give one per prompt")
+    return jnp.asarray(row_ids, jnp.int32)
 
 
 def special_ids(cfg, eos_ids=None, pad_id=None) -> tuple[tuple[int, ...], int]:
@@ -59,19 +70,20 @@ def greedy_tokens(model: Transformer, hidden_bkd):
     return hidden_scores(model, hidden_bkd, mask_id=None).tokens
 
 
-def sample_token(model: Transformer, hidden_bd, key, temperature: float, top_p: float):
+def sample_token(model: Transformer, hidden_bd, keys_b, temperature: float, top_p: float):
     """The next token from the last final-normed hidden state [B, D]: greedy when temperature == 0
-    (`greedy_tokens`); otherwise temperature + nucleus sampling of its logits."""
+    (`greedy_tokens`); otherwise temperature + nucleus sampling of its logits, row b with key b."""
     if temperature == 0.0:
         return greedy_tokens(model, hidden_bd[:, None])[:, 0]
-    logits = model.lm_logits(hidden_bd) / temperature
+    logits = model.lm_logits(hidden_bd).astype(jnp.float32) / temperature
     if top_p < 1.0:
         logits = nucleus_filter(logits, top_p)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return jax.vmap(jax.random.categorical)(keys_b, logits).astype(jnp.int32)
 
 
 @partial(arithmetic.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_ids", "pad_id"))
-def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temperature, top_p, eos_ids, pad_id):
+def _generate(graphdef, state, tokens_bl, valid_bl, row_ids_b, key, *, max_new_tokens, temperature, top_p, eos_ids,
+              pad_id):
     model = nnx.merge(graphdef, state)
     b, lp = tokens_bl.shape
     positions = positions_from_valid(valid_bl)
@@ -86,9 +98,8 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(carry):
-        step, generated, done, hidden, cache, key, nfe = carry
-        key, sub = jax.random.split(key)
-        token = sample_token(model, hidden, sub, temperature, top_p)
+        step, generated, done, hidden, cache, nfe = carry
+        token = sample_token(model, hidden, row_keys(key, row_ids_b, step), temperature, top_p)
         token = jnp.where(done, pad_id, token)
         generated = generated.at[:, step].set(token)
         done = done | jnp.isin(token, eos)
@@ -106,7 +117,7 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         # The token's KV is written after the branch: XLA copies a whole cache a branch returns.
         hidden, new_kv = jax.lax.cond(more, forward, last)
         cache = cache.append(new_kv, positions, jnp.ones(positions.shape, bool))
-        return step + 1, generated, done, hidden, cache, key, nfe + more
+        return step + 1, generated, done, hidden, cache, nfe + more
 
     init = (
         jnp.zeros((), jnp.int32),
@@ -114,10 +125,9 @@ def _generate(graphdef, state, tokens_bl, valid_bl, key, *, max_new_tokens, temp
         jnp.zeros((b,), bool),
         out.hidden[:, -1],
         cache,
-        key,
         jnp.ones((), jnp.int32),
     )
-    _, generated, _, _, _, _, nfe = jax.lax.while_loop(cond, body, init)
+    _, generated, _, _, _, nfe = jax.lax.while_loop(cond, body, init)
     is_eos = jnp.isin(generated, eos)
     first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1) + 1, max_new_tokens)
     # A row that is done emits pad, so the count is up to and including its EOS.
@@ -134,10 +144,12 @@ def generate_ar(
     seed: int = 0,
     eos_ids: tuple[int, ...] | None = None,
     pad_id: int | None = None,
+    row_ids=None,
     mesh=None,
 ) -> ARResult:
     """Generate for a batch of token-id prompts with a causal model; with `mesh`, the batch is
-    split over its 'data' axis (the batch size must divide by it)."""
+    split over its 'data' axis (the batch size must divide by it). `row_ids` (default: the index)
+    keys each row's sampling stream (`batch_row_ids`)."""
     cfg = model.config
     if cfg.attention != "causal":
         raise InputError(f"AR generation needs a causal model; {cfg.family} is {cfg.attention} (use a diffusion decoder)")
@@ -148,11 +160,12 @@ def generate_ar(
             f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"max_position_embeddings ({cfg.max_position_embeddings})"
         )
+    row_ids = batch_row_ids(row_ids, len(prompts))
     if mesh is not None:
-        tokens, valid = shard_batch((tokens, valid), mesh)
+        tokens, valid, row_ids = shard_batch((tokens, valid, row_ids), mesh)
     graphdef, state = nnx.split(model)
     return _generate(
-        graphdef, state, tokens, valid, jax.random.key(seed),
+        graphdef, state, tokens, valid, row_ids, jax.random.key(seed),
         max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
         eos_ids=eos_ids, pad_id=int(pad_id),
     )

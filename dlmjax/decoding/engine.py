@@ -482,7 +482,7 @@ def copy_segments(batch: int, copies: int, width: int):
 
 def round_keys(state: DecodeState, rows: Rows, seed_key):
     """One sampling key per row, from (seed, row id, the row's own round count): batch-invariant."""
-    return jax.vmap(lambda rid, n: jax.random.fold_in(jax.random.fold_in(seed_key, rid), n))(rows.row_ids, state.rounds)
+    return policies.row_keys(seed_key, rows.row_ids, state.rounds)
 
 
 def _eos_seen(canvas, rows: Rows, end_col_b, eos):

@@ -34,6 +34,13 @@ def nucleus_filter(logits, top_p: float):
     return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
+def row_keys(seed_key, row_ids_b, step_b):
+    """One sampling key per row from (seed, the row's id, its own step count) [B]: a row's draws do
+    not depend on which batch, or which slot of it, the row is in."""
+    step_b = jnp.broadcast_to(jnp.asarray(step_b, jnp.int32), row_ids_b.shape)
+    return jax.vmap(lambda rid, n: jax.random.fold_in(jax.random.fold_in(seed_key, rid), n))(row_ids_b, step_b)
+
+
 def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: float = 1.0, keys_b=None,
           sampled_confidence: bool = False) -> Scores:
     """Propose tokens, never `mask_id` (None: any token). Greedy at temperature 0; else Gumbel-max

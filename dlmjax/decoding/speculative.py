@@ -11,6 +11,7 @@ and the prompt's context features; then a `lax.while_loop` runs rounds of
             sampled: each draft token with probability min(1, p/q); at the first rejection a
                      token from norm(max(0, p - q)); after a full accept a bonus from p.
 
+Sampling keys are per row (seed, row id, round), so a sampled row does not depend on its batch.
 Rows advance by their own accepted length: both caches are written at per-row offsets, in place.
 The target cache gets the K verified slots with only the accepted tokens' KV valid (the rest
 zeroed, for the next round to overwrite: "crop after rejection"); the drafter cache likewise
@@ -34,8 +35,8 @@ import numpy as np
 from flax import nnx, struct
 
 from dlmjax import arithmetic
-from dlmjax.decoding.ar import greedy_tokens, left_pad, positions_from_valid, special_ids
-from dlmjax.decoding.policies import nucleus_filter
+from dlmjax.decoding.ar import batch_row_ids, greedy_tokens, left_pad, positions_from_valid, special_ids
+from dlmjax.decoding.policies import nucleus_filter, row_keys
 from dlmjax.heads.drafter import Drafter, block_hidden, check_compatible, context_features
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
@@ -85,13 +86,19 @@ def accept_greedy(draft_bk1, target_bk):
     return n, _pick(target_bk, n)
 
 
-def accept_sampled(draft_bk1, q_bk1v, p_bkv, key):
-    """Speculative rejection sampling: accept draft i with probability min(1, p_i(d)/q_i(d));
-    at the first rejection n, sample from norm(max(0, p_n - q_n)); after a full accept, from p_K."""
-    k_accept, k_bonus = jax.random.split(key)
+def _categorical_rows(keys_b, probs_b_v):
+    """One draw per row b with key b from probabilities [B, ..., V]."""
+    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p), axis=-1))(keys_b, probs_b_v).astype(jnp.int32)
+
+
+def accept_sampled(draft_bk1, q_bk1v, p_bkv, keys_b):
+    """Speculative rejection sampling with one key per row: accept draft i with probability
+    min(1, p_i(d)/q_i(d)); at the first rejection n, sample from norm(max(0, p_n - q_n)); after a
+    full accept, from p_K."""
+    k_accept, k_bonus = jax.vmap(jax.random.split, out_axes=1)(keys_b)
     p_d = jnp.take_along_axis(p_bkv[:, :-1], draft_bk1[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q_bk1v, draft_bk1[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(k_accept, p_d.shape)
+    u = jax.vmap(lambda k: jax.random.uniform(k, p_d.shape[1:]))(k_accept)
     n = jnp.cumprod(u * q_d < p_d, axis=1).sum(axis=1).astype(jnp.int32)
     q_pad = jnp.concatenate([q_bk1v, jnp.zeros_like(p_bkv[:, :1])], axis=1)  # position K-1: plain p
     residual = jnp.maximum(p_bkv - q_pad, 0.0)
@@ -99,8 +106,7 @@ def accept_sampled(draft_bk1, q_bk1v, p_bkv, key):
     p_n = jnp.take_along_axis(p_bkv, n[:, None, None], axis=1)[:, 0]
     mass = r.sum(axis=-1, keepdims=True)
     r = jnp.where(mass > 0, r / jnp.where(mass > 0, mass, 1.0), p_n)  # p == q exactly: resample from p
-    bonus = jax.random.categorical(k_bonus, jnp.log(r), axis=-1).astype(jnp.int32)
-    return n, bonus
+    return n, _categorical_rows(k_bonus, r)
 
 
 def _write_verified(cache: KVCache, layer_kv, start_b, positions_bk, valid_bk) -> KVCache:
@@ -121,8 +127,8 @@ def _write_verified(cache: KVCache, layer_kv, start_b, positions_bk, valid_bk) -
     arithmetic.jit,
     static_argnames=("t_graph", "d_graph", "max_new_tokens", "block", "temperature", "top_p", "eos_ids", "pad_id"),
 )
-def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, max_new_tokens, block, temperature,
-              top_p, eos_ids, pad_id):
+def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, row_ids_b, key, *, max_new_tokens, block,
+              temperature, top_p, eos_ids, pad_id):
     target, drafter = nnx.merge(t_graph, t_state), nnx.merge(d_graph, d_state)
     dcfg = drafter.config
     b, lp = tokens_bl.shape
@@ -141,10 +147,9 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
     ctx = drafter.context(context_features(target, dcfg, out.layer_hidden))
     dcache = KVCache.init(dcfg.layer_model_config(), b, capacity).write_rows(
         drafter.context_kv(ctx, positions), zeros_b, positions, valid_bl)
-    key, sub = jax.random.split(key)
     if sampled:  # from the prompt's last position only: its [B, L, V] logits are never made
         last_logits = target.lm_logits(out.hidden[:, -1])
-        first = jax.random.categorical(sub, jnp.log(_probs(last_logits, temperature, top_p)), axis=-1)
+        first = _categorical_rows(row_keys(key, row_ids_b, 0), _probs(last_logits, temperature, top_p))
     else:
         first = greedy_tokens(target, out.hidden[:, -1:])[:, 0]
     first = first.astype(jnp.int32)
@@ -156,14 +161,14 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
 
     def body(c):
         active = ~c["done"]
-        key, k_draft, k_verify = jax.random.split(c["key"], 3)
+        k_draft, k_verify = jax.vmap(jax.random.split, out_axes=1)(row_keys(key, row_ids_b, c["round"] + 1))
         bpos = c["pos"][:, None] + arange_k
         blk = jnp.concatenate([c["last"][:, None], jnp.full((b, k_blk - 1), dcfg.mask_token_id, jnp.int32)], axis=1)
         d_hidden = block_hidden(drafter, target, blk, bpos, tuple(zip(c["dcache"].k, c["dcache"].v)),
                                 c["dcache"].positions, c["dcache"].valid)[:, 1:]
         if sampled:
             q = _probs(target.lm_logits(d_hidden), temperature, top_p)
-            draft = jax.random.categorical(k_draft, jnp.log(q), axis=-1).astype(jnp.int32)
+            draft = _categorical_rows(k_draft, q)
         else:  # greedy: no logits where residual_argmax runs as a kernel
             draft = greedy_tokens(target, d_hidden)
         verify = jnp.concatenate([c["last"][:, None], draft], axis=1)
@@ -193,14 +198,14 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, key, *, m
         return dict(
             round=c["round"] + 1, generated=generated, count=count, done=done,
             last=jnp.where(active, bonus, c["last"]), pos=c["pos"] + gained, offset=c["offset"] + gained,
-            tcache=tcache, dcache=dcache, key=key,
+            tcache=tcache, dcache=dcache,
             accepted=c["accepted"].at[:, c["round"]].set(keep.sum(axis=1).astype(jnp.int32)),
         )
 
     init = dict(
         round=jnp.zeros((), jnp.int32), generated=generated, count=jnp.ones((b,), jnp.int32), done=done,
         last=first, pos=positions[:, -1] + 1, offset=jnp.full((b,), lp, jnp.int32), tcache=tcache, dcache=dcache,
-        key=key, accepted=jnp.zeros((b, max_new_tokens), jnp.int32),
+        accepted=jnp.zeros((b, max_new_tokens), jnp.int32),
     )
     out = jax.lax.while_loop(cond, body, init)
     return SpecResult(
@@ -221,13 +226,15 @@ def generate_with_drafter(
     seed: int = 0,
     eos_ids: tuple[int, ...] | None = None,
     pad_id: int | None = None,
+    row_ids=None,
     mesh=None,
 ) -> SpecResult:
     """Speculative decoding of token-id `prompts` (a batch, left-padded here) with `drafter`.
 
     `block` (default the drafter's block_size) is K: the drafter proposes K - 1 tokens per round.
     temperature 0 is greedy and gives the target's own greedy output token for token; otherwise
-    rejection sampling keeps the target's (temperature, top_p) distribution exactly.
+    rejection sampling keeps the target's (temperature, top_p) distribution exactly. `row_ids`
+    (default: the index) keys each row's sampling stream.
     """
     cfg = target.config
     check_compatible(drafter.config, cfg)
@@ -244,12 +251,13 @@ def generate_with_drafter(
             f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + block ({block}) exceeds "
             f"max_position_embeddings ({limit}) of the target or the drafter"
         )
+    row_ids = batch_row_ids(row_ids, len(prompts))
     if mesh is not None:
-        tokens, valid = shard_batch((tokens, valid), mesh)
+        tokens, valid, row_ids = shard_batch((tokens, valid, row_ids), mesh)
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter)
     return _generate(
-        t_graph, t_state, d_graph, d_state, tokens, valid, jax.random.key(seed), max_new_tokens=int(max_new_tokens),
+        t_graph, t_state, d_graph, d_state, tokens, valid, row_ids, jax.random.key(seed), max_new_tokens=int(max_new_tokens),
         block=block, temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids, pad_id=int(pad_id),
     )
 
