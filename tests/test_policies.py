@@ -82,3 +82,19 @@ def test_entropy_commits_the_lowest_entropy_position_when_every_one_is_over_gamm
     assert as_list(policies.entropy_commit(s, masked, 0.5)) == [True, False, False]
     assert as_list(Entropy(gamma=0.5).commit_set(s, masked)) == [True, False, False]
     assert as_list(policies.entropy_commit(s, jnp.zeros((1, 3), bool), 0.5)) == [False] * 3
+
+
+def test_static_ranks_by_confidence_margin_or_entropy():
+    """`static:order=margin|entropy` are Dream's topk_margin and entropy algs: k positions per
+    step, the highest margin or the lowest entropy first, whatever the confidence says."""
+    from dlmjax.decoding.spec import DecoderSpecError, Static, parse_decoder
+
+    masked = jnp.asarray([[True, True, True, False]])
+    s = scores([0.9, 0.6, 0.5, 0.99], entropy=[0.8, 0.3, 0.5, 0.0], margin=[0.1, 0.4, 0.3, 0.99])
+    assert as_list(Static().commit_set(s, masked)) == [True, False, False, False]
+    assert as_list(parse_decoder("static:order=margin").commit_set(s, masked)) == [False, True, False, False]
+    assert as_list(parse_decoder("static:order=entropy,k=2").commit_set(s, masked)) == [False, True, True, False]
+    import pytest
+
+    with pytest.raises(DecoderSpecError, match="order"):
+        parse_decoder("static:order=random")

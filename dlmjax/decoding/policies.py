@@ -121,8 +121,14 @@ def with_progress_guard(commit_bk, scores: Scores, masked_bk):
     return (commit_bk & masked_bk) | (top1 & ~jnp.any(commit_bk & masked_bk, axis=-1, keepdims=True))
 
 
-def static_commit(scores: Scores, masked_bk, k: int):
-    return top_k_mask(scores.confidence, masked_bk, k)
+STATIC_ORDERS = ("confidence", "margin", "entropy")
+
+
+def static_commit(scores: Scores, masked_bk, k: int, order: str = "confidence"):
+    """The k masked positions ranked first by `order`: highest confidence, highest margin, or
+    lowest entropy (first index on ties)."""
+    ranking = {"confidence": scores.confidence, "margin": scores.margin, "entropy": -scores.entropy}[order]
+    return top_k_mask(ranking, masked_bk, k)
 
 
 def threshold_commit(scores: Scores, masked_bk, tau: float):

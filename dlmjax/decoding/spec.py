@@ -112,14 +112,19 @@ class DiffusionDecoder:
 
 @dataclass(frozen=True)
 class Static(DiffusionDecoder):
-    """Commit the k most confident masked positions per step (k=1: the quality reference)."""
+    """Commit the k most confident masked positions per step (k=1: the quality reference).
+
+    order: what "most confident" ranks by: `confidence` (the token's probability; LLaDA's
+    low_confidence, Dream's maskgit_plus), `margin` (top-1 minus top-2 probability; Dream's
+    topk_margin) or `entropy` (lowest first; Dream's alg="entropy")."""
 
     name: ClassVar[str] = "static"
-    limits = {"k": AT_LEAST_1}
+    limits = {"k": AT_LEAST_1, "order": OneOf(policies.STATIC_ORDERS)}
     k: int = 1
+    order: str = "confidence"
 
     def select(self, scores, masked_bk):
-        return policies.static_commit(scores, masked_bk, self.k)
+        return policies.static_commit(scores, masked_bk, self.k, order=self.order)
 
 
 @dataclass(frozen=True)
