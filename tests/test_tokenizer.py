@@ -66,3 +66,33 @@ def test_chat_template(tmp_path):
     tok = load_tokenizer(tmp_path)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == f"<user>hi{EOS}<assistant>"
     assert PAD != EOS != MASK
+
+
+def test_generation_config_stop_ids_end_a_chat_turn(tmp_path):
+    """Qwen-based chat checkpoints (SDAR-Chat) name <|endoftext|> in config.json and their turn's
+    end <|im_end|> in generation_config.json: decoding stops at either, as transformers' generate()
+    and SDAR's evaluation do. Here toy-sdar's config keeps its EOS and generation_config.json adds
+    the newline token, which every toy-arith answer holds: rows then end at their first newline."""
+    import shutil
+
+    import dlmjax
+    from dlmjax.decoding.api import generate
+    from dlmjax.presets import resolve_model
+
+    model_dir = tmp_path / "toy-sdar"
+    shutil.copytree(resolve_model("toy-sdar"), model_dir)
+    model = dlmjax.load_model(model_dir)
+    newline = load_tokenizer(model_dir, model.config).encode("\n")[0]
+    prompts = ["14+2+2\n", "3+17-2\n"]
+    plain = generate(model, prompts, tokenizer=load_tokenizer(model_dir, model.config), max_new_tokens=24)
+    assert all(newline in row.tokens[:-1] for row in plain.rows)  # they go on past a newline
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [newline, 5]}))
+    tok = load_tokenizer(model_dir, model.config)
+    assert tok.stop_ids == (newline, 5, tok.eos_id)
+    stopped = generate(model, prompts, tokenizer=tok, max_new_tokens=24)
+    for row, full in zip(stopped.rows, plain.rows):
+        cut = full.tokens.index(newline) + 1
+        assert row.tokens == full.tokens[:cut]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": "\n"}))
+    with pytest.raises(TokenizerError, match="generation_config.json: eos_token_id"):
+        load_tokenizer(model_dir, model.config)

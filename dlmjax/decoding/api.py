@@ -100,7 +100,9 @@ def _special_ids(model: Transformer, tokenizer: Tokenizer | None, *, need_mask: 
             "no mask token: diffusion decoding needs one; set mask_token_id in config.json or add a mask "
             "token (e.g. '<|mask|>') to the tokenizer"
         )
-    eos = tuple(cfg.eos_token_ids) or ((tokenizer.eos_id,) if tokenizer and tokenizer.eos_id is not None else ())
+    # config.json's eos ids, then the checkpoint's other stop ids (generation_config.json's, the
+    # tokenizer's eos): a chat model stops at the end of its turn
+    eos = tuple(dict.fromkeys(tuple(cfg.eos_token_ids) + (tokenizer.stop_ids if tokenizer else ())))
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tokenizer.pad_id if tokenizer else None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
     return mask_id, eos, int(pad)

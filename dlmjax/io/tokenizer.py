@@ -29,6 +29,8 @@ class Tokenizer:
     pad_id: int | None
     bos_id: int | None
     chat_template: str | None = None
+    stop_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id(s), then eos_id: where a chat turn ends
+
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -136,5 +138,23 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
         bos_id = cfg.bos_token_id
     return Tokenizer(
         backend=backend, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id,
-        chat_template=_chat_template(ckpt_dir, tok_cfg),
+        chat_template=_chat_template(ckpt_dir, tok_cfg), stop_ids=_stop_ids(ckpt_dir, eos_id),
     )
+
+
+def _stop_ids(ckpt_dir: Path, eos_id: int | None) -> tuple[int, ...]:
+    """The ids generation stops at besides config.json's: generation_config.json's
+    `eos_token_id` (an id or a list; what transformers' generate() stops at: for Qwen-based chat
+    models both <|im_end|> and <|endoftext|>, where config.json may name only the latter), then
+    the tokenizer's eos token (SDAR's evaluation stops at both)."""
+    path = ckpt_dir / "generation_config.json"
+    raw = read_json_file(path, error=TokenizerError) if path.is_file() else {}
+    if not isinstance(raw, dict):
+        raise TokenizerError(f"{path} holds {type(raw).__name__}, not an object of settings")
+    ids = raw.get("eos_token_id")
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise TokenizerError(f"{path}: eos_token_id {raw.get('eos_token_id')!r} must be a token id or a list of "
+                             "them; fix or remove it")
+    ids += [] if eos_id is None else [eos_id]
+    return tuple(dict.fromkeys(ids))
