@@ -3,10 +3,17 @@
 For a batch of prompts:
 1. reference: decode with the model's own 1-per-step static decoder (`static`, k=1); its final
    canvas y* is the reference output (every generated block, including the EOS block's tail);
-2. Extremely Greedy Parallel (EGP) decoding: each round, commit every masked position of the
-   row's current block whose current argmax equals y*. When none does, the most confident masked
-   position is committed with its y* token (teacher forcing keeps the canvas on y*, so EGP ends
-   exactly where the reference did);
+2. a rollout toward y*, `rollout`:
+   - "egp" (Learn2PD's Extremely Greedy Parallel decoding, the default): each round, commit every
+     masked position of the row's current block whose current argmax equals y*. When none does,
+     the most confident masked position is committed with its y* token (teacher forcing keeps
+     the canvas on y*, so EGP ends exactly where the reference did);
+   - "static": the reference run itself (one commit per round, the most confident), so a token
+     stays masked for rounds after its argmax has become final and `stable` counts those rounds.
+     Under EGP a token is committed the round its argmax equals y*, so every recorded token with
+     `stable` >= 1 has had the same wrong argmax since the round before, and is labelled 0: a
+     controller trained on EGP traces learns that a stable argmax is not final, the opposite of
+     what it sees when it decodes (dlmjax/toy/checkpoints/toy-sdar/TSPD_TRAINING.md);
 3. record, per masked token per round, the trajectory features of dlmjax.decoding.tspd
    (confidence, entropy, momentum, stable, block_pos, abs_pos: the ones the decoders compute)
    and the label [argmax == y*].
@@ -57,11 +64,13 @@ class TraceError(InputError):
 
 @dataclass(frozen=True)
 class EGPTracer(DiffusionDecoder):
-    """Extremely Greedy Parallel decoding toward y* (carry["ystar"] [B, T]) that records every
-    masked token's features into fixed buffers [B, S, K, ...] (S: the most rounds a row can take)."""
+    """A rollout toward y* (carry["ystar"] [B, T]; `rollout` egp or static, see the module
+    docstring) that records every masked token's features into fixed buffers [B, S, K, ...] (S:
+    the most rounds a row can take)."""
 
     name: ClassVar[str] = "egp-trace"
     max_rounds: int = 1
+    rollout: str = "egp"
 
     def init_carry(self, fwd, batch: int):
         k, s, f = fwd.geometry.block, self.max_rounds, len(FEATURES)
@@ -76,7 +85,8 @@ class EGPTracer(DiffusionDecoder):
         feats, traj = observe(c["traj"], scores, state.block, block_abs_pos(fwd, state.block))
         target = take_rows(c["ystar"], fwd.block_start(state.block), fwd.geometry.block)
         label = masked_bk & (scores.tokens == target)
-        commit = policies.with_progress_guard(label, scores, masked_bk)
+        chosen = label if self.rollout == "egp" else jnp.zeros_like(label)  # static: the guard's top-1 only
+        commit = policies.with_progress_guard(chosen, scores, masked_bk)
         after = jnp.where(commit, target, tokens_bk)
 
         active = jnp.any(masked_bk, axis=-1)
@@ -99,17 +109,19 @@ def _loop(decoder, fwd, state, eos):
                               partial(engine.decode_round, decoder, fwd, seed_key=None, eos=eos), state)
 
 
-_STATIC = ("graphdef", "geometry", "cache_mode", "mask_id", "eos_ids", "max_rounds")
+_STATIC = ("graphdef", "geometry", "cache_mode", "mask_id", "eos_ids", "max_rounds", "rollout")
+ROLLOUTS = ("egp", "static")
 
 
 @partial(arithmetic.jit, static_argnames=_STATIC)
-def _reference_and_trace(graphdef, params, canvas, rows, *, geometry, cache_mode, mask_id, eos_ids, max_rounds):
+def _reference_and_trace(graphdef, params, canvas, rows, *, geometry, cache_mode, mask_id, eos_ids, max_rounds,
+                         rollout):
     """(y* canvas [B, T], the tracer's carry) for a laid-out batch."""
     fwd = BlockForwards(nnx.merge(graphdef, params), rows, geometry, cache_mode, mask_id)
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     static = Static()
     ystar = _loop(static, fwd, engine.start(fwd, canvas, static), eos).canvas
-    tracer = EGPTracer(max_rounds=max_rounds)
+    tracer = EGPTracer(max_rounds=max_rounds, rollout=rollout)
     state = engine.start(fwd, canvas, tracer)
     state = state.replace(carry={**state.carry, "ystar": ystar})
     final = _loop(tracer, fwd, state, eos)
@@ -117,10 +129,12 @@ def _reference_and_trace(graphdef, params, canvas, rows, *, geometry, cache_mode
 
 
 def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh=None, block: int | None = None,
-                cache: str = "none") -> dict:
+                cache: str = "none", rollout: str = "egp") -> dict:
     """Traces of one batch of token-id prompts (flat arrays, see module docstring; `prompt` is the
     index in `prompt_ids`). With `mesh`, the batch is split over its 'data' axis."""
     cfg = model.config
+    if rollout not in ROLLOUTS:
+        raise TraceError(f"rollout {rollout!r}; choose one of {', '.join(ROLLOUTS)}")
     if cfg.attention == "causal":
         raise TraceError(f"{cfg.family} is a causal model; TSPD traces need a diffusion model (sdar, llada, dream)")
     block = block or cfg.block_size or 32
@@ -137,9 +151,9 @@ def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh
     ystar, carry, canvas_out = jax.device_get(_reference_and_trace(
         graphdef, params, jnp.asarray(canvas), rows, geometry=geometry,
         cache_mode="exact" if block_causal else cache, mask_id=cfg.mask_token_id,
-        eos_ids=tuple(cfg.eos_token_ids), max_rounds=max_rounds))
+        eos_ids=tuple(cfg.eos_token_ids), max_rounds=max_rounds, rollout=rollout))
     if not np.array_equal(canvas_out, ystar):
-        raise TraceError("EGP decoding did not reproduce the reference output; this is a bug in dlmjax.traces")
+        raise TraceError(f"the {rollout} rollout did not reproduce the reference output; this is a bug in dlmjax.traces")
     recorded = np.asarray(carry["recorded"])
     b, s, k = recorded.shape
     ystar_blocks = np.stack([np.take_along_axis(
@@ -166,7 +180,7 @@ def concat(parts: list[dict], offsets: list[int]) -> dict:
 
 
 def collect_traces(model, prompt_ids: list[list[int]], *, max_new_tokens: int, batch_size: int = 32, mesh=None,
-                   block: int | None = None, cache: str = "none") -> dict:
+                   block: int | None = None, cache: str = "none", rollout: str = "egp") -> dict:
     """Traces of every prompt, `batch_size` prompts per batch (a multiple of the mesh's data
     axis with `mesh`; the last batch is padded with copies of its first prompt, dropped after)."""
     data = 1 if mesh is None else mesh.shape["data"]
@@ -177,7 +191,8 @@ def collect_traces(model, prompt_ids: list[list[int]], *, max_new_tokens: int, b
         chunk = list(prompt_ids[start : start + batch_size])
         real = len(chunk)
         chunk += [chunk[0]] * (-real % data)
-        part = trace_batch(model, chunk, max_new_tokens=max_new_tokens, mesh=mesh, block=block, cache=cache)
+        part = trace_batch(model, chunk, max_new_tokens=max_new_tokens, mesh=mesh, block=block, cache=cache,
+                           rollout=rollout)
         keep = part["prompt"] < real
         parts.append({n: v[keep] for n, v in part.items()})
         offsets.append(start)
@@ -222,7 +237,7 @@ def task_prompts(tasks: list[str], per_task: int, seed: int):
 
 def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed: int = 0, batch_size: int = 32,
                      mesh=None, max_new_tokens: dict | None = None, block: int | None = None,
-                     cache: str = "none") -> tuple[dict, dict]:
+                     cache: str = "none", rollout: str = "egp") -> tuple[dict, dict]:
     """(traces, meta) over toy tasks; each task decodes with its evaluation length. `block` and
     `cache` matter for bidirectional models only (block-causal ones use their block and exact cache)."""
     from dlmjax.evaluation.tasks import TOY_MAX_NEW_TOKENS
@@ -232,11 +247,11 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
     for task, prompts in task_prompts(tasks, per_task, seed):
         ids = [tokenizer.encode(p) for p in prompts]
         parts.append(collect_traces(model, ids, max_new_tokens=lengths[task], batch_size=batch_size, mesh=mesh,
-                                    block=block, cache=cache))
+                                    block=block, cache=cache, rollout=rollout))
         offsets.append(total)
         total += len(ids)
     meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": tasks, "seed": seed,
-            "block": model.config.block_size or block or 32, "max_new_tokens": lengths}
+            "block": block or model.config.block_size or 32, "max_new_tokens": lengths, "rollout": rollout}
     return concat(parts, offsets), meta
 
 
@@ -254,6 +269,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=None, help="bidirectional models: decoding block (default 32)")
     p.add_argument("--cache", default="none", choices=("none", "prefix", "dual"),
                    help="bidirectional models: cache mode of both decodes (default none: exact)")
+    p.add_argument("--rollout", default="egp", choices=ROLLOUTS,
+                   help="egp: Learn2PD's Extremely Greedy Parallel rollout (default); static: the 1-per-step "
+                        "reference run itself, where a final token can stay masked (see dlmjax/traces.py)")
     p.add_argument("--out", required=True, help="output directory (traces.npz + meta.json)")
     p.set_defaults(func=run)
     return p
@@ -272,7 +290,8 @@ def run(args) -> int:
         mesh = make_mesh(model=1)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     traces, meta = traces_for_tasks(model, tokenizer, tasks, per_task=args.per_task, seed=args.seed,
-                                    batch_size=args.batch_size, mesh=mesh, block=args.block, cache=args.cache)
+                                    batch_size=args.batch_size, mesh=mesh, block=args.block, cache=args.cache,
+                                    rollout=args.rollout)
     out = save_traces(traces, args.out, {**meta, "model_source": str(path)})
     pos = float(np.mean(traces["label"])) if len(traces["label"]) else 0.0
     print(f"{len(traces['label'])} token-rounds ({pos:.1%} positive) from {meta['num_prompts']} prompts -> {out}")

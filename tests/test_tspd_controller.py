@@ -93,11 +93,42 @@ def test_export_round_trip_in_pytorch_layout(trained, sdar, tmp_path):
                                rtol=1e-6)
     # a plain numpy version of the PyTorch forward gives the same logits
     p = again.params
-    xs = (np.asarray(x) - p["mean"]) / p["std"]
+    xs = (np.clip(np.asarray(x), p["lo"], p["hi"]) - p["mean"]) / p["std"]
     h = xs @ p["fc1_w"].T + p["fc1_b"]
     h = 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
     np.testing.assert_allclose((h @ p["fc2_w"].T + p["fc2_b"])[:, 0], np.asarray(mlp_logits(again.jax_params(), x)),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_features_are_clamped_to_the_range_of_the_training_traces(trained, tmp_path):
+    """An MLP past its training range extrapolates: the toy controller gave P(final) ~ 1 to any
+    token past position 200 (trained on positions 6-47). The stored range clamps each feature: a
+    position far past it scores as the largest one trained on. A file without the range (written
+    before it was stored) is read unclamped."""
+    from dlmjax.heads.controller import FEATURES
+    from dlmjax.traces import load_traces
+
+    root, run, result = trained
+    w = load_controller(str(result.model_dir))
+    arrays, _ = load_traces(run.tspd.traces)
+    x = arrays["features"][:, [FEATURES.index(f) for f in w.features]]
+    assert (w.params["lo"] >= x.min(0)).all() and (w.params["hi"] <= x.max(0)).all() and (w.params["hi"] > w.params["lo"]).any()
+    pos = w.features.index("abs_pos")
+    row = np.asarray(x[:1], np.float32)
+    far, edge = row.copy(), row.copy()
+    far[0, pos], edge[0, pos] = 10_000.0, w.params["hi"][pos]
+    params = w.jax_params()
+    np.testing.assert_array_equal(np.asarray(mlp_logits(params, far)), np.asarray(mlp_logits(params, edge)))
+    stored = SafetensorsFile(w.path)
+    unbounded = {k: stored.get(k) for k in stored.keys() if k not in ("feature_min", "feature_max")}
+    from dlmjax.io.safetensors import save_file
+
+    old = tmp_path / "old.safetensors"
+    save_file(unbounded, old, metadata=stored.metadata)
+    legacy = load_controller(str(old))
+    assert np.isinf(legacy.params["hi"]).all()
+    assert not np.array_equal(np.asarray(mlp_logits(legacy.jax_params(), far)),
+                              np.asarray(mlp_logits(legacy.jax_params(), edge)))
 
 
 def test_tspd_decoders_progress_and_batch_invariance(trained, sdar):
@@ -146,7 +177,8 @@ def test_shipped_toy_sdar_controller_loads():
 
     w = load_controller("toy-sdar")
     w.check_model(load_config(resolve_model("toy-sdar")))
-    assert 0 < w.threshold < 1 and w.features == ("confidence", "entropy", "momentum", "stable", "block_pos", "abs_pos")
+    assert 0 < w.threshold < 1 and w.features == ("confidence", "entropy", "momentum", "block_pos", "abs_pos")
+    assert np.isfinite(w.params["lo"]).all() and np.isfinite(w.params["hi"]).all()  # trained with its range
     assert parse_decoder("tspd+ce:controller=toy-sdar").weights() is w
 
 

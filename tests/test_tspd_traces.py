@@ -34,8 +34,9 @@ def scores_np(model, seq, start, k):
     return tokens, probs[np.arange(k), tokens], entropy
 
 
-def plain_traces(model, prompt, block):
-    """Static (1 per step) for y*, then EGP, one full forward per step, features by hand."""
+def plain_traces(model, prompt, block, rollout="egp"):
+    """Static (1 per step) for y*, then EGP (or the static run again), one full forward per step,
+    features by hand."""
     start0 = (len(prompt) // block) * block
     num_blocks = -(-(len(prompt) - start0 + MAX_NEW) // block)
     base = list(prompt) + [MASK] * (num_blocks * block - (len(prompt) - start0))
@@ -61,17 +62,19 @@ def plain_traces(model, prompt, block):
             for i in np.nonzero(masked)[0]:
                 records.append((rnd, b, i, conf[i], ent[i], momentum[i], stable[i], s + i, bool(label[i]), tok[i],
                                 ystar[s + i]))
-            commit = label if label.any() else (np.arange(block) == np.argmax(np.where(masked, conf, -1)))
+            top1 = np.arange(block) == np.argmax(np.where(masked, conf, -1))
+            commit = label if rollout == "egp" and label.any() else top1
             for i in np.nonzero(commit)[0]:
                 seq[s + i] = ystar[s + i]
             prev_conf, prev_tok, seen, rnd = conf, tok, True, rnd + 1
     return records, ystar
 
 
-def test_features_labels_and_targets_match_a_plain_loop(sdar):
+@pytest.mark.parametrize("rollout", ["egp", "static"])
+def test_features_labels_and_targets_match_a_plain_loop(sdar, rollout):
     prompt = PROMPTS[0]
-    traces = collect_traces(sdar, [prompt], max_new_tokens=MAX_NEW, batch_size=1)
-    records, ystar = plain_traces(sdar, prompt, 4)
+    traces = collect_traces(sdar, [prompt], max_new_tokens=MAX_NEW, batch_size=1, rollout=rollout)
+    records, ystar = plain_traces(sdar, prompt, 4, rollout)
     n = min(len(records), len(traces["label"]))
     assert n >= 6 and len(set(r[0] for r in records[:n])) >= 3, "too short a trajectory to check momentum/stable"
     f = traces["features"]
@@ -86,6 +89,11 @@ def test_features_labels_and_targets_match_a_plain_loop(sdar):
     # labels are exactly "argmax equals the reference output"
     np.testing.assert_array_equal(traces["label"], traces["token"] == traces["target"])
     assert 0 < traces["label"].mean() < 1
+    stable = f[:, col["stable"]] >= 1
+    if rollout == "egp":  # a token is committed the round its argmax is right: a stable one never is
+        assert not traces["label"][stable].any()
+    else:  # the reference run: a final token can wait, and its stable rounds are labelled 1
+        assert traces["label"][stable].any() and len(traces["label"]) > len(plain_traces(sdar, prompt, 4)[0])
 
 
 @pytest.mark.devices(8)

@@ -1,11 +1,12 @@
 """An independent PyTorch reference of an exported TSPD controller, from the specification.
 
 ALGORITHMS.md section 4: a 2-layer MLP over a masked token's standardised trajectory features,
-p = sigmoid(fc2(gelu(fc1((f - mean) / std)))), GELU in its tanh form; a token is committed when
+p = sigmoid(fc2(gelu(fc1((clamp(f, min, max) - mean) / std)))) with each feature clamped to the
+range of the training traces, GELU in its tanh form; a token is committed when
 p > the calibrated threshold (the progress guard aside). A Learn2PD-style "block" controller reads
 the K confidences of a block and scores all K positions at once (fc2 has K outputs). The file is
 read as PyTorch would hold it: torch.nn.Linear weights [out, in], named fc1.* / fc2.*, the
-standardisation in feature_mean / feature_std, the threshold and feature names in the metadata.
+standardisation in feature_mean / feature_std, the range in feature_min / feature_max, the threshold and feature names in the metadata.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class RefController(nn.Module):
         self.fc2 = nn.Linear(hidden, outputs)
         self.register_buffer("feature_mean", torch.zeros(num_features))
         self.register_buffer("feature_std", torch.ones(num_features))
+        self.register_buffer("feature_min", torch.full((num_features,), -torch.inf))
+        self.register_buffer("feature_max", torch.full((num_features,), torch.inf))
         self.threshold = 0.5
         self.features: list[str] = []
 
@@ -47,7 +50,7 @@ class RefController(nn.Module):
 
     def forward(self, features):
         """Logits [..., outputs] for features [..., F]."""
-        x = (features - self.feature_mean) / self.feature_std
+        x = (features.clamp(self.feature_min, self.feature_max) - self.feature_mean) / self.feature_std
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
     def commits(self, features):

@@ -1,19 +1,26 @@
 """The TSPD controller (ALGORITHMS.md section 4): a 2-layer MLP that reads a masked token's
 trajectory features and gives the probability that its current argmax is already final.
 
-    x      = (features - feature_mean) / feature_std          # standardised on the training traces
+    f      = clamp(features, feature_min, feature_max)         # the range seen in the training traces
+    x      = (f - feature_mean) / feature_std                  # standardised on the training traces
     logit  = fc2(gelu(fc1(x)))                                 # fc1: F -> hidden, fc2: hidden -> 1
     p      = sigmoid(logit)
 
 The feature set is configurable: any ordered subset of `FEATURES` (dlmjax.traces records all of
 them). The checkpoint is one safetensors file in PyTorch layout (`torch.nn.Linear` weights are
-[out, in]): `fc1.weight`, `fc1.bias`, `fc2.weight`, `fc2.bias`, `feature_mean`, `feature_std`;
-its metadata holds `format: pt`, the feature names, the calibrated threshold and the fingerprint
+[out, in]): `fc1.weight`, `fc1.bias`, `fc2.weight`, `fc2.bias`, `feature_mean`, `feature_std`,
+`feature_min`, `feature_max`; its metadata holds `format: pt`, the feature names, the calibrated threshold and the fingerprint
 of the model whose traces trained it. In PyTorch:
 
-    sd = safetensors.torch.load_file(path); x = (f - sd["feature_mean"]) / sd["feature_std"]
+    sd = safetensors.torch.load_file(path)
+    x = (f.clamp(sd["feature_min"], sd["feature_max"]) - sd["feature_mean"]) / sd["feature_std"]
     p = torch.sigmoid(F.linear(F.gelu(F.linear(x, sd["fc1.weight"], sd["fc1.bias"]), approximate="tanh"),
                                sd["fc2.weight"], sd["fc2.bias"]))
+
+The clamp keeps a feature inside the range the controller was trained on: an MLP's output past
+it is an extrapolation (a controller trained on 48-token toy answers gave P(final) = 1 to every
+token past position 200, whatever its confidence). A file without `feature_min`/`feature_max`
+(written before they existed) is read unclamped.
 """
 
 from __future__ import annotations
@@ -63,9 +70,9 @@ def model_fingerprint(config) -> dict:
 
 
 def mlp_outputs(params: dict, x):
-    """The controller's pure numerics: params {fc1_w [H, F], fc1_b, fc2_w [O, H], fc2_b, mean, std}
-    (PyTorch layout), x [..., F] raw features -> logits [..., O] (float32)."""
-    x = (x.astype(jnp.float32) - params["mean"]) / params["std"]
+    """The controller's pure numerics: params {fc1_w [H, F], fc1_b, fc2_w [O, H], fc2_b, mean, std,
+    lo, hi} (PyTorch layout), x [..., F] raw features -> logits [..., O] (float32)."""
+    x = (jnp.clip(x.astype(jnp.float32), params["lo"], params["hi"]) - params["mean"]) / params["std"]
     h = jax.nn.gelu(x @ params["fc1_w"].T + params["fc1_b"], approximate=True)
     return h @ params["fc2_w"].T + params["fc2_b"]
 
@@ -76,9 +83,11 @@ def mlp_logits(params: dict, x):
 
 
 class Controller(nnx.Module):
-    """The trainable MLP; `feature_mean`/`feature_std` are fixed buffers set from the training traces."""
+    """The trainable MLP; `mean`/`std` (standardisation) and `lo`/`hi` (each feature's range) are
+    fixed buffers set from the training traces."""
 
-    def __init__(self, num_features: int, hidden: int = 32, *, outputs: int = 1, seed: int = 0, mean=None, std=None):
+    def __init__(self, num_features: int, hidden: int = 32, *, outputs: int = 1, seed: int = 0, mean=None, std=None,
+                 lo=None, hi=None):
         rngs = nnx.Rngs(seed)
         k1, k2 = jax.random.split(rngs.params())
         self.fc1_w = nnx.Param(jax.random.normal(k1, (hidden, num_features)) / np.sqrt(num_features))
@@ -87,19 +96,24 @@ class Controller(nnx.Module):
         self.fc2_b = nnx.Param(jnp.zeros((outputs,)))
         self.mean = nnx.Variable(jnp.zeros((num_features,)) if mean is None else jnp.asarray(mean, jnp.float32))
         self.std = nnx.Variable(jnp.ones((num_features,)) if std is None else jnp.asarray(std, jnp.float32))
+        self.lo = nnx.Variable(jnp.full((num_features,), -jnp.inf) if lo is None else jnp.asarray(lo, jnp.float32))
+        self.hi = nnx.Variable(jnp.full((num_features,), jnp.inf) if hi is None else jnp.asarray(hi, jnp.float32))
 
     def params(self) -> dict:
-        return {name: getattr(self, name)[...] for name in ("fc1_w", "fc1_b", "fc2_w", "fc2_b", "mean", "std")}
+        return {name: getattr(self, name)[...] for name in _TORCH_NAMES}
 
     def __call__(self, x):
-        params = self.params()  # the standardisation is fixed: no gradient, so AdamW leaves it as it is
-        params["mean"], params["std"] = jax.lax.stop_gradient(params["mean"]), jax.lax.stop_gradient(params["std"])
+        params = self.params()  # the buffers are fixed: no gradient, so AdamW leaves them as they are
+        for name in _BUFFERS:
+            params[name] = jax.lax.stop_gradient(params[name])
         out = mlp_outputs(params, x)
         return out[..., 0] if out.shape[-1] == 1 else out
 
 
 _TORCH_NAMES = {"fc1_w": "fc1.weight", "fc1_b": "fc1.bias", "fc2_w": "fc2.weight", "fc2_b": "fc2.bias",
-                "mean": "feature_mean", "std": "feature_std"}
+                "mean": "feature_mean", "std": "feature_std", "lo": "feature_min", "hi": "feature_max"}
+_BUFFERS = ("mean", "std", "lo", "hi")
+_UNBOUNDED = {"lo": -np.inf, "hi": np.inf}  # a file from before the range was stored
 
 
 @dataclass(frozen=True)
@@ -183,12 +197,15 @@ def load_controller(name: str) -> ControllerWeights:
         raise CheckpointError(f"{path} is not a TSPD controller (no dlmjax_controller metadata)")
     params = {}
     for ours, theirs in _TORCH_NAMES.items():
-        if theirs not in f.keys():
+        if theirs in f.keys():
+            params[ours] = np.array(f.get(theirs), np.float32)
+        elif ours in _UNBOUNDED:
+            params[ours] = np.full(f.get("feature_mean").shape, _UNBOUNDED[ours], np.float32)
+        else:
             raise CheckpointError(f"{path}: TSPD controller is missing tensor {theirs!r}")
-        params[ours] = np.array(f.get(theirs), np.float32)
     features = check_features(json.loads(meta["features"]))
     width = params["fc1_w"].shape[1] if features == BLOCK_FEATURES else len(features)
-    if params["fc1_w"].shape[1] != width or params["mean"].shape != (width,):
+    if params["fc1_w"].shape[1] != width or any(params[b].shape != (width,) for b in _BUFFERS):
         raise CheckpointError(f"{path}: fc1.weight {params['fc1_w'].shape} does not read the {len(features)} "
                               f"features named in its metadata")
     return ControllerWeights(params=params, features=features, threshold=float(meta["threshold"]),

@@ -158,8 +158,8 @@ class TSPDSection:
     """The TSPD controller (dlmjax.heads.controller) trained on traces (dlmjax.train.tspd)."""
 
     traces: str = ""  # a `dlmjax traces` output directory
-    features: list = field(default_factory=lambda: ["confidence", "entropy", "momentum", "stable", "block_pos",
-                                                    "abs_pos"])
+    # `stable` is left out: on EGP traces it only ever marks wrong tokens (dlmjax/traces.py)
+    features: list = field(default_factory=lambda: ["confidence", "entropy", "momentum", "block_pos", "abs_pos"])
     hidden: int = 32  # width of the MLP's hidden layer
     holdout: float = 0.2  # fraction of the traces' prompts held out (eval and threshold calibration)
     target_precision: float = 0.999  # calibrated threshold: the smallest with this held-out precision

@@ -115,6 +115,11 @@ def tspd_trainee(run, run_dir: Path):
         missing = [f for f in features if f not in meta["features"]]
         if missing:
             raise TraceError(f"traces {t.traces} lack features {missing}; collect them again with `dlmjax traces`")
+        if "stable" in features and meta.get("rollout", "egp") == "egp":
+            print(f"warning: tspd.features has `stable`, and {t.traces} are EGP traces, where a token is committed "
+                  "the round its argmax is right: every traced token with stable >= 1 is labelled 0, so the "
+                  "controller learns that a stable argmax is not final (the opposite of what it meets when it "
+                  "decodes). Drop `stable`, or collect traces with `dlmjax traces --rollout static`.")
         cols = [meta["features"].index(f) for f in features]
         x_all, y_all = arrays["features"][:, cols].astype(np.float32), arrays["label"].astype(bool)
         m_all, prompt = np.ones(y_all.shape, bool), arrays["prompt"]
@@ -127,6 +132,7 @@ def tspd_trainee(run, run_dir: Path):
                          "collect traces from more prompts or change tspd.holdout")
     w1, w0 = class_weights(y_train[m_train])
     mean, std = x_train.mean(0), np.maximum(x_train.std(0), 1e-3)
+    lo, hi = x_train.min(0), x_train.max(0)  # decoding clamps each feature to the range trained on
 
     def loss(controller, _frozen, batch, _key):
         logits = controller(batch["features"])
@@ -173,7 +179,7 @@ def tspd_trainee(run, run_dir: Path):
 
     return Trainee(
         build=lambda: Controller(x_train.shape[1], t.hidden, outputs=y_train.shape[1] if block else 1,
-                                 seed=run.train.seed, mean=mean, std=std),
+                                 seed=run.train.seed, mean=mean, std=std, lo=lo, hi=hi),
         abstract=Controller(x_train.shape[1], t.hidden, outputs=y_train.shape[1] if block else 1), frozen=None, loss=loss, tokenizer=None, block=None,
         pad_id=0, evaluate=evaluate, export=export, batch_at=batch_at,
     )
