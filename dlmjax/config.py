@@ -11,9 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, InputError, OneOf, Range, check_fields, check_value
+
+
+ROPE_SCALINGS = ("none", "linear", "llama3")
+
+
+class RopeScaling(NamedTuple):
+    """RoPE frequency scaling (`ModelConfig.rope`; `dlmjax.models.layers.rope_inv_freq`)."""
+
+    kind: str  # linear | llama3
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 ROUTERS = ("softmax", "sigmoid")
@@ -50,6 +63,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     rotary_dim: int | None = None  # partial RoPE: rotate the first rotary_dim of head_dim (None: all)
+    # RoPE frequency scaling (transformers' rope_type): none, linear (every frequency / factor) or
+    # llama3 (Llama 3.1+: long wavelengths / factor, short ones kept, a smooth blend between)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_positions: int = 8192  # llama3: the context the frequencies were trained for
     # Mixture of experts (dlmjax.models.moe): the layers in `moe_layers` replace the MLP by a router over
     # `num_experts` SiLU-gated experts of width `moe_intermediate_size` (+ an always-on shared expert).
     num_experts: int = 0
@@ -72,7 +92,9 @@ class ModelConfig:
               "rotary_dim": AT_LEAST_1, "num_experts": AT_LEAST_0, "num_experts_per_tok": AT_LEAST_0,
               "moe_intermediate_size": AT_LEAST_0, "shared_expert_intermediate_size": AT_LEAST_0,
               "router": OneOf(ROUTERS), "routed_scaling_factor": POSITIVE, "router_groups": AT_LEAST_1,
-              "router_topk_groups": AT_LEAST_1}
+              "router_topk_groups": AT_LEAST_1, "rope_scaling": OneOf(ROPE_SCALINGS), "rope_factor": POSITIVE,
+              "rope_low_freq_factor": POSITIVE, "rope_high_freq_factor": POSITIVE,
+              "rope_original_max_positions": AT_LEAST_1}
 
     def __post_init__(self):
         check_fields(self, "model.", error=ConfigError)  # every field's type and `limits`
@@ -87,7 +109,18 @@ class ModelConfig:
             raise ConfigError(f"unknown dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
         if self.rotary_dim is not None and (self.rotary_dim > self.head_dim or self.rotary_dim % 2):
             raise ConfigError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim={self.head_dim}")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(f"llama3 RoPE scaling needs high_freq_factor ({self.rope_high_freq_factor}) > "
+                              f"low_freq_factor ({self.rope_low_freq_factor})")
         self._check_moe()
+
+    @property
+    def rope(self) -> "RopeScaling | None":
+        """The RoPE frequency scaling, or None for plain RoPE."""
+        if self.rope_scaling == "none":
+            return None
+        return RopeScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                           self.rope_original_max_positions)
 
     def _check_moe(self):
         if not self.num_experts:
@@ -197,7 +230,6 @@ def _must_equal(expected, note):
 
 _HF_FIXED: dict[str, Any] = {
     "hidden_act": _must_equal(("silu",), "only SiLU-gated MLPs are implemented"),
-    "rope_scaling": _must_equal((None,), "rope scaling (YaRN, linear, dynamic, llama3) is not implemented"),
     "use_sliding_window": _must_equal((False, None), "sliding-window attention is not implemented"),
     "mlp_bias": _must_equal((False,), "MLP biases are not implemented"),
     "pretraining_tp": _must_equal((1,), "tensor-parallel pretraining splits are not implemented"),
@@ -205,21 +237,77 @@ _HF_FIXED: dict[str, Any] = {
 }
 
 
-def _rope_theta(raw: dict) -> float:
+_ROPE_KEYS = {"default": set(), "linear": {"factor"},
+              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
+
+
+def _rope(raw: dict) -> dict:
+    """ModelConfig's RoPE fields from transformers 5's `rope_parameters` (rope_type, rope_theta
+    and the type's parameters) or the older `rope_theta` + `rope_scaling` (type spelled `rope_type`
+    or `type`; null for none); where a config has both, they must agree. Scalings other than
+    linear and llama3 (yarn, dynamic, longrope) are refused."""
+    if raw.get("rope_parameters") is not None and raw.get("rope_scaling") is not None:
+        new, old = _rope({**raw, "rope_scaling": None}), _rope({**raw, "rope_parameters": None})
+        if new != old:
+            raise ConfigError(f"config.json's `rope_parameters` ({raw['rope_parameters']!r}) and `rope_scaling` "
+                              f"({raw['rope_scaling']!r}) disagree; keep one of them")
+        return new
     params = raw.get("rope_parameters")
     if params is None:
-        return float(raw.get("rope_theta", 10000.0))
-    if not isinstance(params, dict) or "rope_theta" not in params:
-        raise ConfigError(f"rope_parameters={params!r} has no rope_theta; expected {{'rope_type': 'default', 'rope_theta': ...}}")
-    unknown = set(params) - {"rope_type", "rope_theta", "partial_rotary_factor"}
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default" or params.get("partial_rotary_factor", 1.0) != 1.0 or unknown:
-        raise ConfigError(
-            f"config key `rope_parameters` = {params!r} is not supported: only rope_type 'default' "
-            "with full rotary dimension is implemented (no scaling)"
-        )
-    return float(check_value("config.json `rope_parameters.rope_theta`", params["rope_theta"], "float", POSITIVE,
-                             error=ConfigError))
+        theta, scaling, key = raw.get("rope_theta", 10000.0), raw.get("rope_scaling"), "rope_scaling"
+    else:
+        if not isinstance(params, dict) or "rope_theta" not in params:
+            raise ConfigError(f"rope_parameters={params!r} has no rope_theta; expected {{'rope_type': 'default', "
+                              "'rope_theta': ...}")
+        theta, scaling, key = params["rope_theta"], params, "rope_parameters"
+    theta = float(check_value(f"config.json `{key}.rope_theta`" if params else "config.json `rope_theta`", theta,
+                              "float", POSITIVE, error=ConfigError))
+    if scaling is None:
+        return {"rope_theta": theta}
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"config key `{key}` = {scaling!r} must be an object (or null)")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if not isinstance(kind, str) or kind not in _ROPE_KEYS:
+        raise ConfigError(f"config key `{key}` = {scaling!r}: rope_type {kind!r} is not implemented (default, "
+                          "linear and llama3 are)")
+    allowed = _ROPE_KEYS[kind] | {"rope_type", "type", "rope_theta"}
+    unknown = set(scaling) - allowed - ({"partial_rotary_factor"} if scaling.get("partial_rotary_factor", 1.0) == 1.0
+                                        else set())
+    missing = _ROPE_KEYS[kind] - set(scaling)
+    if unknown or missing:
+        raise ConfigError(f"config key `{key}` = {scaling!r}: rope_type {kind!r} takes {sorted(_ROPE_KEYS[kind])}; "
+                          f"unknown {sorted(unknown)}, missing {sorted(missing)}")
+    def number(name, kind="float", limit=POSITIVE):
+        return check_value(f"config.json `{key}.{name}`", scaling[name], kind, limit, error=ConfigError)
+
+    out = {"rope_theta": theta}
+    if kind == "default":
+        return out
+    out.update(rope_scaling=kind, rope_factor=float(number("factor")))
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(number("low_freq_factor")),
+                   rope_high_freq_factor=float(number("high_freq_factor")),
+                   rope_original_max_positions=number("original_max_position_embeddings", "int", AT_LEAST_1))
+    return out
+
+
+def _rope_theta(raw: dict) -> float:
+    """rope_theta of a family without RoPE scaling (a scaled config is refused)."""
+    rope = _rope(raw)
+    if len(rope) > 1:
+        raise ConfigError(f"RoPE scaling {rope['rope_scaling']!r} is not implemented for this family; only plain RoPE")
+    return rope["rope_theta"]
+
+
+def _rope_hf(cfg: ModelConfig) -> dict:
+    """transformers 5's `rope_parameters` of `cfg`."""
+    out = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling != "none":
+        out["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        out.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_positions)
+    return out
 
 
 def _eos_ids(value) -> tuple[int, ...]:
@@ -272,7 +360,7 @@ def _refuse(family: str, unknown: set[str], problems: list[str]) -> None:
 
 _HF_KEYS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
     "max_position_embeddings", "tie_word_embeddings", "attention_bias", "block_size", "layer_types",
 }
 _FAMILY_KEYS = {  # keys only one family of the hf layout reads
@@ -312,7 +400,7 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw),
+        **_rope(raw),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         attention=fam.attention,
         # Real SDAR configs carry no block_size (it is a generation argument); 4 is SDAR's default.
@@ -483,7 +571,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": _rope_hf(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "dtype": cfg.dtype,

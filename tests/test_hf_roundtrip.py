@@ -28,6 +28,13 @@ VARIANTS = {
     "qwen2-bias-gqa": ("qwen2", {}),
     "llama-gqa-bias": ("llama", dict(attention_bias=True)),
     "llama-tied": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    # Llama 3.1+ RoPE: with head_dim 8 and original 64 the four frequencies fall in all three
+    # regimes (wavelengths 6.3: kept, 63: blended, 628 and 6283: divided by the factor)
+    "llama3-rope": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 64})),
+    "qwen3-linear-rope": ("qwen3", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                         "factor": 2.0})),
 }
 MASKS = ("causal", "bidirectional", "block_causal")
 
@@ -164,3 +171,37 @@ def test_bf16_load_is_as_accurate_as_pytorch_bf16(saved):
 def test_additive_mask_helper_is_what_we_think():
     mask = additive_mask("block_causal", 8, 4)[0, 0].numpy()
     assert (mask[:4, :4] == 0).all() and (mask[:4, 4:] < -1e30).all() and (mask[4:, :] == 0).all()
+
+
+def test_rope_scaling_in_the_older_config_key_and_unsupported_types(tmp_path):
+    """Configs written by transformers 4 carry `rope_theta` + `rope_scaling` (its type under
+    `rope_type` or `type`); they load like transformers 5's `rope_parameters`. YaRN and the
+    dynamic types are refused, naming what is implemented."""
+    from dlmjax.config import ConfigError
+    from dlmjax.io.hf import load_config
+
+    params = dict(VARIANTS["llama3-rope"][1]["rope_parameters"])
+    model = torch_model("llama", seed=3, rope_parameters=params)
+    model.save_pretrained(tmp_path / "new")
+    raw = json.loads((tmp_path / "new" / "config.json").read_text())
+    tokens = random_tokens(2, 12)
+    expected = torch_logits(model, tokens)
+    for type_key in ("rope_type", "type"):
+        old = {k: v for k, v in raw.items() if k != "rope_parameters"}
+        old["rope_theta"] = params["rope_theta"]
+        old["rope_scaling"] = {type_key: "llama3", **{k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")}}
+        (tmp_path / type_key).mkdir()
+        (tmp_path / type_key / "config.json").write_text(json.dumps(old))
+        for f in (tmp_path / "new").glob("*.safetensors"):
+            (tmp_path / type_key / f.name).write_bytes(f.read_bytes())
+        ours = dlmjax.load_model(tmp_path / type_key)
+        assert ours.config.rope_scaling == "llama3" and ours.config.rope_original_max_positions == 64
+        assert max_diff(ours(jnp.asarray(tokens)).logits, expected) <= TOL
+    plain = dlmjax.load_model(tmp_path / "new")
+    plain.config = plain.config.replace(rope_scaling="none")
+    assert max_diff(plain(jnp.asarray(tokens)).logits, expected) > 10 * TOL  # the scaling matters here
+    yarn = dict(raw, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    (tmp_path / "yarn").mkdir()
+    (tmp_path / "yarn" / "config.json").write_text(json.dumps(yarn))
+    with pytest.raises(ConfigError, match="rope_type 'yarn' is not implemented.*linear and llama3"):
+        load_config(tmp_path / "yarn")

@@ -50,9 +50,14 @@ def test_the_python_api_takes_preset_names_as_the_cli_does():
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, r"`rope_scaling` = .*rope scaling .* is not implemented"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}},
+         r"`rope_scaling` = .*rope_type 'yarn' is not implemented \(default, linear and llama3 are\)"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-         r"`rope_parameters` = .* is not supported: only rope_type 'default'"),
+         r"`rope_parameters` = .*rope_type 'yarn' is not implemented"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}},
+         r"rope_type 'llama3' takes .*missing \['high_freq_factor', 'low_freq_factor', 'original_max_position_embeddings'\]"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},  # beside the checkpoint's default rope_parameters
+         r"`rope_parameters` .* and `rope_scaling` .* disagree; keep one of them"),
     ],
 )
 def test_unsupported_rope_scaling(checkpoint, change, message):

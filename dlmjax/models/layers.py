@@ -28,9 +28,29 @@ def normalize_rows(rows, eps: float):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(rows.dtype)
 
 
-def rope_angles(positions_bl, head_dim: int, theta: float):
-    """cos, sin of shape [B, L, head_dim] in float32 (HF layout: the two halves repeat)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling=None):
+    """RoPE's inverse frequencies [head_dim / 2] (float32), scaled as transformers' rope types do
+    (`scaling`: a `dlmjax.config.RopeScaling` or None):
+      linear  every frequency / factor (positions stretched by the factor);
+      llama3  wavelengths longer than original / low_freq_factor are divided by the factor, those
+              shorter than original / high_freq_factor kept, and the ones between blended:
+              (1 - s) f / factor + s f with s = (original / wavelength - low) / (high - low)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    wavelength = 2 * jnp.pi / inv_freq
+    low, high, original = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_positions
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return jnp.where(wavelength > original / low, inv_freq / scaling.factor,
+                     jnp.where(wavelength < original / high, inv_freq, blended))
+
+
+def rope_angles(positions_bl, head_dim: int, theta: float, scaling=None):
+    """cos, sin of shape [B, L, head_dim] in float32 (HF layout: the two halves repeat)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     freqs = positions_bl.astype(jnp.float32)[..., None] * inv_freq  # [B, L, hd/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
