@@ -93,6 +93,21 @@ def test_a_sampled_row_does_not_depend_on_its_batch(toy, decoder):
     assert [row.tokens for row in generate(model, prompts, **{**kw, "seed": 6}).rows] != batch
 
 
+def test_an_output_that_fits_the_context_decodes_up_to_its_end(toy):
+    """prompt + max_new_tokens = max_position_embeddings (256) is what `ar` accepts; the drafter's
+    last rounds verify drafts past the end and cut them, so it accepts it too and equals `ar`."""
+    from dlmjax.validation import InputError
+
+    _, model, tokenizer, drafter, prompts = toy
+    prompt = prompts[0]
+    max_new = model.config.max_position_embeddings - len(prompt)
+    kw = dict(max_new_tokens=max_new, eos_ids=(), pad_id=0)
+    spec = generate_with_drafter(model, drafter, [prompt], **kw)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(generate_ar(model, [prompt], **kw).tokens))
+    with pytest.raises(InputError, match="exceeds max_position_embeddings"):
+        generate_with_drafter(model, drafter, [prompt], **{**kw, "max_new_tokens": max_new + 1})
+
+
 def test_export_reimport_decodes_identically(toy, tmp_path):
     _, model, tokenizer, drafter, prompts = toy
     save_drafter(drafter, tmp_path / "again", dtype=None)

@@ -245,10 +245,12 @@ def generate_with_drafter(
         raise InputError(f"max_new_tokens={max_new_tokens}; ask for at least 1 token")
     eos_ids, pad_id = special_ids(cfg, eos_ids, pad_id)
     tokens, valid = left_pad(prompts, pad_id)
+    # The last round may verify drafts past the end; they are cut, so only the output must fit
+    # (as in DFlash, which shortens its last block instead).
     limit = min(cfg.max_position_embeddings, drafter.config.max_position_embeddings)
-    if tokens.shape[1] + max_new_tokens + block > limit:
+    if tokens.shape[1] + max_new_tokens > limit:
         raise InputError(
-            f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) + block ({block}) exceeds "
+            f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
             f"max_position_embeddings ({limit}) of the target or the drafter"
         )
     row_ids = batch_row_ids(row_ids, len(prompts))
