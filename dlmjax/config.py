@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, InputError, OneOf, Range, check_fields, check_value
 
-
 ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
@@ -27,6 +26,7 @@ class RopeScaling(NamedTuple):
     low_freq_factor: float
     high_freq_factor: float
     original_max_positions: int
+
 
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 ROUTERS = ("softmax", "sigmoid")
@@ -277,6 +277,7 @@ def _rope(raw: dict) -> dict:
     if unknown or missing:
         raise ConfigError(f"config key `{key}` = {scaling!r}: rope_type {kind!r} takes {sorted(_ROPE_KEYS[kind])}; "
                           f"unknown {sorted(unknown)}, missing {sorted(missing)}")
+
     def number(name, kind="float", limit=POSITIVE):
         return check_value(f"config.json `{key}.{name}`", scaling[name], kind, limit, error=ConfigError)
 

@@ -153,7 +153,8 @@ def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh
         cache_mode="exact" if block_causal else cache, mask_id=cfg.mask_token_id,
         eos_ids=tuple(cfg.eos_token_ids), max_rounds=max_rounds, rollout=rollout))
     if not np.array_equal(canvas_out, ystar):
-        raise TraceError(f"the {rollout} rollout did not reproduce the reference output; this is a bug in dlmjax.traces")
+        raise TraceError(f"the {rollout} rollout did not reproduce the reference output; this is a bug in "
+                         "dlmjax.traces")
     recorded = np.asarray(carry["recorded"])
     b, s, k = recorded.shape
     ystar_blocks = np.stack([np.take_along_axis(

@@ -189,7 +189,8 @@ def test_rope_scaling_in_the_older_config_key_and_unsupported_types(tmp_path):
     for type_key in ("rope_type", "type"):
         old = {k: v for k, v in raw.items() if k != "rope_parameters"}
         old["rope_theta"] = params["rope_theta"]
-        old["rope_scaling"] = {type_key: "llama3", **{k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")}}
+        old["rope_scaling"] = {type_key: "llama3",
+                               **{k: v for k, v in params.items() if k not in ("rope_type", "rope_theta")}}
         (tmp_path / type_key).mkdir()
         (tmp_path / type_key / "config.json").write_text(json.dumps(old))
         for f in (tmp_path / "new").glob("*.safetensors"):

@@ -55,7 +55,8 @@ def test_the_python_api_takes_preset_names_as_the_cli_does():
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
          r"`rope_parameters` = .*rope_type 'yarn' is not implemented"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}},
-         r"rope_type 'llama3' takes .*missing \['high_freq_factor', 'low_freq_factor', 'original_max_position_embeddings'\]"),
+         r"rope_type 'llama3' takes .*missing \['high_freq_factor', 'low_freq_factor', "
+         r"'original_max_position_embeddings'\]"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},  # beside the checkpoint's default rope_parameters
          r"`rope_parameters` .* and `rope_scaling` .* disagree; keep one of them"),
     ],

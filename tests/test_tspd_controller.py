@@ -112,7 +112,8 @@ def test_features_are_clamped_to_the_range_of_the_training_traces(trained, tmp_p
     w = load_controller(str(result.model_dir))
     arrays, _ = load_traces(run.tspd.traces)
     x = arrays["features"][:, [FEATURES.index(f) for f in w.features]]
-    assert (w.params["lo"] >= x.min(0)).all() and (w.params["hi"] <= x.max(0)).all() and (w.params["hi"] > w.params["lo"]).any()
+    lo, hi = w.params["lo"], w.params["hi"]  # the training split's range, inside the traces'
+    assert (lo >= x.min(0)).all() and (hi <= x.max(0)).all() and (hi > lo).any()
     pos = w.features.index("abs_pos")
     row = np.asarray(x[:1], np.float32)
     far, edge = row.copy(), row.copy()

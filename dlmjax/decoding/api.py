@@ -370,8 +370,8 @@ class Stream:
             chunk = list(range(start, min(start + self.batch, self.count)))
             padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
             result = generate(req.model, [req.ids[i] for i in padded], tokenizer=req.tokenizer, decoder=req.decoder,
-                              max_new_tokens=req.max_new_tokens, seed=self.seed, row_ids=[self.row_ids[i] for i in padded],
-                              mesh=self.mesh, drafter=self.drafter)
+                              max_new_tokens=req.max_new_tokens, seed=self.seed,
+                              row_ids=[self.row_ids[i] for i in padded], mesh=self.mesh, drafter=self.drafter)
             yield None, None, result.forwards, result.forwards * self.batch, 1
             for i, row in zip(chunk, result.rows):
                 yield i, row, 0, 0, 0

@@ -259,7 +259,8 @@ def generate_with_drafter(
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter)
     return _generate(
-        t_graph, t_state, d_graph, d_state, tokens, valid, row_ids, jax.random.key(seed), max_new_tokens=int(max_new_tokens),
+        t_graph, t_state, d_graph, d_state, tokens, valid, row_ids, jax.random.key(seed),
+        max_new_tokens=int(max_new_tokens),
         block=block, temperature=float(temperature), top_p=float(top_p), eos_ids=eos_ids, pad_id=int(pad_id),
     )
 

@@ -9,8 +9,8 @@ trajectory features and gives the probability that its current argmax is already
 The feature set is configurable: any ordered subset of `FEATURES` (dlmjax.traces records all of
 them). The checkpoint is one safetensors file in PyTorch layout (`torch.nn.Linear` weights are
 [out, in]): `fc1.weight`, `fc1.bias`, `fc2.weight`, `fc2.bias`, `feature_mean`, `feature_std`,
-`feature_min`, `feature_max`; its metadata holds `format: pt`, the feature names, the calibrated threshold and the fingerprint
-of the model whose traces trained it. In PyTorch:
+`feature_min`, `feature_max`; its metadata holds `format: pt`, the feature names, the calibrated
+threshold and the fingerprint of the model whose traces trained it. In PyTorch:
 
     sd = safetensors.torch.load_file(path)
     x = (f.clamp(sd["feature_min"], sd["feature_max"]) - sd["feature_mean"]) / sd["feature_std"]

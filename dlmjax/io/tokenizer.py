@@ -31,7 +31,6 @@ class Tokenizer:
     chat_template: str | None = None
     stop_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id(s), then eos_id: where a chat turn ends
 
-
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
 
