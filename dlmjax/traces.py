@@ -1,6 +1,8 @@
 """TSPD training traces (ALGORITHMS.md section 4; labels as in Learn2PD).
 
-For a batch of prompts:
+Prompts come from the toy tasks (`traces_for_tasks`, the default of `dlmjax traces`) or from text
+(`traces_for_prompts`; `dlmjax traces --prompts FILE`: a JSONL field or text lines, e.g. a
+training split's questions, with the model's chat template if asked). For a batch of prompts:
 1. reference: decode with the model's own 1-per-step static decoder (`static`, k=1); its final
    canvas y* is the reference output (every generated block, including the EOS block's tail);
 2. a rollout toward y*, `rollout`:
@@ -236,6 +238,49 @@ def task_prompts(tasks: list[str], per_task: int, seed: int):
     return [(t, [ex.prompt for ex in get_task(t).generate(per_task, seed)]) for t in tasks]
 
 
+def prompts_from_file(path: str | Path, *, field: str = "prompt", limit: int | None = None) -> list[str]:
+    """Prompts from a JSONL file (`field` of each object, e.g. GSM8K's `question`) or a text file
+    (one prompt per line; blank lines skipped). Training traces should not come from a test split."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"--prompts {path}: no such file")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise TraceError(f"{path}:{number}: invalid JSON ({err.msg}); one object per line") from None
+            if not isinstance(row, dict) or not isinstance(row.get(field), str) or not row[field]:
+                raise TraceError(f"{path}:{number}: no text field {field!r} (pass --field NAME)")
+            line = row[field]
+        prompts.append(line)
+        if limit is not None and len(prompts) == limit:
+            break
+    if not prompts:
+        raise TraceError(f"{path} holds no prompts")
+    return prompts
+
+
+def traces_for_prompts(model, tokenizer, prompts: list[str], *, name: str, max_new_tokens: int, chat=False,
+                       batch_size: int = 32, mesh=None, block: int | None = None, cache: str = "none",
+                       rollout: str = "egp") -> tuple[dict, dict]:
+    """(traces, meta) over text prompts, e.g. a real checkpoint's training questions (`chat`: True,
+    or a dict of chat template variables, renders each as a user turn with the model's template)."""
+    if chat:
+        template_vars = chat if isinstance(chat, dict) else {}
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], **template_vars) for p in prompts]
+    ids = [tokenizer.encode(p) for p in prompts]
+    traces = collect_traces(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size, mesh=mesh, block=block,
+                            cache=cache, rollout=rollout)
+    meta = {"model": model_fingerprint(model.config), "num_prompts": len(ids), "tasks": [name], "chat": bool(chat),
+            "block": block or model.config.block_size or 32, "max_new_tokens": {name: max_new_tokens},
+            "rollout": rollout}
+    return traces, meta
+
+
 def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed: int = 0, batch_size: int = 32,
                      mesh=None, max_new_tokens: dict | None = None, block: int | None = None,
                      cache: str = "none", rollout: str = "egp") -> tuple[dict, dict]:
@@ -262,8 +307,14 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("traces", help="collect TSPD training traces (static reference + EGP labels)")
     p.add_argument("--model", default="toy-sdar", help="preset or checkpoint directory (default: toy-sdar)")
-    p.add_argument("--tasks", default="toy-arith,toy-constraint", help="comma-separated toy tasks")
-    p.add_argument("--per-task", type=int, default=256, help="prompts per task")
+    p.add_argument("--tasks", default=None, help="comma-separated toy tasks (default: toy-arith,toy-constraint)")
+    p.add_argument("--per-task", type=int, default=256, help="prompts per task (with --prompts: the first N)")
+    p.add_argument("--prompts", default=None,
+                   help="instead of toy tasks: a JSONL file (--field of each object) or a text file (one prompt per "
+                        "line), e.g. a training split's questions; needs --max-new-tokens")
+    p.add_argument("--field", default="prompt", help="--prompts JSONL: the text field (GSM8K: question)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="--prompts: tokens to generate per prompt")
+    p.add_argument("--chat", action="store_true", help="--prompts: render each as a user turn of the chat template")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (the eval sets use 1234: keep it different)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--data-parallel", action="store_true", help="split each batch over all devices ('data' axis)")
@@ -289,10 +340,20 @@ def run(args) -> int:
         from dlmjax.sharding import make_mesh
 
         mesh = make_mesh(model=1)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    traces, meta = traces_for_tasks(model, tokenizer, tasks, per_task=args.per_task, seed=args.seed,
-                                    batch_size=args.batch_size, mesh=mesh, block=args.block, cache=args.cache,
-                                    rollout=args.rollout)
+    common = dict(batch_size=args.batch_size, mesh=mesh, block=args.block, cache=args.cache, rollout=args.rollout)
+    if args.prompts is not None:
+        if args.tasks is not None:
+            raise InputError("--prompts and --tasks both name the prompts; give one")
+        if args.max_new_tokens is None or args.max_new_tokens < 1:
+            raise InputError("--prompts needs --max-new-tokens N (N >= 1): the length the controller will decode")
+        prompts = prompts_from_file(args.prompts, field=args.field, limit=args.per_task)
+        traces, meta = traces_for_prompts(model, tokenizer, prompts, name=Path(args.prompts).stem,
+                                          max_new_tokens=args.max_new_tokens, chat=args.chat, **common)
+    else:
+        if args.chat or args.max_new_tokens is not None:
+            raise InputError("--chat and --max-new-tokens go with --prompts; the toy tasks use their own lengths")
+        tasks = [t.strip() for t in (args.tasks or "toy-arith,toy-constraint").split(",") if t.strip()]
+        traces, meta = traces_for_tasks(model, tokenizer, tasks, per_task=args.per_task, seed=args.seed, **common)
     out = save_traces(traces, args.out, {**meta, "model_source": str(path)})
     pos = float(np.mean(traces["label"])) if len(traces["label"]) else 0.0
     print(f"{len(traces['label'])} token-rounds ({pos:.1%} positive) from {meta['num_prompts']} prompts -> {out}")

@@ -152,3 +152,36 @@ def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path
     assert {"traces.npz", "meta.json"} <= {p.name for p in (tmp_path / "traces").iterdir()}
     assert main(["traces", "--seed", "1234", "--out", str(tmp_path / "t2")]) == 2
     assert "evaluation prompts" in capsys.readouterr().err
+
+
+def test_traces_from_a_prompt_file(capsys, tmp_path):
+    """A real model's controller needs traces of prompts like the ones it will decode: `--prompts`
+    reads a JSONL field (or text lines) at a given length, the chat template optional. The traces
+    equal those of the same prompts collected in Python."""
+    import numpy as np
+
+    from dlmjax.presets import load_checkpoint
+    from dlmjax.traces import collect_traces, load_traces
+
+    questions = ["12+7-3", "4 distinct digits, sum 11", "3+0+0+5"]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": q + "\n", "answer": "x"}) + "\n"
+                                                  for q in questions))
+    out = tmp_path / "traces"
+    assert main(["traces", "--model", "toy-sdar", "--prompts", str(tmp_path / "train.jsonl"), "--field", "question",
+                 "--per-task", "2", "--max-new-tokens", "16", "--out", str(out)]) == 0
+    arrays, meta = load_traces(out)
+    assert meta["tasks"] == ["train"] and meta["num_prompts"] == 2 and meta["max_new_tokens"] == {"train": 16}
+    _, model, tokenizer, _ = load_checkpoint("toy-sdar")
+    direct = collect_traces(model, [tokenizer.encode(q + "\n") for q in questions[:2]], max_new_tokens=16)
+    np.testing.assert_array_equal(arrays["label"], direct["label"])
+    np.testing.assert_array_equal(arrays["features"], direct["features"])
+    (tmp_path / "bad.jsonl").write_text('{"question": "1+1"}\nnot json\n')
+    for argv, message in [
+        (["--prompts", str(tmp_path / "train.jsonl")], "needs --max-new-tokens"),
+        (["--prompts", str(tmp_path / "train.jsonl"), "--max-new-tokens", "8"], "no text field 'prompt'"),
+        (["--prompts", str(tmp_path / "bad.jsonl"), "--field", "question", "--max-new-tokens", "8"], "bad.jsonl:2"),
+        (["--prompts", str(tmp_path / "train.jsonl"), "--tasks", "toy-arith", "--max-new-tokens", "8"], "give one"),
+        (["--chat"], "go with --prompts"),
+    ]:
+        assert main(["traces", "--model", "toy-sdar", *argv, "--out", str(tmp_path / "x")]) == 2
+        assert message in capsys.readouterr().err
