@@ -272,7 +272,7 @@ def traces_for_prompts(model, tokenizer, prompts: list[str], *, name: str, max_n
     if chat:
         template_vars = chat if isinstance(chat, dict) else {}
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], **template_vars) for p in prompts]
-    ids = [tokenizer.encode(p) for p in prompts]
+    ids = [tokenizer.encode_prompt(p) for p in prompts]
     traces = collect_traces(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size, mesh=mesh, block=block,
                             cache=cache, rollout=rollout)
     meta = {"model": model_fingerprint(model.config), "num_prompts": len(ids), "tasks": [name], "chat": bool(chat),
@@ -291,7 +291,7 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
     lengths = {t: (max_new_tokens or {}).get(t, TOY_MAX_NEW_TOKENS.get(t, 32)) for t in tasks}
     parts, offsets, total = [], [], 0
     for task, prompts in task_prompts(tasks, per_task, seed):
-        ids = [tokenizer.encode(p) for p in prompts]
+        ids = [tokenizer.encode_prompt(p) for p in prompts]
         parts.append(collect_traces(model, ids, max_new_tokens=lengths[task], batch_size=batch_size, mesh=mesh,
                                     block=block, cache=cache, rollout=rollout))
         offsets.append(total)

@@ -222,6 +222,54 @@ def test_semicolons_separate_decoder_options_and_model_args_win_over_cli_batch_s
     assert (lm.decoder.name, lm.decoder.tau, lm.decoder.depth, lm.batch_size) == ("psd", 0.8, 3, 8)
 
 
+@pytest.mark.devices(8)
+def test_lm_evals_default_batch_size_leaves_dlmjaxs_and_a_batch_is_spread_over_the_devices():
+    """lm-eval's CLI passes --batch_size 1 unless told otherwise: that leaves dlmjax's 16 decoding
+    slots (outputs do not depend on them); a batch size that does not divide over the 8 devices
+    is rounded up, as `dlmjax eval` rounds it, instead of stopping the run."""
+    cli = {"batch_size": 1, "max_batch_size": None, "device": None}
+    assert DlmjaxLM.create_from_arg_string("pretrained=toy-ar,warmup=False", cli).batch_size == 16
+    assert DlmjaxLM.create_from_arg_string("pretrained=toy-ar", {**cli, "batch_size": 12}).batch_size == 16
+    assert DlmjaxLM.create_from_arg_string("pretrained=toy-ar,batch_size=8", cli).batch_size == 8
+
+
+def test_stop_strings_that_are_special_tokens_cut_the_answer():
+    """gsm8k's `until` holds `<|im_end|>`: the cut reads the text with its special tokens (LLaDA's
+    evaluation decodes so), so text after the marker never reaches the scorer."""
+    from dlmjax.lm_eval.model import finish_text
+
+    _, _, tokenizer, _ = load_checkpoint("toy-ar")
+    eos = tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False)
+    tokens = tokenizer.encode("x=1") + [tokenizer.eos_id] + tokenizer.encode("y=2")
+    assert finish_text(tokens, tokenizer, [eos]) == "x=1"
+    assert finish_text(tokens, tokenizer, ["#"]) == "x=1y=2"  # no stop string met: the special token is dropped
+    assert finish_text(tokenizer.encode("12+7-3"), tokenizer, ["-"]) == "12+7"
+
+
+def test_chat_options_of_lm_evals_hf_model(monkeypatch, tmp_path):
+    """enable_thinking reaches the chat template; add_bos_token is taken; a gen_prefix history
+    (add_generation_prompt=False) continues the assistant's turn."""
+    import shutil
+
+    from dlmjax.presets import resolve_model
+
+    model_dir = tmp_path / "toy-ar"
+    shutil.copytree(resolve_model("toy-ar"), model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                               "{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    lm = DlmjaxLM(pretrained=str(model_dir), mesh_data=1, warmup=False, enable_thinking="false", add_bos_token="true")
+    assert lm.add_bos_token is True
+    user = [{"role": "user", "content": "Q"}]
+    assert lm.apply_chat_template(user) == "<user>Q</user>[no-think]<assistant>"
+    prefix = [*user, {"role": "assistant", "content": "A: "}]
+    assert lm.apply_chat_template(prefix, add_generation_prompt=False) == "<user>Q</user><assistant>A: "
+    with pytest.raises(ModelArgsError, match="add_bos_token='maybe' must be true or false"):
+        DlmjaxLM(pretrained="toy-ar", mesh_data=1, add_bos_token="maybe")
+
+
 # ---------------------------------------------------------------------------------- likelihoods
 
 

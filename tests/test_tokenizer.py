@@ -96,3 +96,102 @@ def test_generation_config_stop_ids_end_a_chat_turn(tmp_path):
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": "\n"}))
     with pytest.raises(TokenizerError, match="generation_config.json: eos_token_id"):
         load_tokenizer(model_dir, model.config)
+
+
+# ------------------------------------------------------------------- chat templates as transformers renders them
+
+CHATML = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content | trim + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA_LIKE = (
+    "{{ bos_token }}{% if not date_string is defined %}{% set date_string = strftime_now('%d %b %Y') %}{% endif %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\nToday Date: ' + date_string + '<|eot_id|>' }}"
+    "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% generation %}"
+    "{{ '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' }}"
+    "{% endgeneration %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+def chat_checkpoint(path, template, specials, token_config, bos_post=None):
+    """A tiny BPE tokenizer with `specials`, a chat template and (`bos_post`) a post-processor
+    that adds BOS, as Llama 3's does."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["What is 7 * 6? Hello world, the answer is 42. Zürich"] * 5, trainer)
+    if bos_post:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos_post} $A",
+                                                           special_tokens=[(bos_post, tok.token_to_id(bos_post))])
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({**token_config, "tokenizer_class": "PreTrainedTokenizerFast",
+                                                            "chat_template": template}))
+    return path
+
+
+@pytest.fixture
+def chat_pair(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    def make(kind, template=None):
+        if kind == "llama":
+            path = chat_checkpoint(tmp_path / "llama", template or LLAMA_LIKE,
+                                   ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"],
+                                   {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+                                   bos_post="<|begin_of_text|>")
+        else:
+            path = chat_checkpoint(tmp_path / f"chatml{len(list(tmp_path.iterdir()))}", template or CHATML,
+                                   ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                   {"bos_token": None, "eos_token": "<|im_end|>"})
+        return load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(str(path))
+
+    return make
+
+
+def test_chat_templates_render_as_transformers_renders_them(chat_pair):
+    """Llama-3-style: bos_token, strftime_now (today's date), loop controls, {% generation %};
+    ChatML with tools through tojson (keys in order, non-ASCII kept, no HTML escaping); and a
+    prompt's ids: BOS from the tokenizer's post-processor for plain text, not a second one after
+    a template wrote it (`tokenizer(text)` in transformers would add a second; its
+    apply_chat_template(tokenize=True) does not)."""
+    messages = [{"role": "user", "content": "What is 7 * 6?"}, {"role": "assistant", "content": "42"},
+                {"role": "user", "content": "Hello"}]
+    tools = [{"type": "function", "function": {"name": "weather", "description": "it's <Zürich> & more",
+                                               "parameters": {"b": 1, "a": 2}}}]
+    for kind, extra in (("llama", {}), ("chatml", {"tools": tools})):
+        ours, theirs = chat_pair(kind)
+        text = ours.apply_chat_template(messages, **extra)
+        assert text == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        ids = theirs.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False, **extra)
+        assert ours.encode_prompt(text) == list(ids)  # one BOS (Llama: the template's), none (ChatML)
+        assert ours.encode_prompt("What is 7 * 6?") == theirs("What is 7 * 6?")["input_ids"]
+    assert "Zürich" in text and '"b": 1, "a": 2' in text
+
+
+def test_a_chat_template_cannot_reach_python(chat_pair):
+    """Templates come with downloaded checkpoints: they run in Jinja's sandbox, as in transformers."""
+    from dlmjax.io.tokenizer import TokenizerError
+
+    ours, _ = chat_pair("chatml", "{{ cycler.__init__.__globals__.os.getpid() }}")
+    with pytest.raises(TokenizerError, match="chat template error"):
+        ours.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("prefix", ["Here is the code:\n```python\n", "The answer is"])
+def test_continue_final_message_ends_inside_the_assistant_turn(chat_pair, prefix):
+    """lm-eval's gen_prefix tasks render with add_generation_prompt=False; its HF model continues
+    the last (assistant) message, as `continue_final_message` does in transformers."""
+    messages = [{"role": "user", "content": "Write f."}, {"role": "assistant", "content": prefix}]
+    for kind in ("chatml", "llama"):
+        ours, theirs = chat_pair(kind)
+        want = theirs.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == want
+        assert want.rstrip().endswith(prefix.rstrip())

@@ -70,7 +70,7 @@ def _encode(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> list[list[
     if all(isinstance(p, str) for p in prompts):
         if tokenizer is None:
             raise InputError("text prompts need a tokenizer: pass tokenizer=load_tokenizer(checkpoint_dir)")
-        ids = [tokenizer.encode(p) for p in prompts]
+        ids = [tokenizer.encode_prompt(p) for p in prompts]
     else:
         ids = [_token_ids(i, p) for i, p in enumerate(prompts)]
     for i, p in enumerate(ids):

@@ -3,14 +3,24 @@
 Uses the `tokenizers` library directly (no transformers needed). The mask token is resolved
 per family: config.json `mask_token_id`, else tokenizer_config.json `mask_token`, else the
 family's known mask strings (`<|mdm_mask|>` LLaDA, `<|mask|>` Dream, `<|MASK|>` SDAR).
+
+Chat templates render as transformers renders them: in Jinja's immutable sandbox (a template
+from a downloaded checkpoint cannot reach Python), with trim_blocks/lstrip_blocks, loop controls,
+`{% generation %}` blocks, `raise_exception`, `strftime_now`, transformers' `tojson` (keys in
+order, non-ASCII kept) and the tokenizer_config.json special tokens as variables.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
 from dlmjax.config import FAMILIES, ModelConfig
@@ -30,9 +40,20 @@ class Tokenizer:
     bos_id: int | None
     chat_template: str | None = None
     stop_ids: tuple[int, ...] = ()  # generation_config.json's eos_token_id(s), then eos_id: where a chat turn ends
+    # tokenizer_config.json's bos/eos/pad/unk token strings, the chat template's variables (as transformers)
+    template_tokens: dict = field(default_factory=dict)
 
     def encode(self, text: str) -> list[int]:
+        """The text's ids alone, no special tokens added (continuations, stop strings, training rows)."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str, special: bool = True) -> list[int]:
+        """A prompt's ids as transformers' `tokenizer(text)` gives them: with the special tokens
+        the tokenizer adds (Llama 3's BOS; none for Qwen, SDAR, Dream), unless the text already
+        starts with the BOS token, as a chat template writes it (lm-eval's rule: no second BOS).
+        `special=False`: none at all (`encode`)."""
+        bos = self.template_tokens.get("bos_token")
+        return self.backend.encode(text, add_special_tokens=special and not (bos and text.startswith(bos))).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -44,21 +65,32 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
-        """The chat template rendered over `messages`; `template_vars` are further variables the
-        template reads (e.g. Qwen3's enable_thinking=False)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **template_vars) -> str:
+        """The chat template rendered over `messages` (as transformers renders it, module
+        docstring); `template_vars` are further variables the template reads (e.g. Qwen3's
+        enable_thinking=False, tools). `continue_final_message`: the text ends inside the last
+        message (an assistant turn's prefix, lm-eval's gen_prefix), not after its end tokens."""
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat template; pass raw prompts instead")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        template = env.from_string(self.chat_template)
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_str(self.bos_id),
-            eos_token=self._token_str(self.eos_id),
-            **template_vars,
-        )
+        if continue_final_message and (not messages or not isinstance(messages[-1].get("content"), str)):
+            raise TokenizerError("continue_final_message needs a last message with text content to continue")
+        if continue_final_message:
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_MARK}]
+        values = {"tools": None, "documents": None, **self.template_tokens, **template_vars}
+        try:
+            text = _template(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                        **values)
+        except jinja2.TemplateError as err:
+            raise TokenizerError(f"chat template error: {err}") from None
+        if not continue_final_message:
+            return text
+        if _CONTINUE_MARK.strip() not in text:
+            raise TokenizerError("continue_final_message: the chat template dropped the last message's text, so it "
+                                 "cannot be continued")
+        at = text.rindex(_CONTINUE_MARK.strip())
+        # a template that strips message text also strips the message's own trailing space
+        return text[:at] if text[at : at + len(_CONTINUE_MARK)] == _CONTINUE_MARK else text[:at].rstrip()
 
     def require_mask(self) -> int:
         if self.mask_id is None:
@@ -68,12 +100,39 @@ class Tokenizer:
             )
         return self.mask_id
 
-    def _token_str(self, token_id: int | None) -> str:
-        return "" if token_id is None else self.backend.id_to_token(token_id) or ""
+
+
+_CONTINUE_MARK = "\x00dlmjax-continue\x00 "  # appended to the message to continue; cut off after rendering
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (TRL's training templates mark the assistant's
+    tokens so): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _raise_template_error(message):
-    raise TokenizerError(f"chat template error: {message}")
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' `tojson`: keys in order, non-ASCII kept, no HTML escaping (Jinja's escapes)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 def _special_token_content(value) -> str | None:
@@ -132,12 +191,13 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
     pad_id = lookup("pad_token")
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg is not None and cfg.pad_token_id is not None else eos_id
-    bos_id = lookup("bos_token")
-    if bos_id is None and cfg is not None:
-        bos_id = cfg.bos_token_id
+    bos_id = lookup("bos_token")  # as transformers: the tokenizer's own (Qwen declares none), not config.json's
+    template_tokens = {name: _special_token_content(tok_cfg.get(name))
+                       for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
     return Tokenizer(
         backend=backend, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id,
         chat_template=_chat_template(ckpt_dir, tok_cfg), stop_ids=_stop_ids(ckpt_dir, eos_id),
+        template_tokens=template_tokens,
     )
 
 

@@ -58,6 +58,9 @@ MODEL_ARGS: dict[str, tuple[object, str]] = {
     "drafter": (None, "DFlash drafter directory (default: the model's drafter/)"),
     "tspd_controller": (None, "TSPD controller (default: the model's own)"),
     "warmup": (True, "decode the first slots once untimed before each task (tokens/s excludes compilation)"),
+    "add_bos_token": (None, "add the tokenizer's special tokens (Llama 3's BOS) to contexts: true or false (default: "
+                            "what the tokenizer adds, unless the text starts with BOS; lm-eval's HF model's rule)"),
+    "enable_thinking": (None, "chat template variable (Qwen3: false turns thinking off), as lm-eval's HF model takes it"),
     "max_batch_size": (None, "lm-eval's option; not used"),
     "device": (None, "lm-eval's option; not used (JAX places arrays on its devices)"),
 }
@@ -119,9 +122,12 @@ def _bool_arg(args: dict, key: str) -> bool:
 
 
 def finish_text(tokens: list[int], tokenizer, until: list[str]) -> str:
-    """A response as lm-eval's own models give it: the generated tokens decoded without special
-    tokens, cut at the first stop string (lm-eval's own `postprocess_generated_text`)."""
-    return postprocess_generated_text(tokenizer.decode(tokens, skip_special_tokens=True), until, None)
+    """A response as lm-eval's own models give it: the generated tokens cut at the first stop
+    string (lm-eval's `postprocess_generated_text`), then without special tokens. The cut reads
+    the text with its special tokens, so a stop string such as `<|im_end|>` cuts too (LLaDA's
+    evaluation decodes so; lm-eval's HF model stops at such a string while generating)."""
+    text = postprocess_generated_text(tokenizer.decode(tokens, skip_special_tokens=False), until, None)
+    return tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True)
 
 
 def parse_generation_request(index: int, request, default_max: int) -> GenerationRequest:
@@ -168,11 +174,16 @@ class DlmjaxLM(TemplateLM):
         self.seed = _int_arg(args, "seed", minimum=0)
         self.refill = _int_arg(args, "refill")
         self.warmup = _bool_arg(args, "warmup")
+        self.add_bos_token = None if args["add_bos_token"] is None else _bool_arg(args, "add_bos_token")
+        self.template_vars = {} if args["enable_thinking"] is None else {
+            "enable_thinking": _bool_arg(args, "enable_thinking")}
         self.mesh = make_mesh(model=_int_arg(args, "mesh_model"), data=_int_arg(args, "mesh_data"),
                               fsdp=_int_arg(args, "mesh_fsdp"), expert=_int_arg(args, "mesh_expert"))
-        if self.batch_size % self.mesh.shape["data"]:
-            raise ModelArgsError(f"batch_size={self.batch_size} must be a multiple of mesh_data="
-                                 f"{self.mesh.shape['data']} (each device decodes batch_size/mesh_data rows)")
+        if self.batch_size % self.mesh.shape["data"]:  # as `dlmjax eval`'s Stream: outputs do not depend on it
+            rounded = -(-self.batch_size // self.mesh.shape["data"]) * self.mesh.shape["data"]
+            log.info("batch_size=%d rounded up to %d, a multiple of mesh_data=%d (each device decodes an equal "
+                     "share)", self.batch_size, rounded, self.mesh.shape["data"])
+            self.batch_size = rounded
 
         self.path = resolve_model(args["pretrained"])
         self.model = load_model(self.path, dtype=args["dtype"], mesh=self.mesh)  # params placed on the mesh
@@ -222,8 +233,16 @@ class DlmjaxLM(TemplateLM):
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
-        """model_args win over lm-eval's own options (its CLI always passes --batch_size, default 1)."""
+        """model_args win over lm-eval's own options. Its CLI always passes --batch_size, 1 unless
+        given: a batch size from there below 2 leaves dlmjax's default (16 decoding slots; the
+        outputs do not depend on it)."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if "batch_size" in extra and "batch_size" not in arg_dict:
+            size = extra["batch_size"]
+            if isinstance(size, int) and size < 2:
+                log.info("lm-eval's batch_size=%s: dlmjax decodes %d rows at a time (batch_size= in model_args "
+                         "sets it)", size, MODEL_ARGS["batch_size"][0])
+                del extra["batch_size"]
         return cls(**{**extra, **arg_dict})
 
     @staticmethod
@@ -245,14 +264,21 @@ class DlmjaxLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.eot_token_id
+        """lm-eval's HF model's: the tokenizer's BOS, else its EOS (Qwen declares no BOS)."""
+        if self.tokenizer.bos_id is not None:
+            return self.tokenizer.bos_id
+        return self.tokenizer.eos_id if self.tokenizer.eos_id is not None else self.eot_token_id
 
     @property
     def max_length(self) -> int:
         return self.config.max_position_embeddings
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer.encode(string)
+        """lm-eval's HF model's rule: `add_special_tokens` if given; else model_args add_bos_token
+        if set, else the tokenizer's own special tokens; none when the text starts with BOS."""
+        if add_special_tokens is not None:
+            return self.tokenizer.backend.encode(string, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_prompt(string, special=self.add_bos_token is not False)
 
     @property
     def tokenizer_name(self) -> str:
@@ -262,7 +288,11 @@ class DlmjaxLM(TemplateLM):
         return self.tokenizer.chat_template if chat_template else None
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
+        """As lm-eval's HF model: without a generation prompt (a task's gen_prefix is the last,
+        assistant, message) the text ends inside the last message, continuing it."""
+        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=not add_generation_prompt,
+                                                  **self.template_vars)
 
     # ------------------------------------------------------------------ generate_until
 
