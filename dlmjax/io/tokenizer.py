@@ -101,7 +101,6 @@ class Tokenizer:
         return self.mask_id
 
 
-
 _CONTINUE_MARK = "\x00dlmjax-continue\x00 "  # appended to the message to continue; cut off after rendering
 
 
