@@ -195,3 +195,20 @@ def test_continue_final_message_ends_inside_the_assistant_turn(chat_pair, prefix
         want = theirs.apply_chat_template(messages, tokenize=False, continue_final_message=True)
         assert ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == want
         assert want.rstrip().endswith(prefix.rstrip())
+
+
+def test_special_tokens_from_special_tokens_map_json(chat_pair, tmp_path):
+    """Older checkpoints name their special tokens in special_tokens_map.json only (transformers
+    reads them there): the template's bos_token and the BOS rule see them."""
+    ours, theirs = chat_pair("llama")
+    path = tmp_path / "llama"
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    tokens = {"bos_token": config.pop("bos_token"), "eos_token": {"content": config.pop("eos_token"), "lstrip": False}}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "special_tokens_map.json").write_text(json.dumps(tokens))
+    again = load_tokenizer(path)
+    assert (again.bos_id, again.eos_id) == (ours.bos_id, ours.eos_id) and again.bos_id is not None
+    messages = [{"role": "user", "content": "Hello"}]
+    assert again.apply_chat_template(messages, date_string="1 Jan 2026").startswith("<|begin_of_text|>")
+    assert again.apply_chat_template(messages, date_string="1 Jan 2026") == ours.apply_chat_template(
+        messages, date_string="1 Jan 2026")

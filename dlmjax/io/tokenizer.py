@@ -175,6 +175,12 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
     tok_cfg = read_json_file(cfg_path, error=TokenizerError) if cfg_path.is_file() else {}
     if not isinstance(tok_cfg, dict):
         raise TokenizerError(f"{cfg_path} holds {type(tok_cfg).__name__}, not an object of settings")
+    map_path = ckpt_dir / "special_tokens_map.json"  # older checkpoints name their special tokens only there
+    token_map = read_json_file(map_path, error=TokenizerError) if map_path.is_file() else {}
+    if not isinstance(token_map, dict):
+        raise TokenizerError(f"{map_path} holds {type(token_map).__name__}, not an object of special tokens")
+    tok_cfg = {**{k: v for k, v in token_map.items() if k.endswith("_token")},
+               **{k: v for k, v in tok_cfg.items() if v is not None or k not in token_map}}
 
     def lookup(name: str) -> int | None:
         content = _special_token_content(tok_cfg.get(name))
