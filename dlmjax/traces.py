@@ -52,6 +52,7 @@ from dlmjax.decoding.engine import BlockForwards, Plan
 from dlmjax.decoding.spec import DiffusionDecoder, Static
 from dlmjax.decoding.tspd import Trajectory, block_abs_pos, feature_matrix, observe
 from dlmjax.heads.controller import FEATURES, model_fingerprint
+from dlmjax.io.tokenizer import stop_ids
 from dlmjax.models.transformer import take_rows
 from dlmjax.validation import InputError
 
@@ -131,9 +132,10 @@ def _reference_and_trace(graphdef, params, canvas, rows, *, geometry, cache_mode
 
 
 def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh=None, block: int | None = None,
-                cache: str = "none", rollout: str = "egp") -> dict:
+                cache: str = "none", rollout: str = "egp", eos_ids: tuple[int, ...] | None = None) -> dict:
     """Traces of one batch of token-id prompts (flat arrays, see module docstring; `prompt` is the
-    index in `prompt_ids`). With `mesh`, the batch is split over its 'data' axis."""
+    index in `prompt_ids`). With `mesh`, the batch is split over its 'data' axis. `eos_ids`: where
+    a row stops (default config.json's; `io.tokenizer.stop_ids` adds a chat model's turn end)."""
     cfg = model.config
     if rollout not in ROLLOUTS:
         raise TraceError(f"rollout {rollout!r}; choose one of {', '.join(ROLLOUTS)}")
@@ -153,7 +155,7 @@ def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh
     ystar, carry, canvas_out = jax.device_get(_reference_and_trace(
         graphdef, params, jnp.asarray(canvas), rows, geometry=geometry,
         cache_mode="exact" if block_causal else cache, mask_id=cfg.mask_token_id,
-        eos_ids=tuple(cfg.eos_token_ids), max_rounds=max_rounds, rollout=rollout))
+        eos_ids=tuple(cfg.eos_token_ids if eos_ids is None else eos_ids), max_rounds=max_rounds, rollout=rollout))
     if not np.array_equal(canvas_out, ystar):
         raise TraceError(f"the {rollout} rollout did not reproduce the reference output; this is a bug in "
                          "dlmjax.traces")
@@ -183,7 +185,8 @@ def concat(parts: list[dict], offsets: list[int]) -> dict:
 
 
 def collect_traces(model, prompt_ids: list[list[int]], *, max_new_tokens: int, batch_size: int = 32, mesh=None,
-                   block: int | None = None, cache: str = "none", rollout: str = "egp") -> dict:
+                   block: int | None = None, cache: str = "none", rollout: str = "egp",
+                   eos_ids: tuple[int, ...] | None = None) -> dict:
     """Traces of every prompt, `batch_size` prompts per batch (a multiple of the mesh's data
     axis with `mesh`; the last batch is padded with copies of its first prompt, dropped after)."""
     data = 1 if mesh is None else mesh.shape["data"]
@@ -195,7 +198,7 @@ def collect_traces(model, prompt_ids: list[list[int]], *, max_new_tokens: int, b
         real = len(chunk)
         chunk += [chunk[0]] * (-real % data)
         part = trace_batch(model, chunk, max_new_tokens=max_new_tokens, mesh=mesh, block=block, cache=cache,
-                           rollout=rollout)
+                           rollout=rollout, eos_ids=eos_ids)
         keep = part["prompt"] < real
         parts.append({n: v[keep] for n, v in part.items()})
         offsets.append(start)
@@ -274,7 +277,7 @@ def traces_for_prompts(model, tokenizer, prompts: list[str], *, name: str, max_n
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], **template_vars) for p in prompts]
     ids = [tokenizer.encode_prompt(p) for p in prompts]
     traces = collect_traces(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size, mesh=mesh, block=block,
-                            cache=cache, rollout=rollout)
+                            cache=cache, rollout=rollout, eos_ids=stop_ids(model.config, tokenizer))
     meta = {"model": model_fingerprint(model.config), "num_prompts": len(ids), "tasks": [name], "chat": bool(chat),
             "block": block or model.config.block_size or 32, "max_new_tokens": {name: max_new_tokens},
             "rollout": rollout}

@@ -116,3 +116,27 @@ def test_sharded_traces_equal_single_device(sdar, tmp_path):
         load_traces(out, expect_model=other)
     with pytest.raises(TraceError, match="dlmjax traces"):
         load_traces(tmp_path)
+
+
+def test_prompt_traces_stop_where_the_checkpoint_stops(tmp_path):
+    """A chat model's turn ends at a stop id of generation_config.json (SDAR-Chat: <|im_end|>),
+    not only config.json's: traces of its prompts end there too, as its decoding does. Here the
+    toy model's newline plays that token: every toy-arith answer holds one early."""
+    import json
+    import shutil
+
+    import dlmjax
+    from dlmjax.io.tokenizer import load_tokenizer
+    from dlmjax.presets import resolve_model
+    from dlmjax.traces import traces_for_prompts
+
+    model_dir = tmp_path / "toy-sdar"
+    shutil.copytree(resolve_model("toy-sdar"), model_dir)
+    model = dlmjax.load_model(model_dir)
+    prompts = ["14+2+2\n", "3+17-2\n"]
+    plain, _ = traces_for_prompts(model, load_tokenizer(model_dir, model.config), prompts, name="p", max_new_tokens=24)
+    newline = load_tokenizer(model_dir, model.config).encode("\n")[0]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": newline}))
+    stopped, _ = traces_for_prompts(model, load_tokenizer(model_dir, model.config), prompts, name="p",
+                                    max_new_tokens=24)
+    assert stopped["block"].max() < plain["block"].max()

@@ -206,6 +206,13 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
     )
 
 
+def stop_ids(cfg: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """Where a row stops: config.json's eos ids, then, with the checkpoint's tokenizer, its other
+    stop ids (generation_config.json's, the tokenizer's eos): a chat model stops at the end of its
+    turn."""
+    return tuple(dict.fromkeys(tuple(cfg.eos_token_ids) + (tokenizer.stop_ids if tokenizer else ())))
+
+
 def _stop_ids(ckpt_dir: Path, eos_id: int | None) -> tuple[int, ...]:
     """The ids generation stops at besides config.json's: generation_config.json's
     `eos_token_id` (an id or a list; what transformers' generate() stops at: for Qwen-based chat
