@@ -89,7 +89,7 @@ def cmd_generate(args) -> int:
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     prompts = args.prompt
     if args.chat:
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        prompts = tokenizer.user_turns(prompts)
     if mesh is not None:
         model, head, drafter = (replicate_on(m, mesh) for m in (model, head, drafter))
     result = generate(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=args.max_new_tokens,

@@ -11,23 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, InputError, OneOf, Range, check_fields, check_value
 
 ROPE_SCALINGS = ("none", "linear", "llama3")
-
-
-class RopeScaling(NamedTuple):
-    """RoPE frequency scaling (`ModelConfig.rope`; `dlmjax.models.layers.rope_inv_freq`)."""
-
-    kind: str  # linear | llama3
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_positions: int
-
-
 ATTENTION_KINDS = ("causal", "bidirectional", "block_causal")
 ROUTERS = ("softmax", "sigmoid")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -113,14 +101,6 @@ class ModelConfig:
             raise ConfigError(f"llama3 RoPE scaling needs high_freq_factor ({self.rope_high_freq_factor}) > "
                               f"low_freq_factor ({self.rope_low_freq_factor})")
         self._check_moe()
-
-    @property
-    def rope(self) -> "RopeScaling | None":
-        """The RoPE frequency scaling, or None for plain RoPE."""
-        if self.rope_scaling == "none":
-            return None
-        return RopeScaling(self.rope_scaling, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                           self.rope_original_max_positions)
 
     def _check_moe(self):
         if not self.num_experts:

@@ -273,8 +273,7 @@ def traces_for_prompts(model, tokenizer, prompts: list[str], *, name: str, max_n
     """(traces, meta) over text prompts, e.g. a real checkpoint's training questions (`chat`: True,
     or a dict of chat template variables, renders each as a user turn with the model's template)."""
     if chat:
-        template_vars = chat if isinstance(chat, dict) else {}
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], **template_vars) for p in prompts]
+        prompts = tokenizer.user_turns(prompts, chat)
     ids = [tokenizer.encode_prompt(p) for p in prompts]
     traces = collect_traces(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size, mesh=mesh, block=block,
                             cache=cache, rollout=rollout, eos_ids=stop_ids(model.config, tokenizer))
@@ -296,7 +295,8 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
     for task, prompts in task_prompts(tasks, per_task, seed):
         ids = [tokenizer.encode_prompt(p) for p in prompts]
         parts.append(collect_traces(model, ids, max_new_tokens=lengths[task], batch_size=batch_size, mesh=mesh,
-                                    block=block, cache=cache, rollout=rollout))
+                                    block=block, cache=cache, rollout=rollout,
+                                    eos_ids=stop_ids(model.config, tokenizer)))
         offsets.append(total)
         total += len(ids)
     meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": tasks, "seed": seed,

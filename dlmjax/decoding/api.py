@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from dlmjax.decoding import engine
-from dlmjax.decoding.ar import generate_ar
+from dlmjax.decoding.ar import batch_row_ids, generate_ar
 from dlmjax.decoding.spec import AR, CAUSAL_DECODERS, DecoderSpecError, DiffusionDecoder, decoder_spec, parse_decoder
 from dlmjax.decoding.speculative import generate_with_drafter
 from dlmjax.heads.mrp import MRPHead, check_compatible
@@ -207,16 +207,14 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
         fix = "use --decoder ar (or drafter)" if causal else "use a diffusion decoder (static, threshold, entropy)"
         raise DecoderSpecError(f"decoder {decoder.name!r} does not fit a {kind} {model.config.family} model; {fix}")
     mask_id, eos, pad = _special_ids(model, tokenizer, need_mask=not causal)
-    if row_ids is not None and len(row_ids) != len(ids):
-        raise InputError(f"row_ids has {len(row_ids)} entries for {len(ids)} prompts; give one per prompt")
+    row_ids_b = batch_row_ids(row_ids, len(ids))  # checks one id per prompt
     request = _Request(model, tokenizer, decoder, ids, eos, pad, mask_id, max_new_tokens, _head_for(decoder, model, head))
     if not causal:
         geometry, canvas, rows = engine.plan_layout(
             ids, block=_block_size(decoder, model), max_new_tokens=max_new_tokens,
             block_causal=model.config.attention == "block_causal", pad_id=pad, mask_id=mask_id,
         )
-        if row_ids is not None:
-            rows = rows.replace(row_ids=np.asarray(row_ids, np.int32))
+        rows = rows.replace(row_ids=np.asarray(row_ids_b))
         request.layout = (geometry, canvas, rows)
     return request
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dlmjax import arithmetic, kernels
-from dlmjax.decoding.policies import hidden_scores, nucleus_filter, row_keys
+from dlmjax.decoding.policies import categorical_rows, hidden_scores, nucleus_filter, row_keys
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
 from dlmjax.validation import InputError
@@ -78,7 +78,7 @@ def sample_token(model: Transformer, hidden_bd, keys_b, temperature: float, top_
     logits = model.lm_logits(hidden_bd).astype(jnp.float32) / temperature
     if top_p < 1.0:
         logits = nucleus_filter(logits, top_p)
-    return jax.vmap(jax.random.categorical)(keys_b, logits).astype(jnp.int32)
+    return categorical_rows(keys_b, logits)
 
 
 @partial(arithmetic.jit, static_argnames=("graphdef", "max_new_tokens", "temperature", "top_p", "eos_ids", "pad_id"))

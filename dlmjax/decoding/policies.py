@@ -41,6 +41,11 @@ def row_keys(seed_key, row_ids_b, step_b):
     return jax.vmap(lambda rid, n: jax.random.fold_in(jax.random.fold_in(seed_key, rid), n))(row_ids_b, step_b)
 
 
+def categorical_rows(keys_b, logits_b_v):
+    """One draw per row b with key b from (unnormalised log-probability) logits [B, ..., V]."""
+    return jax.vmap(lambda k, z: jax.random.categorical(k, z, axis=-1))(keys_b, logits_b_v).astype(jnp.int32)
+
+
 def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: float = 1.0, keys_b=None,
           sampled_confidence: bool = False) -> Scores:
     """Propose tokens, never `mask_id` (None: any token). Greedy at temperature 0; else Gumbel-max

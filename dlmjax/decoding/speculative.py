@@ -36,7 +36,7 @@ from flax import nnx, struct
 
 from dlmjax import arithmetic
 from dlmjax.decoding.ar import batch_row_ids, greedy_tokens, left_pad, positions_from_valid, special_ids
-from dlmjax.decoding.policies import nucleus_filter, row_keys
+from dlmjax.decoding.policies import categorical_rows, nucleus_filter, row_keys
 from dlmjax.heads.drafter import Drafter, block_hidden, check_compatible, context_features
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
@@ -86,11 +86,6 @@ def accept_greedy(draft_bk1, target_bk):
     return n, _pick(target_bk, n)
 
 
-def _categorical_rows(keys_b, probs_b_v):
-    """One draw per row b with key b from probabilities [B, ..., V]."""
-    return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p), axis=-1))(keys_b, probs_b_v).astype(jnp.int32)
-
-
 def accept_sampled(draft_bk1, q_bk1v, p_bkv, keys_b):
     """Speculative rejection sampling with one key per row: accept draft i with probability
     min(1, p_i(d)/q_i(d)); at the first rejection n, sample from norm(max(0, p_n - q_n)); after a
@@ -106,7 +101,7 @@ def accept_sampled(draft_bk1, q_bk1v, p_bkv, keys_b):
     p_n = jnp.take_along_axis(p_bkv, n[:, None, None], axis=1)[:, 0]
     mass = r.sum(axis=-1, keepdims=True)
     r = jnp.where(mass > 0, r / jnp.where(mass > 0, mass, 1.0), p_n)  # p == q exactly: resample from p
-    return n, _categorical_rows(k_bonus, r)
+    return n, categorical_rows(k_bonus, jnp.log(r))
 
 
 def _write_verified(cache: KVCache, layer_kv, start_b, positions_bk, valid_bk) -> KVCache:
@@ -149,7 +144,7 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, row_ids_b
         drafter.context_kv(ctx, positions), zeros_b, positions, valid_bl)
     if sampled:  # from the prompt's last position only: its [B, L, V] logits are never made
         last_logits = target.lm_logits(out.hidden[:, -1])
-        first = _categorical_rows(row_keys(key, row_ids_b, 0), _probs(last_logits, temperature, top_p))
+        first = categorical_rows(row_keys(key, row_ids_b, 0), jnp.log(_probs(last_logits, temperature, top_p)))
     else:
         first = greedy_tokens(target, out.hidden[:, -1:])[:, 0]
     first = first.astype(jnp.int32)
@@ -168,7 +163,7 @@ def _generate(t_graph, t_state, d_graph, d_state, tokens_bl, valid_bl, row_ids_b
                                 c["dcache"].positions, c["dcache"].valid)[:, 1:]
         if sampled:
             q = _probs(target.lm_logits(d_hidden), temperature, top_p)
-            draft = _categorical_rows(k_draft, q)
+            draft = categorical_rows(k_draft, jnp.log(q))
         else:  # greedy: no logits where residual_argmax runs as a kernel
             draft = greedy_tokens(target, d_hidden)
         verify = jnp.concatenate([c["last"][:, None], draft], axis=1)

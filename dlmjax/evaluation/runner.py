@@ -87,8 +87,7 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
     items = eval_set.items
     prompts = [item.prompt for item in items]
     if chat:  # True, or a dict of chat template variables (e.g. {"enable_thinking": False})
-        template_vars = chat if isinstance(chat, dict) else {}
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], **template_vars) for p in prompts]
+        prompts = tokenizer.user_turns(prompts, chat)
 
     def stream(limit=None):
         return Stream(model, prompts, batch_size=batch_size, tokenizer=tokenizer, decoder=decoder,

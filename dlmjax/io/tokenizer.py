@@ -92,6 +92,12 @@ class Tokenizer:
         # a template that strips message text also strips the message's own trailing space
         return text[:at] if text[at : at + len(_CONTINUE_MARK)] == _CONTINUE_MARK else text[:at].rstrip()
 
+    def user_turns(self, prompts: list[str], chat=True) -> list[str]:
+        """Each prompt as a user turn of the chat template, ready for the answer (`chat`: True, or
+        a dict of template variables, e.g. {"enable_thinking": False})."""
+        template_vars = chat if isinstance(chat, dict) else {}
+        return [self.apply_chat_template([{"role": "user", "content": p}], **template_vars) for p in prompts]
+
     def require_mask(self) -> int:
         if self.mask_id is None:
             raise TokenizerError(

@@ -27,7 +27,7 @@ from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from dlmjax.decoding.api import Stream
+from dlmjax.decoding.api import Stream, _round_up
 from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, parse_decoder
 from dlmjax.lm_eval.likelihood import causal_logprobs, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
@@ -180,7 +180,7 @@ class DlmjaxLM(TemplateLM):
         self.mesh = make_mesh(model=_int_arg(args, "mesh_model"), data=_int_arg(args, "mesh_data"),
                               fsdp=_int_arg(args, "mesh_fsdp"), expert=_int_arg(args, "mesh_expert"))
         if self.batch_size % self.mesh.shape["data"]:  # as `dlmjax eval`'s Stream: outputs do not depend on it
-            rounded = -(-self.batch_size // self.mesh.shape["data"]) * self.mesh.shape["data"]
+            rounded = _round_up(self.batch_size, self.mesh.shape["data"])
             log.info("batch_size=%d rounded up to %d, a multiple of mesh_data=%d (each device decodes an equal "
                      "share)", self.batch_size, rounded, self.mesh.shape["data"])
             self.batch_size = rounded

@@ -30,21 +30,23 @@ def normalize_rows(rows, eps: float):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling=None):
     """RoPE's inverse frequencies [head_dim / 2] (float32), scaled as transformers' rope types do
-    (`scaling`: a `dlmjax.config.RopeScaling` or None):
+    (`scaling`: a ModelConfig, read for its `rope_scaling` and `rope_*` fields, or None: plain):
       linear  every frequency / factor (positions stretched by the factor);
       llama3  wavelengths longer than original / low_freq_factor are divided by the factor, those
               shorter than original / high_freq_factor kept, and the ones between blended:
               (1 - s) f / factor + s f with s = (original / wavelength - low) / (high - low)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if scaling is None:
+    kind = "none" if scaling is None else scaling.rope_scaling
+    if kind == "none":
         return inv_freq
-    if scaling.kind == "linear":
-        return inv_freq / scaling.factor
+    if kind == "linear":
+        return inv_freq / scaling.rope_factor
     wavelength = 2 * jnp.pi / inv_freq
-    low, high, original = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_positions
+    low, high = scaling.rope_low_freq_factor, scaling.rope_high_freq_factor
+    original = scaling.rope_original_max_positions
     smooth = (original / wavelength - low) / (high - low)
-    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    return jnp.where(wavelength > original / low, inv_freq / scaling.factor,
+    blended = (1 - smooth) * inv_freq / scaling.rope_factor + smooth * inv_freq
+    return jnp.where(wavelength > original / low, inv_freq / scaling.rope_factor,
                      jnp.where(wavelength < original / high, inv_freq, blended))
 
 

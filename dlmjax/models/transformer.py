@@ -360,7 +360,7 @@ def run_layers(
         cache_visible = layers.Visibility(
             positions_bl, segments_bl, cache.positions, jnp.zeros_like(cache.positions), cache.valid, **topology
         )
-    cos, sin = layers.rope_angles(positions_bl, cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope)
+    cos, sin = layers.rope_angles(positions_bl, cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg)
     collected = [x] if 0 in hidden_layers else []
     new_kv = []
     for i, block in enumerate(blocks):
