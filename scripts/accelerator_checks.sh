@@ -8,15 +8,20 @@
 #      run those files (test_hf_roundtrip, test_decoding, test_kv_cache, test_psd, test_mrp,
 #      test_policies) in a session of their own;
 #   2. benchmarks/decode_gpu.py at SDAR-1.7B shape: the kernels' tile choices, each kernel alone
-#      (bench-tiles/: flash attention at 2k-32k prefills, residual_argmax at 64-1,024 positions, to
-#      pick the dispatchers' defaults), then decode step vs the HBM roofline, prefill to 32k,
-#      residual_argmax vs the XLA path, transformers' eager step (bench-step/), then tokens/s per
-#      decoder (bench-decoders/); each prints its rows as it goes (bench-*.log);
-#   3. the 32k-token prefill at SDAR-8B shape (bench-8b/).
-# Each stage has its own time limit (seconds: TEST_S, TILES_S, STEP_S, DECODERS_S, PREFILL_8B_S; by
-# default 565 in all, one call's worth of a lent machine) so a slow one cannot starve the next. On the H200
-# the step section, the prefill to 2k and compiles took 150 s, and three decoders (DECODERS) printed
-# no row in 125 s: one decoder per run. BENCH_OUT puts the benchmarks' result folders elsewhere than OUT.
+#      against its XLA path (bench-tiles/: flash attention at 2k and 8k prefills, residual_argmax at
+#      64 and 1,024 positions, to pick the dispatchers' defaults), then the decode step (8 chained
+#      steps per call) vs the HBM roofline, prefill at 2k and 32k, transformers' eager step
+#      (bench-step/), then tokens/s per decoder (bench-decoders/); each prints its rows as it goes
+#      (bench-*.log);
+#   3. the 32k-token prefill at SDAR-8B shape (bench-8b/);
+#   4. benchmarks/exactness.py's cost part at SDAR-1.7B shape: the invariant mode's decode step
+#      against the fast mode's at batch 1/16/64 (exactness/).
+# Each stage has its own time limit (seconds: TEST_S, TILES_S, STEP_S, DECODERS_S, PREFILL_8B_S,
+# EXACTNESS_S; by default 575 in all, about one call's worth of a lent machine) so a slow one cannot
+# starve the next; STAGES names the stages to run (default: all, in the order above). On the H200 the
+# step section, the prefill to 2k and compiles took 150 s, and three decoders (DECODERS) printed no
+# row in 125 s: one decoder per run. BENCH_OUT puts the benchmarks' result folders elsewhere than
+# OUT (a lent machine returns at most 8 files: the logs hold every table).
 # On a machine whose python3 holds jax for its accelerator:
 #   DLMJAX_PYTHON=python3 scripts/accelerator_checks.sh OUT [gpu|tpu]
 set -uo pipefail
@@ -27,8 +32,10 @@ BENCH_OUT="${BENCH_OUT:-$OUT}"
 PY="${DLMJAX_PYTHON:-python3}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 cd "$ROOT"
+STAGES="${STAGES:-tests bench-tiles bench-step bench-decoders bench-8b exactness}"
 stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first, so pytest prints its summary)
   local name=$1 limit=$2; shift 2
+  [[ " $STAGES " == *" $name "* ]] || return 0
   echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/stages.txt"
   local start=$SECONDS
   timeout -s INT -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -47,18 +54,20 @@ EOF
 cat "$OUT/versions.txt"
 
 # -v -v: test.sh passes -q, and one -v would cancel it
-stage tests "${TEST_S:-100}" env DLMJAX_PYTHON="$PY" scripts/test.sh --device "$DEVICE" -n "${TEST_WORKERS:-12}" -v -v \
+stage tests "${TEST_S:-80}" env DLMJAX_PYTHON="$PY" scripts/test.sh --device "$DEVICE" -n "${TEST_WORKERS:-12}" -v -v \
   -p no:cacheprovider ${TEST_FILES:-tests/test_kernels.py tests/test_numerics.py}
-grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -3
+[ -f "$OUT/tests.log" ] && grep -E "(passed|failed|error)" "$OUT/tests.log" | tail -3
 
 BENCH=(benchmarks/decode_gpu.py --shape sdar-1.7b --repeats 10)
-stage bench-tiles "${TILES_S:-100}" "$PY" "${BENCH[@]}" --skip step prefill argmax decoders transformers \
-  --prefill 2048 8192 32768 --argmax-positions 64 256 1024 --out "$BENCH_OUT/bench-tiles"
-stage bench-step "${STEP_S:-200}" "$PY" "${BENCH[@]}" --skip tiles decoders --prefill 512 2048 8192 32768 \
-  --argmax-positions 64 256 1024 --out "$BENCH_OUT/bench-step"
-stage bench-decoders "${DECODERS_S:-120}" "$PY" "${BENCH[@]}" --skip step prefill argmax tiles transformers \
+stage bench-tiles "${TILES_S:-120}" "$PY" "${BENCH[@]}" --skip step prefill argmax decoders transformers \
+  --prefill 2048 8192 --argmax-positions 64 1024 --out "$BENCH_OUT/bench-tiles"
+stage bench-step "${STEP_S:-140}" "$PY" "${BENCH[@]}" --skip tiles argmax decoders --prefill 2048 32768 \
+  --out "$BENCH_OUT/bench-step"
+stage bench-decoders "${DECODERS_S:-130}" "$PY" "${BENCH[@]}" --skip step prefill argmax tiles transformers \
   --batches 1 16 64 --prompts 64 --max-new 64 --out "$BENCH_OUT/bench-decoders" \
   --decoders ${DECODERS:-threshold:tau=0.9}
 stage bench-8b "${PREFILL_8B_S:-45}" "$PY" benchmarks/decode_gpu.py --shape sdar-8b --repeats 4 --kernels auto \
   --skip step argmax tiles decoders transformers --prefill 32768 --out "$BENCH_OUT/bench-8b"
+stage exactness "${EXACTNESS_S:-60}" "$PY" benchmarks/exactness.py --shape sdar-1.7b --skip-agreement --repeats 10 \
+  --out "$BENCH_OUT/exactness"
 cat "$OUT/stages.txt"
