@@ -63,13 +63,13 @@ from dlmjax.models.layers import Visibility
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0,
                     "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU v5": 459.0, "TPU v4": 275.0}
 # Triton tile choices to time (GPU): the dispatchers' defaults first, then the shapes Hopper flash kernels use
-ATTENTION_TILES = ["tile_q=64,tile_k=128,warps=4,stages=2", "tile_q=128,tile_k=64,warps=4,stages=3",
+ATTENTION_TILES = ["tile_q=64,tile_k=64,warps=4,stages=3", "tile_q=64,tile_k=128,warps=4,stages=2",
                    "tile_q=128,tile_k=64,warps=8,stages=3", "tile_q=128,tile_k=128,warps=8,stages=2",
-                   "tile_q=64,tile_k=64,warps=4,stages=3"]
+                   "tile_q=128,tile_k=64,warps=4,stages=3"]
 # residual_argmax: more positions per program re-read the lm_head fewer times (16 read it 4 times at 64)
-ARGMAX_TILES = ["tile_m=16,tile_v=128,tile_d=128,warps=4", "tile_m=64,tile_v=128,tile_d=64,warps=4",
-                "tile_m=64,tile_v=128,tile_d=64,warps=8", "tile_m=64,tile_v=64,tile_d=128,warps=4",
-                "tile_m=128,tile_v=64,tile_d=64,warps=8"]
+ARGMAX_TILES = ["tile_m=64,tile_v=128,tile_d=64,warps=8,stages=3", "tile_m=64,tile_v=128,tile_d=64,warps=8,stages=2",
+                "tile_m=16,tile_v=128,tile_d=128,warps=4,stages=2", "tile_m=128,tile_v=64,tile_d=64,warps=8,stages=3",
+                "tile_m=64,tile_v=256,tile_d=64,warps=8,stages=3"]
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
 
 

@@ -341,7 +341,7 @@ def test_the_lossless_decoders_equal_their_references_on_the_kernel_path(kernel_
 # -- attention ---------------------------------------------------------------------------------
 
 from dlmjax.kernels.attention import attention as attention_dispatch  # noqa: E402
-from dlmjax.kernels.attention import flash, flash_tpu  # noqa: E402
+from dlmjax.kernels.attention import DECODE_TILES, PREFILL_TILES, flash, flash_tpu, tiles_for  # noqa: E402
 from dlmjax.kernels.attention import reference as attention_reference  # noqa: E402
 from dlmjax.models.layers import Visibility  # noqa: E402
 
@@ -388,6 +388,12 @@ def _attention_inputs(case, dtype=jnp.float32):
 def _seen(parts):
     """[B, L] whether each query sees at least one key (the others' outputs are never read)."""
     return np.any(np.concatenate([np.asarray(vis.matrix()) for _, _, vis in parts], axis=-1), axis=-1)
+
+
+def test_a_prefill_and_a_decode_chunk_take_their_own_measured_tiles_unless_given():
+    assert tiles_for(2048) == PREFILL_TILES != DECODE_TILES == tiles_for(16)
+    assert tiles_for(4 * 4) == tiles_for(DECODE_TILES["tile_q"]) == DECODE_TILES  # 4 packed copies of a block
+    assert tiles_for(2048, tile_k=128, warps=None) == {**PREFILL_TILES, "tile_k": 128}
 
 
 @settings(max_examples=8, deadline=None)

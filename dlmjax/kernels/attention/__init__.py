@@ -28,7 +28,13 @@ from dlmjax.kernels.attention.reference import attention as reference
 
 __all__ = ["attention", "reference"]
 
-TILE_Q, TILE_K, SPLIT_K = 64, 128, 512  # SPLIT_K: keys per program when the queries fit one tile
+# Triton choices, from benchmarks/decode_gpu.py's tiles section on an H100 (SDAR-1.7B heads, a block-causal
+# prefill): queries that span several tiles (a prefill) in 64 x 64 tiles on 4 warps with 3 stages ran 0.28-0.33 ms
+# at 2k tokens and 1.84 ms at 8k, where 64 x 128 tiles on 4 warps with 2 stages had run 0.44 and 2.10 ms. A decode
+# chunk (one tile of queries, keys split over programs in slices of SPLIT_K) keeps the latter: not swept yet.
+PREFILL_TILES = dict(tile_q=64, tile_k=64, warps=4, stages=3)
+DECODE_TILES = dict(tile_q=64, tile_k=128, warps=4, stages=2)
+SPLIT_K = 512  # keys per program when the queries fit one tile
 TPU_TILE_Q, TPU_TILE_K = 256, 512
 
 
@@ -87,12 +93,22 @@ def dot_product_attention(implementation: str):
     return functools.partial(jax.nn.dot_product_attention, implementation=implementation)
 
 
-def attention(q_blhd, kv_parts, *, tile_q: int = TILE_Q, tile_k: int = TILE_K, split_k: int = SPLIT_K,
-              warps: int = WARPS, stages: int = STAGES):
+def tiles_for(queries: int, **given: int | None) -> dict:
+    """{tile_q, tile_k, warps, stages} for `queries` query positions: those `given` (not None), the
+    rest PREFILL_TILES' where the queries span more than one tile, else DECODE_TILES'."""
+    chosen = DECODE_TILES if queries <= DECODE_TILES["tile_q"] else PREFILL_TILES
+    return {name: chosen[name] if given.get(name) is None else given[name] for name in chosen}
+
+
+def attention(q_blhd, kv_parts, *, tile_q: int | None = None, tile_k: int | None = None, split_k: int = SPLIT_K,
+              warps: int | None = None, stages: int | None = None):
     """Grouped-query attention of q [B, L, H, hd] over parts [(k [B, S, Hkv, hd], v, visible), ...]
     with one joint softmax; see the module docstring for which path runs. The tiles, `warps` and
-    `stages` shape the GPU and interpret-mode kernel (benchmarks/decode_gpu.py's tiles section
+    `stages` shape the GPU and interpret-mode kernel; those not given are PREFILL_TILES' where the
+    queries span more than one tile, else DECODE_TILES' (benchmarks/decode_gpu.py's tiles section
     times choices of them)."""
+    tile_q, tile_k, warps, stages = tiles_for(q_blhd.shape[1], tile_q=tile_q, tile_k=tile_k, warps=warps,
+                                              stages=stages).values()
     how = kernels.choose("attention", _unsupported(q_blhd, kv_parts, kernels.current() == "interpret"))
     if how is None:
         return reference(q_blhd, kv_parts)

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30  # a hidden column's logit: finite, so exp(NEG - m) * (NEG - m) is 0, not NaN
-WARPS, STAGES = 4, 2  # each Triton program's warps and software-pipelining stages (the dispatcher's defaults)
+WARPS, STAGES = 8, 3  # each Triton program's warps and software-pipelining stages (the dispatcher's defaults)
 
 
 def _tile_stats(logits_mt, valid_1t, first_col):
