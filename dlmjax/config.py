@@ -221,13 +221,17 @@ _ROPE_KEYS = {"default": set(), "linear": {"factor"},
               "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
 
 
-def _rope(raw: dict) -> dict:
+ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_original_max_positions")  # ModelConfig's (and DrafterConfig's) RoPE fields
+
+
+def rope_fields(raw: dict) -> dict:
     """ModelConfig's RoPE fields from transformers 5's `rope_parameters` (rope_type, rope_theta
     and the type's parameters) or the older `rope_theta` + `rope_scaling` (type spelled `rope_type`
     or `type`; null for none); where a config has both, they must agree. Scalings other than
     linear and llama3 (yarn, dynamic, longrope) are refused."""
     if raw.get("rope_parameters") is not None and raw.get("rope_scaling") is not None:
-        new, old = _rope({**raw, "rope_scaling": None}), _rope({**raw, "rope_parameters": None})
+        new, old = rope_fields({**raw, "rope_scaling": None}), rope_fields({**raw, "rope_parameters": None})
         if new != old:
             raise ConfigError(f"config.json's `rope_parameters` ({raw['rope_parameters']!r}) and `rope_scaling` "
                               f"({raw['rope_scaling']!r}) disagree; keep one of them")
@@ -274,14 +278,14 @@ def _rope(raw: dict) -> dict:
 
 def _rope_theta(raw: dict) -> float:
     """rope_theta of a family without RoPE scaling (a scaled config is refused)."""
-    rope = _rope(raw)
+    rope = rope_fields(raw)
     if len(rope) > 1:
         raise ConfigError(f"RoPE scaling {rope['rope_scaling']!r} is not implemented for this family; only plain RoPE")
     return rope["rope_theta"]
 
 
-def _rope_hf(cfg: ModelConfig) -> dict:
-    """transformers 5's `rope_parameters` of `cfg`."""
+def rope_parameters(cfg) -> dict:
+    """transformers 5's `rope_parameters` of `cfg` (a ModelConfig or a DrafterConfig: its ROPE_FIELDS)."""
     out = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling != "none":
         out["factor"] = cfg.rope_factor
@@ -381,7 +385,7 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        **_rope(raw),
+        **rope_fields(raw),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         attention=fam.attention,
         # Real SDAR configs carry no block_size (it is a generation argument); 4 is SDAR's default.
@@ -552,7 +556,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": _rope_hf(cfg),
+        "rope_parameters": rope_parameters(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "dtype": cfg.dtype,

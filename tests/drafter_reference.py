@@ -69,7 +69,8 @@ class RefLayer(nn.Module):
 class RefDrafter(nn.Module):
     def __init__(self, raw: dict):
         super().__init__()
-        params = dict(raw.get("rope_parameters") or {"rope_type": "default", "rope_theta": raw["rope_theta"]})
+        params = dict(raw.get("rope_parameters") or {"rope_type": "default", **(raw.get("rope_scaling") or {}),
+                                                     "rope_theta": raw["rope_theta"]})
         self.c = Qwen3Config(
             hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],

@@ -109,6 +109,19 @@ def test_published_qwen3_8b_config_round_trips_unchanged():
     assert json.dumps(to_dflash_config(cfg), sort_keys=True) == json.dumps(QWEN3_8B_B16, sort_keys=True)
 
 
+def test_a_llama3_scaled_drafter_config_round_trips_and_a_changed_one_is_written_as_it_now_is():
+    raw = {**copy.deepcopy(QWEN3_8B_B16), "rope_theta": 500000.0,
+           "rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 8192}}
+    cfg = from_dflash_config(raw)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_positions) == ("llama3", 8.0, 8192)
+    assert to_dflash_config(cfg) == raw
+    new = to_dflash_config(cfg.replace(rope_factor=4.0))
+    assert new["rope_scaling"] == {**raw["rope_scaling"], "factor": 4.0}
+    assert from_dflash_config(new) == cfg.replace(rope_factor=4.0, hf_extra=from_dflash_config(new).hf_extra)
+    plain = to_dflash_config(cfg.replace(rope_scaling="none"))
+    assert (plain["rope_theta"], plain["rope_scaling"]) == (500000.0, None)
+
+
 def test_block_size_inside_dflash_config_round_trips():
     """Newer z-lab drafters (Qwen3.5) keep block_size inside dflash_config only."""
     raw = copy.deepcopy(QWEN3_8B_B16)
@@ -135,7 +148,8 @@ def test_default_target_layer_ids_and_always_written():
         (lambda r: r["dflash_config"].pop("mask_token_id"), "mask_token_id"),
         (lambda r: r["dflash_config"].update(extra=1), "extra"),
         (lambda r: r.update(architectures=["Qwen3ForCausalLM"]), "DFlashDraftModel"),
-        (lambda r: r.update(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling"),
+        (lambda r: r.update(rope_scaling={"type": "yarn", "factor": 4.0}),
+         r"`rope_scaling` .*rope_type 'yarn' is not implemented \(default, linear and llama3 are\)"),
         (lambda r: r["dflash_config"].update(target_layer_ids=[9, 1]),
          r"must increase, each id once \(e.g. \[1, 9\]\)"),
         (lambda r: r["dflash_config"].update(target_layer_ids=[1, 1]), "must increase, each id once"),
@@ -230,6 +244,22 @@ def test_fresh_drafter_saves_in_dflash_names(target, tmp_path):
     assert load_drafter(tmp_path, ours.config).config.replace(hf_extra=()) == cfg.replace(dtype="bfloat16", hf_extra=())
 
 
+def test_a_drafter_for_a_llama3_scaled_target_takes_its_rope_and_saves_it_as_transformers_reads_it(target, tmp_path):
+    from transformers import Qwen3Config
+
+    _, ours, _ = target
+    scaled = ours.config.replace(rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0,
+                                 rope_original_max_positions=16)
+    cfg = DrafterConfig.for_target(scaled, num_layers=2, block_size=4, mask_token_id=MASK_ID)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_positions) == ("llama3", 8.0, 16)
+    save_drafter(init_drafter(cfg), tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    read = Qwen3Config(**{k: v for k, v in written.items() if k not in ("architectures", "dflash_config")})
+    assert read.rope_parameters == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    assert load_drafter(tmp_path, scaled).config.replace(hf_extra=()) == cfg.replace(dtype="bfloat16", hf_extra=())
+
+
 def test_sliding_window_layers_export_as_transformers_reads_them(target, tmp_path):
     """A drafter with sliding-window layers (made here, not imported) saves a config.json from
     which transformers' Qwen3Config, which vLLM and SGLang read, takes the same window and layers;
@@ -263,14 +293,22 @@ def _dlmjax_draft_logits(drafter, target, feats_np, block_np):
     return np.asarray(target.lm_logits(hidden))
 
 
+# a Llama 3.1 target's scaling, its context shrunk so that the tiny head dim's four wavelengths (6 to
+# 6,283 positions) fall in all three of llama3's regimes: kept, blended and divided by the factor
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
 @pytest.mark.parametrize(
-    "layer_types, window",
-    [(None, None), (["sliding_attention", "full_attention"], 5)],
-    ids=["full", "sliding"],
+    "layer_types, window, rope_scaling",
+    [(None, None, None), (["sliding_attention", "full_attention"], 5, None), (None, None, LLAMA3_ROPE),
+     (None, None, {"rope_type": "linear", "factor": 2.0})],
+    ids=["full", "sliding", "llama3-rope", "linear-rope"],
 )
-def test_draft_logits_match_reference(target, tmp_path, layer_types, window):
+def test_draft_logits_match_reference(target, tmp_path, layer_types, window, rope_scaling):
     tm, ours, _ = target
     raw = tiny_drafter_config(layer_types=layer_types, sliding_window=window)
+    raw["rope_scaling"] = rope_scaling
     ref = write_reference_drafter(tmp_path, raw, seed=1)
     drafter = load_drafter(tmp_path, ours.config)
     tokens = np.random.RandomState(0).randint(0, 90, (1, 11))

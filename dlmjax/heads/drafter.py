@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dlmjax.config import ConfigError, ModelConfig
+from dlmjax.config import ROPE_FIELDS, ConfigError, ModelConfig
 from dlmjax.models import layers
 from dlmjax.models.transformer import Block, Linear, RMSNorm, Transformer
 from dlmjax.validation import InputError
@@ -68,6 +68,11 @@ class DrafterConfig:
     block_size: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # RoPE frequency scaling, as ModelConfig's rope_* fields (a Llama 3.1 target's llama3)
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
     max_position_embeddings: int = 4096
     layer_types: tuple[str, ...] = ()  # empty: every layer full attention
     sliding_window: int | None = None
@@ -115,8 +120,8 @@ class DrafterConfig:
             family="qwen3", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
-            qk_norm=True, dtype=self.dtype,
+            max_position_embeddings=self.max_position_embeddings, qk_norm=True, dtype=self.dtype,
+            **{name: getattr(self, name) for name in ROPE_FIELDS},
         )
 
     @classmethod
@@ -136,8 +141,8 @@ class DrafterConfig:
             num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
             vocab_size=target.vocab_size, num_target_layers=target.num_layers, target_layer_ids=tuple(ids),
             mask_token_id=int(mask), block_size=block_size, rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings,
-            dtype=target.dtype, hf_extra=target_token_fields(target),
+            max_position_embeddings=target.max_position_embeddings, dtype=target.dtype,
+            hf_extra=target_token_fields(target), **{name: getattr(target, name) for name in ROPE_FIELDS},
         )
         fields.update(overrides)
         return cls(**fields)
@@ -197,7 +202,7 @@ class Drafter(nnx.Module):
     def context_kv(self, ctx_bsd, ctx_positions_bs):
         """Each layer's (k, v) of the context: that layer's k/v projection, k_norm, RoPE at the
         context tokens' own positions. Returns a tuple over layers of (k, v) [B, S, Hkv, hd]."""
-        cos, sin = layers.rope_angles(ctx_positions_bs, self.config.head_dim, self.config.rope_theta)
+        cos, sin = layers.rope_angles(ctx_positions_bs, self.config.head_dim, self.config.rope_theta, self.config)
         return tuple(block.attn.project_kv(ctx_bsd, cos, sin) for block in self.layers)
 
     def __call__(self, embed_blD, positions_bl, ctx_kv, ctx_visible, self_visible):
@@ -209,7 +214,7 @@ class Drafter(nnx.Module):
         Returns the final-normed hidden state [B, L, D]; score it with the target's lm_head.
         """
         cfg = self.config
-        cos, sin = layers.rope_angles(positions_bl, cfg.head_dim, cfg.rope_theta)
+        cos, sin = layers.rope_angles(positions_bl, cfg.head_dim, cfg.rope_theta, cfg)
         x = embed_blD.astype(self.fc.kernel[...].dtype)
         for i, block in enumerate(self.layers):
             k, v = ctx_kv[i]

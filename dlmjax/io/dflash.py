@@ -4,7 +4,8 @@ A DFlash directory holds config.json and model.safetensors:
 
 - config.json: `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"` and Qwen3's fields
   (hidden_size, num_hidden_layers, heads, head_dim, intermediate_size, rms_norm_eps, rope_theta
-  or rope_parameters, layer_types, sliding_window with use_sliding_window (without it transformers,
+  with rope_scaling, or rope_parameters: plain, linear or llama3 RoPE (a Llama 3.1 target's drafter
+  carries its llama3 scaling), layer_types, sliding_window with use_sliding_window (without it transformers,
   and the servers after it, drop the window), dtype, ...), plus `block_size`,
   `num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`.
 - weights: `fc.weight` [D, n_ids * D], `hidden_norm.weight`, `norm.weight` and per layer
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dlmjax.config import DTYPES, ConfigError, ModelConfig
+from dlmjax.config import DTYPES, ConfigError, ModelConfig, rope_fields, rope_parameters
 from dlmjax.heads.drafter import (
     FULL, SLIDING, Drafter, DrafterConfig, abstract_drafter, check_compatible, default_target_layer_ids,
 )
@@ -65,17 +66,24 @@ _PASSTHROUGH = {
 _DFLASH_KEYS = {"target_layer_ids", "mask_token_id", "block_size"}
 
 
-def _rope_theta(raw: dict) -> float:
-    if raw.get("rope_scaling") is not None:
-        raise ConfigError(f"config key `rope_scaling` = {raw['rope_scaling']!r} is not supported for drafters; only plain RoPE")
+def _rope(raw: dict) -> dict:
+    """DrafterConfig's RoPE fields, read as a target's (`config.rope_fields`: plain, linear or llama3;
+    transformers' Qwen3 rotary embedding, which DFlash drafters use, reads the same keys)."""
     params = raw.get("rope_parameters")
-    if params is not None:
-        if params.get("rope_type", "default") != "default" or set(params) - {"rope_type", "rope_theta"}:
-            raise ConfigError(f"config key `rope_parameters` = {params!r} is not supported; only rope_type 'default'")
-        return float(params["rope_theta"])
-    if "rope_theta" not in raw:
+    if "rope_theta" not in raw and not (isinstance(params, dict) and "rope_theta" in params):
         raise ConfigError("drafter config.json is missing `rope_theta` (or `rope_parameters.rope_theta`)")
-    return float(raw["rope_theta"])
+    return rope_fields(raw)
+
+
+def _rope_keys(cfg: DrafterConfig, verbatim: dict) -> dict:
+    """config.json's RoPE keys of `cfg`, taken out of `verbatim`: as the file read had them where they
+    still say what `cfg` says (rope_theta 1000000 stays an int), else rope_theta and rope_scaling
+    (transformers 4 and 5 both read that spelling)."""
+    given = {key: verbatim.pop(key) for key in ("rope_theta", "rope_scaling", "rope_parameters") if key in verbatim}
+    if given and rope_fields(given) == rope_fields({"rope_parameters": rope_parameters(cfg)}):
+        return given
+    scaling = {key: value for key, value in rope_parameters(cfg).items() if key != "rope_theta"}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": None if cfg.rope_scaling == "none" else scaling}
 
 
 # Qwen3Config's default `sliding_window`; it keeps a window only where `use_sliding_window` is true
@@ -147,7 +155,7 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
         num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
         vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"], target_layer_ids=tuple(ids),
         mask_token_id=int(dcfg["mask_token_id"]), block_size=int(block_size),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(raw),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), **_rope(raw),
         max_position_embeddings=raw.get("max_position_embeddings", 4096), layer_types=layer_types,
         sliding_window=window if SLIDING in layer_types else None, dtype=dtype,
     )
@@ -184,10 +192,7 @@ def to_dflash_config(cfg: DrafterConfig) -> dict:
         out["dflash_config"]["block_size"] = cfg.block_size
     if not top_level:
         del out["block_size"]
-    if "rope_parameters" in verbatim:
-        verbatim["rope_parameters"] = {**verbatim["rope_parameters"], "rope_theta": _same_number(verbatim["rope_parameters"].get("rope_theta"), cfg.rope_theta)}
-    else:
-        out["rope_theta"] = _same_number(verbatim.pop("rope_theta", None), cfg.rope_theta)
+    out.update(_rope_keys(cfg, verbatim))
     if SLIDING in cfg.layer_types:  # transformers (and the servers after it) keep the window only with the switch
         out["sliding_window"], out["use_sliding_window"] = cfg.sliding_window, True
         for key in ("sliding_window", "use_sliding_window"):
@@ -198,11 +203,6 @@ def to_dflash_config(cfg: DrafterConfig) -> dict:
         out.setdefault(key, value)
     out.update(verbatim)
     return out
-
-
-def _same_number(original, value):
-    """Write `value` as the config had it (1000000 stays an int) when it is unchanged."""
-    return original if original is not None and float(original) == float(value) else value
 
 
 # ----------------------------------------------------------------------------------------------
