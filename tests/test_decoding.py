@@ -47,9 +47,11 @@ def full_logits(model, seq):
     return np.asarray(model(jnp.asarray([seq], jnp.int32)).logits[0])
 
 
-def reference_decode(model, prompt, *, block, policy, block_aligned, max_new=MAX_NEW, tau=0.9):
+def reference_decode(model, prompt, *, block, policy, block_aligned, max_new=MAX_NEW, tau=0.9, banned=(), last=()):
     """The plain loop: full canvas, one full forward per step, commit in the current block.
-    policy: 'static' (top-1) or 'threshold' (conf > tau, at least top-1)."""
+    policy: 'static' (top-1) or 'threshold' (conf > tau, at least top-1). As LLaDA's generate()
+    with logits_eos_inf (`banned`: never proposed) and confidence_eos_eot_inf (`last`: logits at
+    -inf after the argmax, before the confidence's softmax)."""
     start = (len(prompt) // block) * block if block_aligned else len(prompt)
     in_block = len(prompt) - start
     num_blocks = math.ceil((in_block + max_new) / block)
@@ -57,14 +59,15 @@ def reference_decode(model, prompt, *, block, policy, block_aligned, max_new=MAX
     for b in range(num_blocks):
         cols = list(range(start + b * block, start + (b + 1) * block))
         while any(seq[c] == MASK for c in cols):
-            logits = jnp.asarray(full_logits(model, seq)).at[:, MASK].set(-jnp.inf)
-            probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+            logits = jnp.asarray(full_logits(model, seq)).at[:, [MASK, *banned]].set(-jnp.inf)
+            proposed = np.asarray(jnp.argmax(logits, axis=-1))
+            probs = np.asarray(jax.nn.softmax(logits.at[:, list(last)].set(-jnp.inf), axis=-1))
             masked = [c for c in cols if seq[c] == MASK]
-            conf = {c: probs[c].max() for c in masked}
+            conf = {c: probs[c, proposed[c]] for c in masked}
             best = max(masked, key=lambda c: (conf[c], -c))
             chosen = [best] if policy == "static" else sorted({best, *[c for c in masked if conf[c] > tau]})
             for c in chosen:
-                seq[c] = int(probs[c].argmax())
+                seq[c] = int(proposed[c])
         generated = seq[len(prompt) : cols[-1] + 1]
         if EOS in generated:
             break
@@ -93,6 +96,25 @@ def test_bidirectional_exact_mode_matches_reference_loop(family):
     result = generate(model, prompts, decoder="static:block=4,cache=none", max_new_tokens=MAX_NEW)
     for prompt, row in zip(prompts, result.rows):
         assert row.tokens == reference_decode(model, prompt, block=4, policy="static", block_aligned=False)
+
+
+@pytest.mark.parametrize("option, banned, last", [("no_eos", (EOS,), ()), ("eos_last", (), (EOS,))])
+def test_llada_eos_switches_match_llada_generate(option, banned, last):
+    """LLaDA's logits_eos_inf and confidence_eos_eot_inf (its EVAL.md settings): the tokens of
+    LLaDA's greedy loop with them, and PSD over them stays its policy."""
+    model = peaky_model("llada", seed=2)
+    prompts = PROMPTS[:6]
+    spec = f"static:block=4,{option}=true"
+    result = generate(model, prompts, decoder=spec, max_new_tokens=12)
+    for prompt, row in zip(prompts, result.rows):
+        assert row.tokens == reference_decode(model, prompt, block=4, policy="static", block_aligned=False, max_new=12,
+                                              banned=banned, last=last)
+    plain = generate(model, prompts, decoder="static:block=4", max_new_tokens=12)
+    assert [r.tokens for r in result.rows] != [r.tokens for r in plain.rows], f"{option} changed nothing: vacuous"
+    psd = generate(model, prompts, decoder=f"psd:policy=topk,depth=3,block=4,{option}=true", max_new_tokens=12)
+    assert [r.tokens for r in psd.rows] == [r.tokens for r in result.rows]
+    with pytest.raises(DecoderSpecError, match="no_eos and eos_last are options of static, threshold"):
+        parse_decoder(f"mrp-direct:{option}=true")
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

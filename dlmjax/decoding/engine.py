@@ -200,6 +200,10 @@ class BlockForwards:
     # The decoder needs greedy scores only (`DiffusionDecoder.scores_from_hidden`): forwards then
     # return empty [..., 0] logits and the scores come from the hidden state (kernels.residual_argmax).
     scores_from_hidden: bool = False
+    # Tokens never proposed besides the mask, and tokens ranked last (policies.score: the decoders'
+    # `no_eos` and `eos_last`, LLaDA's logits_eos_inf and confidence_eos_eot_inf)
+    banned_ids: tuple[int, ...] = ()
+    last_ids: tuple[int, ...] = ()
 
     @property
     def lead(self) -> int:
@@ -282,7 +286,7 @@ class BlockForwards:
         logits, or its hidden state when this decode keeps no logits (`scores_from_hidden`)."""
         if self.scores_from_hidden:
             return self.greedy_scores(hidden_bkd)
-        return policies.score(logits_bkv, mask_id=self.mask_id)
+        return policies.score(logits_bkv, mask_id=self.mask_id, banned=self.banned_ids, last=self.last_ids)
 
     def prefill(self, canvas):
         """The first forward: (logits [B, K, V], hidden [B, K, D]) of block 0 for every row, with
@@ -581,11 +585,13 @@ _STATIC = ("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "ma
 
 
 def _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id,
-              decoder=None) -> BlockForwards:
+              decoder=None, eos_ids=()) -> BlockForwards:
     head = None if head_graphdef is None else nnx.merge(head_graphdef, head_params)
     model = nnx.merge(graphdef, params)
     from_hidden = decoder is not None and decoder.scores_from_hidden(model)
-    return BlockForwards(model, rows, geometry, cache_mode, mask_id, head, from_hidden)
+    banned = model.config.eos_token_ids if decoder is not None and decoder.no_eos else ()
+    last = tuple(eos_ids) if decoder is not None and decoder.eos_last else ()
+    return BlockForwards(model, rows, geometry, cache_mode, mask_id, head, from_hidden, banned, last)
 
 
 def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_ids, pad_id, stop_at):
@@ -602,7 +608,7 @@ def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_i
 def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, decoder, geometry, cache_mode,
            mask_id, pad_id, eos_ids, head_graphdef=None):
     """Decode a laid-out batch. An MRP head (decoders mrp-*) comes as (head_graphdef, head_params)."""
-    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id, decoder)
+    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id, decoder, eos_ids)
     return _run_rounds(decoder, fwd, start(fwd, canvas, decoder), seed_key, eos_ids, pad_id, canvas.shape[0])[1]
 
 
@@ -613,7 +619,7 @@ def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, 
 def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, stop_at, head_params=None, *, decoder,
                  geometry, cache_mode, mask_id, pad_id, eos_ids, head_graphdef=None):
     """Run rounds over the slots until `stop_at` of them are done (or all): (state, DecodeOutput)."""
-    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id, decoder)
+    fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id, decoder, eos_ids)
     return _run_rounds(decoder, fwd, state, seed_key, eos_ids, pad_id, stop_at)
 
 

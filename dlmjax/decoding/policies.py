@@ -47,19 +47,28 @@ def categorical_rows(keys_b, logits_b_v):
 
 
 def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: float = 1.0, keys_b=None,
-          sampled_confidence: bool = False) -> Scores:
-    """Propose tokens, never `mask_id` (None: any token). Greedy at temperature 0; else Gumbel-max
-    per row with `keys_b` [B] from the tempered, then nucleus-filtered, logits. A sampled token's
-    confidence is its probability under the untempered logits, or with `sampled_confidence`
-    under the distribution it was drawn from (LLaDA2's rule)."""
+          sampled_confidence: bool = False, banned: tuple[int, ...] = (), last: tuple[int, ...] = ()) -> Scores:
+    """Propose tokens, never `mask_id` (None: any token) nor a `banned` one. Greedy at temperature
+    0; else Gumbel-max per row with `keys_b` [B] from the tempered, then nucleus-filtered, logits.
+    A sampled token's confidence is its probability under the untempered logits, or with
+    `sampled_confidence` under the distribution it was drawn from (LLaDA2's rule). `last`: tokens
+    proposed but ranked last, as LLaDA's `confidence_eos_eot_inf` ranks EOS and EoT: confidence is
+    taken with their logits at -inf, so a position proposing one has confidence 0 and the others'
+    probabilities leave their mass out."""
     logits = logits_bkv.astype(jnp.float32)
-    if mask_id is not None:
-        logits = logits.at[..., mask_id].set(-jnp.inf)
+    never = ((mask_id,) if mask_id is not None else ()) + tuple(banned)
+    if never:
+        logits = logits.at[..., jnp.asarray(never)].set(-jnp.inf)
     if temperature == 0.0:
-        return Scores(*arithmetic.rowwise(_position_scores, logits))
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
-    sample = partial(_position_scores, temperature=temperature, top_p=top_p, sampled_confidence=sampled_confidence)
-    return Scores(*arithmetic.rowwise(sample, logits, gumbel))
+        scores = Scores(*arithmetic.rowwise(_position_scores, logits))
+    else:
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
+        sample = partial(_position_scores, temperature=temperature, top_p=top_p, sampled_confidence=sampled_confidence)
+        scores = Scores(*arithmetic.rowwise(sample, logits, gumbel))
+    if not last:
+        return scores
+    without_last = jax.nn.softmax(logits.at[..., jnp.asarray(last)].set(-jnp.inf), axis=-1)
+    return scores.replace(confidence=jnp.take_along_axis(without_last, scores.tokens[..., None], axis=-1)[..., 0])
 
 
 def hidden_scores(model, hidden_bkd, *, mask_id: int | None, residual=None) -> Scores:

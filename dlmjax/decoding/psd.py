@@ -124,6 +124,7 @@ class PSD(DraftAndVerify, DiffusionDecoder):
     PSD over tspd / ce / tspd+ce: their own depth option (module docstring)."""
 
     name: ClassVar[str] = "psd"
+    eos_options: ClassVar[bool] = True
     limits = {"tau": OPEN_UNIT, "k": AT_LEAST_1, "decay": AT_LEAST_0, "margin": AT_LEAST_0, "depth": AT_LEAST_1}
     policy: str = "threshold"
     tau: float = 0.9

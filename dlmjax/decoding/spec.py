@@ -39,19 +39,30 @@ class DiffusionDecoder:
       it), 32 for bidirectional models.
     cache: bidirectional models only: none (exact: full forward each step), prefix or dual
       (Fast-dLLM approximations: prefix KV, or prefix and suffix KV, recomputed once per block).
+    no_eos: never propose the model config's EOS ids (LLaDA's `logits_eos_inf`: LLaDA-8B-Instruct's
+      SFT data pads answers with EOS; its end-of-turn token stays allowed).
+    eos_last: positions proposing a stop token (EOS or end of turn) rank last: their confidence is
+      taken with the stop tokens' logits at -inf (LLaDA's `confidence_eos_eot_inf`, as its greedy
+      generate() applies it). Both: static, threshold, entropy and psd only.
     """
 
     name: ClassVar[str] = ""
     sampled_confidence: ClassVar[bool] = False  # confidence of a sampled token: see `temperature`
+    eos_options: ClassVar[bool] = False  # whether no_eos / eos_last reach this decoder's scores
     limits = {"temperature": AT_LEAST_0, "top_p": OPEN_UNIT, "block": AT_LEAST_1, "cache": OneOf(CACHE_MODES)}
     temperature: float = 0.0
     top_p: float = 1.0
     block: int | None = None
     cache: str = "none"
+    no_eos: bool = False
+    eos_last: bool = False
 
     def __post_init__(self):
         """Every option's type and range (`limits`, merged with the subclasses')."""
         check_fields(self, f"{self.name}: ", error=DecoderSpecError)
+        if (self.no_eos or self.eos_last) and not self.eos_options:
+            raise DecoderSpecError(f"{self.name}: no_eos and eos_last are options of static, threshold, entropy and "
+                                   "psd only; drop them or pick one of those decoders")
 
     def select(self, scores: policies.Scores, masked_bk):
         """This step's commit set [B, K] (before the progress guard)."""
@@ -79,7 +90,8 @@ class DiffusionDecoder:
         scores hidden states (`BlockForwards.block_scores`)."""
         from dlmjax import kernels
 
-        return self.temperature == 0.0 and kernels.choose("residual_argmax") is not None
+        return (self.temperature == 0.0 and not (self.no_eos or self.eos_last)
+                and kernels.choose("residual_argmax") is not None)
 
     def scores(self, fwd, state, keys_b) -> policies.Scores:
         """Proposed tokens and their confidences from each row's latest logits (or, with
@@ -87,7 +99,8 @@ class DiffusionDecoder:
         if self.temperature == 0.0:
             return fwd.block_scores(state.logits, state.hidden)
         return policies.score(state.logits, mask_id=fwd.mask_id, temperature=self.temperature, top_p=self.top_p,
-                              keys_b=keys_b, sampled_confidence=self.sampled_confidence)
+                              keys_b=keys_b, sampled_confidence=self.sampled_confidence, banned=fwd.banned_ids,
+                              last=fwd.last_ids)
 
     def init_carry(self, fwd, batch: int):
         """The decoder's own per-row state carried from round to round (`DecodeState.carry`, every
@@ -119,6 +132,7 @@ class Static(DiffusionDecoder):
     topk_margin) or `entropy` (lowest first; Dream's alg="entropy")."""
 
     name: ClassVar[str] = "static"
+    eos_options: ClassVar[bool] = True
     limits = {"k": AT_LEAST_1, "order": OneOf(policies.STATIC_ORDERS)}
     k: int = 1
     order: str = "confidence"
@@ -132,6 +146,7 @@ class Threshold(DiffusionDecoder):
     """Commit every masked position with confidence > tau, and always the most confident one."""
 
     name: ClassVar[str] = "threshold"
+    eos_options: ClassVar[bool] = True
     limits = {"tau": OPEN_UNIT}  # tau = 0 would commit the whole block at once
     tau: float = 0.9
 
@@ -145,6 +160,7 @@ class Entropy(DiffusionDecoder):
     entropy while their summed entropy stays <= gamma; always at least the lowest-entropy one."""
 
     name: ClassVar[str] = "entropy"
+    eos_options: ClassVar[bool] = True
     limits = {"gamma": AT_LEAST_0}  # 0: one token per step
     gamma: float = 0.5
 
