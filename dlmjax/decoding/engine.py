@@ -591,7 +591,8 @@ def _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cach
     from_hidden = decoder is not None and decoder.scores_from_hidden(model)
     banned = model.config.eos_token_ids if decoder is not None and decoder.no_eos else ()
     last = tuple(eos_ids) if decoder is not None and decoder.eos_last else ()
-    return BlockForwards(model, rows, geometry, cache_mode, mask_id, head, from_hidden, banned, last)
+    return BlockForwards(model, rows, geometry, cache_mode, mask_id, head, from_hidden, banned_ids=banned,
+                         last_ids=last)
 
 
 def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_ids, pad_id, stop_at):
