@@ -52,7 +52,7 @@ from dlmjax.decoding.engine import BlockForwards, Plan
 from dlmjax.decoding.spec import DiffusionDecoder, Static
 from dlmjax.decoding.tspd import Trajectory, block_abs_pos, feature_matrix, observe
 from dlmjax.heads.controller import FEATURES, model_fingerprint
-from dlmjax.io.tokenizer import stop_ids
+from dlmjax.io.tokenizer import decode_stop_ids
 from dlmjax.models.transformer import take_rows
 from dlmjax.validation import InputError
 
@@ -135,7 +135,7 @@ def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh
                 cache: str = "none", rollout: str = "egp", eos_ids: tuple[int, ...] | None = None) -> dict:
     """Traces of one batch of token-id prompts (flat arrays, see module docstring; `prompt` is the
     index in `prompt_ids`). With `mesh`, the batch is split over its 'data' axis. `eos_ids`: where
-    a row stops (default config.json's; `io.tokenizer.stop_ids` adds a chat model's turn end)."""
+    a row stops (default config.json's; `io.tokenizer.decode_stop_ids` adds a chat model's turn end)."""
     cfg = model.config
     if rollout not in ROLLOUTS:
         raise TraceError(f"rollout {rollout!r}; choose one of {', '.join(ROLLOUTS)}")
@@ -276,7 +276,7 @@ def traces_for_prompts(model, tokenizer, prompts: list[str], *, name: str, max_n
         prompts = tokenizer.user_turns(prompts, chat)
     ids = [tokenizer.encode_prompt(p) for p in prompts]
     traces = collect_traces(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size, mesh=mesh, block=block,
-                            cache=cache, rollout=rollout, eos_ids=stop_ids(model.config, tokenizer))
+                            cache=cache, rollout=rollout, eos_ids=decode_stop_ids(model.config, tokenizer))
     meta = {"model": model_fingerprint(model.config), "num_prompts": len(ids), "tasks": [name], "chat": bool(chat),
             "block": block or model.config.block_size or 32, "max_new_tokens": {name: max_new_tokens},
             "rollout": rollout}
@@ -296,7 +296,7 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
         ids = [tokenizer.encode_prompt(p) for p in prompts]
         parts.append(collect_traces(model, ids, max_new_tokens=lengths[task], batch_size=batch_size, mesh=mesh,
                                     block=block, cache=cache, rollout=rollout,
-                                    eos_ids=stop_ids(model.config, tokenizer)))
+                                    eos_ids=decode_stop_ids(model.config, tokenizer)))
         offsets.append(total)
         total += len(ids)
     meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": tasks, "seed": seed,

@@ -15,7 +15,7 @@ from dlmjax.decoding.ar import batch_row_ids, generate_ar
 from dlmjax.decoding.spec import AR, CAUSAL_DECODERS, DecoderSpecError, DiffusionDecoder, decoder_spec, parse_decoder
 from dlmjax.decoding.speculative import generate_with_drafter
 from dlmjax.heads.mrp import MRPHead, check_compatible
-from dlmjax.io.tokenizer import Tokenizer, stop_ids
+from dlmjax.io.tokenizer import Tokenizer, decode_stop_ids
 from dlmjax.models.transformer import Transformer
 from dlmjax.sharding import shard_batch
 from dlmjax.validation import InputError, positive_int
@@ -100,7 +100,7 @@ def _special_ids(model: Transformer, tokenizer: Tokenizer | None, *, need_mask: 
             "no mask token: diffusion decoding needs one; set mask_token_id in config.json or add a mask "
             "token (e.g. '<|mask|>') to the tokenizer"
         )
-    eos = stop_ids(cfg, tokenizer)
+    eos = decode_stop_ids(cfg, tokenizer)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tokenizer.pad_id if tokenizer else None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
     return mask_id, eos, int(pad)

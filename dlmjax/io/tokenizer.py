@@ -188,9 +188,10 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
     tok_cfg = {**{k: v for k, v in token_map.items() if k.endswith("_token")},
                **{k: v for k, v in tok_cfg.items() if v is not None or k not in token_map}}
 
+    special = {name: _special_token_content(value) for name, value in tok_cfg.items() if name.endswith("_token")}
+
     def lookup(name: str) -> int | None:
-        content = _special_token_content(tok_cfg.get(name))
-        return None if content is None else backend.token_to_id(content)
+        return None if special.get(name) is None else backend.token_to_id(special[name])
 
     family = FAMILIES.get(cfg.family) if cfg else None
     mask_id = cfg.mask_token_id if cfg and cfg.mask_token_id is not None else lookup("mask_token")
@@ -203,23 +204,22 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg is not None and cfg.pad_token_id is not None else eos_id
     bos_id = lookup("bos_token")  # as transformers: the tokenizer's own (Qwen declares none), not config.json's
-    template_tokens = {name: _special_token_content(tok_cfg.get(name))
-                       for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    template_tokens = {name: special.get(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
     return Tokenizer(
         backend=backend, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id,
-        chat_template=_chat_template(ckpt_dir, tok_cfg), stop_ids=_stop_ids(ckpt_dir, eos_id),
+        chat_template=_chat_template(ckpt_dir, tok_cfg), stop_ids=_checkpoint_stop_ids(ckpt_dir, eos_id),
         template_tokens=template_tokens,
     )
 
 
-def stop_ids(cfg: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+def decode_stop_ids(cfg: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
     """Where a row stops: config.json's eos ids, then, with the checkpoint's tokenizer, its other
     stop ids (generation_config.json's, the tokenizer's eos): a chat model stops at the end of its
     turn."""
     return tuple(dict.fromkeys(tuple(cfg.eos_token_ids) + (tokenizer.stop_ids if tokenizer else ())))
 
 
-def _stop_ids(ckpt_dir: Path, eos_id: int | None) -> tuple[int, ...]:
+def _checkpoint_stop_ids(ckpt_dir: Path, eos_id: int | None) -> tuple[int, ...]:
     """The ids generation stops at besides config.json's: generation_config.json's
     `eos_token_id` (an id or a list; what transformers' generate() stops at: for Qwen-based chat
     models both <|im_end|> and <|endoftext|>, where config.json may name only the latter), then
