@@ -30,19 +30,23 @@ def test_sampling_tempers_then_filters_and_llada2_takes_the_sampled_distribution
     LLaDA2's, and the `ar` decoder's): at temperature 0.5 the probabilities [0.6, 0.25, 0.15]
     become [0.809, 0.140, 0.051], whose 0.9-nucleus drops the third token, which the untempered
     nucleus keeps. A sampled token's confidence is its untempered probability, or, with
-    `sampled_confidence` (LLaDA2), its probability under the filtered tempered distribution."""
+    `sampled_scores` (LLaDA2, Dream), its probability under the filtered tempered distribution,
+    whose entropy the position's entropy then is (Dream's alg="entropy")."""
     import jax
 
     probs = np.asarray([0.6, 0.25, 0.15])
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(probs, jnp.float32)), (1000, 1, 3))
     keys = jax.random.split(jax.random.key(0), 1000)
     plain = policies.score(logits, mask_id=None, temperature=0.5, top_p=0.9, keys_b=keys)
-    llada2 = policies.score(logits, mask_id=None, temperature=0.5, top_p=0.9, keys_b=keys, sampled_confidence=True)
+    llada2 = policies.score(logits, mask_id=None, temperature=0.5, top_p=0.9, keys_b=keys, sampled_scores=True)
     tokens = np.asarray(plain.tokens)[:, 0]
     assert set(tokens.tolist()) == {0, 1} and np.array_equal(tokens, np.asarray(llada2.tokens)[:, 0])
     np.testing.assert_allclose(np.asarray(plain.confidence)[:, 0], probs[tokens], rtol=1e-5)
     kept = probs[:2] ** 2 / np.sum(probs[:2] ** 2)
     np.testing.assert_allclose(np.asarray(llada2.confidence)[:, 0], kept[tokens], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(plain.entropy), -np.sum(probs * np.log(probs)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(llada2.entropy), -np.sum(kept * np.log(kept)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(llada2.margin), kept[0] - kept[1], rtol=1e-5)
 
 
 def test_static_picks_top_k_masked_first_index_on_ties():

@@ -30,7 +30,7 @@ step). Confidence is the probability of the proposed token, the mask token exclu
 every decoder here; with sampling, edits read the sampled token (keys folded with the post-step
 count, so post steps draw fresh noise). With sampling, a token's confidence is its probability
 under the tempered, nucleus-filtered distribution it was drawn from, as LLaDA2's
-`_sample_with_temperature_topk_topp` gives it (`sampled_confidence`); it has no top-k.
+`_sample_with_temperature_topk_topp` gives it (`sampled_scores`); it has no top-k.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ class LLaDA2(DiffusionDecoder):
     unset: off), max_post_steps (editing steps after a block's last mask is filled, 16)."""
 
     name: ClassVar[str] = "llada2"
-    sampled_confidence: ClassVar[bool] = True
     limits = {"tau": OPEN_UNIT, "steps": AT_LEAST_1, "editing_threshold": PROBABILITY,
               "max_post_steps": AT_LEAST_0}
+    sampled_scores: bool = True  # LLaDA2's confidence is the sampled distribution's
     tau: float = 0.95
     steps: int = 32
     editing_threshold: float | None = None

@@ -47,11 +47,12 @@ def categorical_rows(keys_b, logits_b_v):
 
 
 def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: float = 1.0, keys_b=None,
-          sampled_confidence: bool = False, banned: tuple[int, ...] = (), last: tuple[int, ...] = ()) -> Scores:
+          sampled_scores: bool = False, banned: tuple[int, ...] = (), last: tuple[int, ...] = ()) -> Scores:
     """Propose tokens, never `mask_id` (None: any token) nor a `banned` one. Greedy at temperature
     0; else Gumbel-max per row with `keys_b` [B] from the tempered, then nucleus-filtered, logits.
-    A sampled token's confidence is its probability under the untempered logits, or with
-    `sampled_confidence` under the distribution it was drawn from (LLaDA2's rule). `last`: tokens
+    A sampled token's confidence (and the position's entropy and margin) is taken under the
+    untempered logits (LLaDA's rule), or with `sampled_scores` under the distribution it was drawn
+    from (Dream's and LLaDA2's). `last`: tokens
     proposed but ranked last, as LLaDA's `confidence_eos_eot_inf` ranks EOS and EoT: confidence is
     taken with their logits at -inf, so a position proposing one has confidence 0 and the others'
     probabilities leave their mass out."""
@@ -63,7 +64,7 @@ def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: f
         scores = Scores(*arithmetic.rowwise(_position_scores, logits))
     else:
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
-        sample = partial(_position_scores, temperature=temperature, top_p=top_p, sampled_confidence=sampled_confidence)
+        sample = partial(_position_scores, temperature=temperature, top_p=top_p, sampled_scores=sampled_scores)
         scores = Scores(*arithmetic.rowwise(sample, logits, gumbel))
     if not last:
         return scores
@@ -98,25 +99,24 @@ def hidden_token_logprobs(model, hidden_bkd, tokens_bk, *, mask_id: int | None, 
 
 
 def _position_scores(logits_v, gumbel_v=None, *, temperature: float = 0.0, top_p: float = 1.0,
-                     sampled_confidence: bool = False):
+                     sampled_scores: bool = False):
     """(token, confidence, entropy, margin) of each position's logits (last axis): the argmax, or
     the Gumbel-max sample of the tempered, then nucleus-filtered, logits (transformers' order, and
-    the references': Dream, LLaDA2, the `ar` decoder here). Confidence is the token's probability
-    under the logits, or with `sampled_confidence` under the distribution it was drawn from."""
-    logp = jax.nn.log_softmax(logits_v, axis=-1)
-    probs = jnp.exp(logp)
-    entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
-    drawn_from = probs
+    the references': Dream, LLaDA2, the `ar` decoder here). Confidence, entropy and margin are
+    those of the logits' distribution, or with `sampled_scores` of the distribution the token was
+    drawn from (Dream's sample_tokens)."""
     if gumbel_v is None:
-        tokens = jnp.argmax(logits_v, axis=-1)
+        tokens, scored = jnp.argmax(logits_v, axis=-1), logits_v
     else:
         tempered = logits_v / temperature
         sampled = nucleus_filter(tempered, top_p) if top_p < 1.0 else tempered
         tokens = jnp.argmax(sampled + gumbel_v, axis=-1)
-        if sampled_confidence:
-            drawn_from = jax.nn.softmax(sampled, axis=-1)
+        scored = sampled if sampled_scores else logits_v
     tokens = tokens.astype(jnp.int32)
-    confidence = jnp.take_along_axis(drawn_from, tokens[..., None], axis=-1)[..., 0]
+    logp = jax.nn.log_softmax(scored, axis=-1)
+    probs = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
+    confidence = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
     top2 = jax.lax.top_k(probs, 2)[0]
     return tokens, confidence, entropy, top2[..., 0] - top2[..., 1]
 

@@ -31,10 +31,11 @@ class DecoderSpecError(InputError):
 class DiffusionDecoder:
     """Options every diffusion decoder shares.
 
-    temperature: 0 is greedy; otherwise Gumbel-max sampling at this temperature (confidence is
-      still the untempered probability of the chosen token, as in LLaDA's reference; decoders
-      with `sampled_confidence` take its probability under the tempered, filtered distribution).
+    temperature: 0 is greedy; otherwise Gumbel-max sampling at this temperature.
     top_p: nucleus filter for sampling, applied to the tempered logits.
+    sampled_scores: when sampling, confidence, entropy and margin are those of the tempered,
+      filtered distribution the token was drawn from (Dream's sample_tokens; LLaDA2's default);
+      off, those of the untempered logits (LLaDA's generate()).
     block: decoding block size; default: the model's block_size (block-causal models must use
       it), 32 for bidirectional models.
     cache: bidirectional models only: none (exact: full forward each step), prefix or dual
@@ -47,11 +48,11 @@ class DiffusionDecoder:
     """
 
     name: ClassVar[str] = ""
-    sampled_confidence: ClassVar[bool] = False  # confidence of a sampled token: see `temperature`
     eos_options: ClassVar[bool] = False  # whether no_eos / eos_last reach this decoder's scores
     limits = {"temperature": AT_LEAST_0, "top_p": OPEN_UNIT, "block": AT_LEAST_1, "cache": OneOf(CACHE_MODES)}
     temperature: float = 0.0
     top_p: float = 1.0
+    sampled_scores: bool = False
     block: int | None = None
     cache: str = "none"
     no_eos: bool = False
@@ -99,7 +100,7 @@ class DiffusionDecoder:
         if self.temperature == 0.0:
             return fwd.block_scores(state.logits, state.hidden)
         return policies.score(state.logits, mask_id=fwd.mask_id, temperature=self.temperature, top_p=self.top_p,
-                              keys_b=keys_b, sampled_confidence=self.sampled_confidence, banned=fwd.banned_ids,
+                              keys_b=keys_b, sampled_scores=self.sampled_scores, banned=fwd.banned_ids,
                               last=fwd.last_ids)
 
     def init_carry(self, fwd, batch: int):
