@@ -33,6 +33,10 @@ DEVICE="${2:-gpu}"
 BENCH_OUT="${BENCH_OUT:-$OUT}"
 PY="${DLMJAX_PYTHON:-python3}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# compiles dominate a lent call: stages and test workers that compile the same program (the step
+# forward of bench-step and exactness, a test model's decode loop) reuse it from jax's persistent cache
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/dlmjax-jax-cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-1}"
 cd "$ROOT"
 STAGES="${STAGES:-tests bench-tiles bench-step bench-decoders bench-8b exactness}"
 stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first, so pytest prints its summary)
