@@ -22,8 +22,9 @@
 # step section, the prefill to 2k and compiles took 150 s, and three decoders (DECODERS) printed no
 # row in 125 s: one decoder per run. On an H100 (2026-11-26) every benchmark stage of this default
 # plan stopped at its limit mid-table (benchmarks/results/decode_gpu/gpu-h100.md): a 28-layer program
-# compiles in ~30 s and a Triton tile choice in 10-20 s, so give a stage fewer rows, not more. BENCH_OUT puts the benchmarks' result folders elsewhere than
-# OUT (a lent machine returns at most 8 files: the logs hold every table).
+# compiles in ~30 s and a Triton tile choice in 10-20 s, so give a stage fewer rows, not more.
+# BENCH_OUT puts the benchmarks' result folders elsewhere than OUT (a lent machine returns at most 8
+# files: the logs hold every table).
 # On a machine whose python3 holds jax for its accelerator:
 #   DLMJAX_PYTHON=python3 scripts/accelerator_checks.sh OUT [gpu|tpu]
 set -uo pipefail

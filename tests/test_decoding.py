@@ -117,6 +117,14 @@ def test_llada_eos_switches_match_llada_generate(option, banned, last):
         parse_decoder(f"mrp-direct:{option}=true")
 
 
+@pytest.mark.parametrize("spec", ["entropy:eos_last=true", "static:order=entropy,eos_last=true",
+                                  "static:order=margin,eos_last=true", "psd:policy=margin,eos_last=true"])
+def test_eos_last_is_refused_where_positions_are_not_ranked_by_confidence(spec):
+    with pytest.raises(DecoderSpecError, match="eos_last ranks stop tokens last by confidence"):
+        parse_decoder(spec)
+    parse_decoder(spec.replace("eos_last", "no_eos"))  # bans the token whatever the ranking
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
 def test_cached_step_on_fresh_cache_is_exact(family, mode):

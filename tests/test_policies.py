@@ -47,6 +47,14 @@ def test_sampling_tempers_then_filters_and_llada2_takes_the_sampled_distribution
     np.testing.assert_allclose(np.asarray(plain.entropy), -np.sum(probs * np.log(probs)), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(llada2.entropy), -np.sum(kept * np.log(kept)), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(llada2.margin), kept[0] - kept[1], rtol=1e-5)
+    # eos_last on top: the confidence of the same distribution without the last token's mass
+    last = policies.score(logits, mask_id=None, temperature=0.5, top_p=0.9, keys_b=keys, sampled_scores=True,
+                          last=(1,))
+    np.testing.assert_allclose(np.asarray(last.confidence)[:, 0], np.where(tokens == 1, 0.0, 1.0), atol=1e-6)
+    untempered = policies.score(logits, mask_id=None, temperature=0.5, top_p=0.9, keys_b=keys, last=(1,))
+    without = probs / (1 - probs[1])
+    np.testing.assert_allclose(np.asarray(untempered.confidence)[:, 0], np.where(tokens == 1, 0.0, without[0]),
+                               atol=1e-6)
 
 
 def test_static_picks_top_k_masked_first_index_on_ties():

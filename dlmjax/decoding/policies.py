@@ -52,24 +52,18 @@ def score(logits_bkv, *, mask_id: int | None, temperature: float = 0.0, top_p: f
     0; else Gumbel-max per row with `keys_b` [B] from the tempered, then nucleus-filtered, logits.
     A sampled token's confidence (and the position's entropy and margin) is taken under the
     untempered logits (LLaDA's rule), or with `sampled_scores` under the distribution it was drawn
-    from (Dream's and LLaDA2's). `last`: tokens
-    proposed but ranked last, as LLaDA's `confidence_eos_eot_inf` ranks EOS and EoT: confidence is
-    taken with their logits at -inf, so a position proposing one has confidence 0 and the others'
-    probabilities leave their mass out."""
+    from (Dream's and LLaDA2's). `last`: tokens proposed but ranked last by confidence, as LLaDA's
+    `confidence_eos_eot_inf` ranks EOS and EoT (`_position_scores`)."""
     logits = logits_bkv.astype(jnp.float32)
     never = ((mask_id,) if mask_id is not None else ()) + tuple(banned)
     if never:
         logits = logits.at[..., jnp.asarray(never)].set(-jnp.inf)
     if temperature == 0.0:
-        scores = Scores(*arithmetic.rowwise(_position_scores, logits))
-    else:
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
-        sample = partial(_position_scores, temperature=temperature, top_p=top_p, sampled_scores=sampled_scores)
-        scores = Scores(*arithmetic.rowwise(sample, logits, gumbel))
-    if not last:
-        return scores
-    without_last = jax.nn.softmax(logits.at[..., jnp.asarray(last)].set(-jnp.inf), axis=-1)
-    return scores.replace(confidence=jnp.take_along_axis(without_last, scores.tokens[..., None], axis=-1)[..., 0])
+        return Scores(*arithmetic.rowwise(partial(_position_scores, last=tuple(last)), logits))
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[1:], jnp.float32))(keys_b)
+    sample = partial(_position_scores, temperature=temperature, top_p=top_p, sampled_scores=sampled_scores,
+                     last=tuple(last))
+    return Scores(*arithmetic.rowwise(sample, logits, gumbel))
 
 
 def hidden_scores(model, hidden_bkd, *, mask_id: int | None, residual=None) -> Scores:
@@ -99,12 +93,14 @@ def hidden_token_logprobs(model, hidden_bkd, tokens_bk, *, mask_id: int | None, 
 
 
 def _position_scores(logits_v, gumbel_v=None, *, temperature: float = 0.0, top_p: float = 1.0,
-                     sampled_scores: bool = False):
+                     sampled_scores: bool = False, last: tuple[int, ...] = ()):
     """(token, confidence, entropy, margin) of each position's logits (last axis): the argmax, or
     the Gumbel-max sample of the tempered, then nucleus-filtered, logits (transformers' order, and
     the references': Dream, LLaDA2, the `ar` decoder here). Confidence, entropy and margin are
     those of the logits' distribution, or with `sampled_scores` of the distribution the token was
-    drawn from (Dream's sample_tokens)."""
+    drawn from (Dream's sample_tokens). `last`: the confidence is taken from that distribution with
+    these tokens' logits at -inf, so a position proposing one has confidence 0 and the others leave
+    their mass out (LLaDA's confidence_eos_eot_inf)."""
     if gumbel_v is None:
         tokens, scored = jnp.argmax(logits_v, axis=-1), logits_v
     else:
@@ -116,7 +112,11 @@ def _position_scores(logits_v, gumbel_v=None, *, temperature: float = 0.0, top_p
     logp = jax.nn.log_softmax(scored, axis=-1)
     probs = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(probs > 0, probs * logp, 0.0), axis=-1)
-    confidence = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
+    if last:
+        probs_for_confidence = jax.nn.softmax(scored.at[..., jnp.asarray(last)].set(-jnp.inf), axis=-1)
+    else:
+        probs_for_confidence = probs
+    confidence = jnp.take_along_axis(probs_for_confidence, tokens[..., None], axis=-1)[..., 0]
     top2 = jax.lax.top_k(probs, 2)[0]
     return tokens, confidence, entropy, top2[..., 0] - top2[..., 1]
 

@@ -145,6 +145,9 @@ class PSD(DraftAndVerify, DiffusionDecoder):
         if self.temperature != 0.0:
             raise DecoderSpecError("psd is greedy (temperature=0): its drafts cannot know future samples")
 
+    def ranks_by_confidence(self) -> bool:
+        return self.policy != "margin"
+
     def select(self, scores, masked_bk):
         if self.policy == "threshold":
             return policies.threshold_commit(scores, masked_bk, self.tau)

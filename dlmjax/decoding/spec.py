@@ -44,7 +44,8 @@ class DiffusionDecoder:
       SFT data pads answers with EOS; its end-of-turn token stays allowed).
     eos_last: positions proposing a stop token (EOS or end of turn) rank last: their confidence is
       taken with the stop tokens' logits at -inf (LLaDA's `confidence_eos_eot_inf`, as its greedy
-      generate() applies it). Both: static, threshold, entropy and psd only.
+      generate() applies it). no_eos: static, threshold, entropy and psd; eos_last: those of them
+      that rank by confidence (`ranks_by_confidence`).
     """
 
     name: ClassVar[str] = ""
@@ -64,6 +65,13 @@ class DiffusionDecoder:
         if (self.no_eos or self.eos_last) and not self.eos_options:
             raise DecoderSpecError(f"{self.name}: no_eos and eos_last are options of static, threshold, entropy and "
                                    "psd only; drop them or pick one of those decoders")
+        if self.eos_last and self.eos_options and not self.ranks_by_confidence():
+            raise DecoderSpecError(f"{self.name}: eos_last ranks stop tokens last by confidence, and this decoder "
+                                   "ranks positions by entropy or margin; drop eos_last or rank by confidence")
+
+    def ranks_by_confidence(self) -> bool:
+        """Whether this decoder picks positions by their confidence (what `eos_last` changes)."""
+        return True
 
     def select(self, scores: policies.Scores, masked_bk):
         """This step's commit set [B, K] (before the progress guard)."""
@@ -138,6 +146,9 @@ class Static(DiffusionDecoder):
     k: int = 1
     order: str = "confidence"
 
+    def ranks_by_confidence(self) -> bool:
+        return self.order == "confidence"
+
     def select(self, scores, masked_bk):
         return policies.static_commit(scores, masked_bk, self.k, order=self.order)
 
@@ -164,6 +175,9 @@ class Entropy(DiffusionDecoder):
     eos_options: ClassVar[bool] = True
     limits = {"gamma": AT_LEAST_0}  # 0: one token per step
     gamma: float = 0.5
+
+    def ranks_by_confidence(self) -> bool:
+        return False
 
     def select(self, scores, masked_bk):
         return policies.entropy_commit(scores, masked_bk, self.gamma)

@@ -80,9 +80,10 @@ def _rope_keys(cfg: DrafterConfig, verbatim: dict) -> dict:
     still say what `cfg` says (rope_theta 1000000 stays an int), else rope_theta and rope_scaling
     (transformers 4 and 5 both read that spelling)."""
     given = {key: verbatim.pop(key) for key in ("rope_theta", "rope_scaling", "rope_parameters") if key in verbatim}
-    if given and rope_fields(given) == rope_fields({"rope_parameters": rope_parameters(cfg)}):
+    params = rope_parameters(cfg)
+    if given and rope_fields(given) == rope_fields({"rope_parameters": params}):
         return given
-    scaling = {key: value for key, value in rope_parameters(cfg).items() if key != "rope_theta"}
+    scaling = {key: value for key, value in params.items() if key != "rope_theta"}
     return {"rope_theta": cfg.rope_theta, "rope_scaling": None if cfg.rope_scaling == "none" else scaling}
 
 
