@@ -43,12 +43,14 @@ class Numerics:
     invariant: bool = False
     row_tile: int = 128  # rows per matmul tile in invariant mode
     query_tile: int = 16  # queries per attention tile (per row) in invariant mode
+    sequence_tile: int = 4  # batch rows per attention tile in invariant mode
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
             raise InputError(f"precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if self.row_tile < 1 or self.query_tile < 1:
-            raise InputError(f"row_tile={self.row_tile} and query_tile={self.query_tile} must be >= 1")
+        if min(self.row_tile, self.query_tile, self.sequence_tile) < 1:
+            raise InputError(f"row_tile={self.row_tile}, query_tile={self.query_tile} and "
+                             f"sequence_tile={self.sequence_tile} must be >= 1")
 
 
 _CURRENT: contextvars.ContextVar[Numerics] = contextvars.ContextVar(
@@ -61,10 +63,11 @@ def current() -> Numerics:
 
 @contextlib.contextmanager
 def numerics(precision: str | None = None, invariant: bool | None = None, row_tile: int | None = None,
-             query_tile: int | None = None):
+             query_tile: int | None = None, sequence_tile: int | None = None):
     """Set the numerics for the code inside (unset arguments keep the current value)."""
     changes = {name: value for name, value in dict(precision=precision, invariant=invariant, row_tile=row_tile,
-                                                   query_tile=query_tile).items() if value is not None}
+                                                   query_tile=query_tile, sequence_tile=sequence_tile).items()
+               if value is not None}
     with _use(replace(current(), **changes)):
         yield current()
 
@@ -127,21 +130,28 @@ def row_tiles(a_mk, tile: int):
     return jnp.pad(a_mk, ((0, n * tile - m), (0, 0))).reshape(n, tile, a_mk.shape[-1])
 
 
-def rowwise(fn, *arrays):
+def rowwise(fn, *arrays, composite: bool = False):
     """fn(*arrays) for a function that treats each row (each index of the leading axes; the last
     axis is the row) on its own, e.g. a norm or a softmax over the last axis. In invariant mode the
     rows go through fixed tiles of `row_tile` rows, so that a row's result never depends on how
     many rows there are (XLA picks reduction code by shape). fn returns arrays (or a tuple of
-    them) with the rows' leading axes, optionally a last axis of their own."""
+    them) with the rows' leading axes, optionally axes of their own after them.
+
+    composite=True: fn is a run of row-local steps that call `matmul` and `rowwise` themselves (a
+    layer's norm, projections and RoPE). Inside the tile those run plain: the tile's fixed shape
+    already makes them invariant, and the run then costs one tile loop instead of one per step (on
+    a GPU each loop iteration is a few kernel launches, which outweighed the work at decode shapes)."""
     setting = current()
     if not setting.invariant:
         return fn(*arrays)
     lead, tile = arrays[0].shape[:-1], setting.row_tile
     m = math.prod(lead)
     tiled = [row_tiles(a.reshape(m, a.shape[-1]), tile) for a in arrays]
+    inside = replace(setting, invariant=False) if composite else setting
 
     def one_tile(xs):
-        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(xs)))
+        with _use(inside):
+            return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(xs)))
 
     out = jax.lax.map(one_tile, tiled)
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m].reshape(*lead, *y.shape[2:]), out)

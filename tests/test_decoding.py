@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import dlmjax
+from dlmjax import arithmetic
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
 from dlmjax.decoding.spec import DecoderSpecError, Threshold, decoder_names, parse_decoder
@@ -199,25 +200,31 @@ def test_ar_decoding_updates_its_cache_in_place(monkeypatch):
     assert loop_copies(hlo, cache) == 0
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "invariant"])
 @pytest.mark.parametrize("family, spec, rows", [
     ("llada", "static:temperature=1.0", 32),  # no cache: every step forwards the whole canvas
     ("dream", "static:temperature=1.0,cache=dual", 32),  # the dual refresh forwards the canvas
     ("qwen3", "ar:temperature=1.0", 1),  # the prefill forwards the prompt
 ])
-def test_long_forwards_make_logits_only_where_they_are_read(family, spec, rows, monkeypatch):
+def test_long_forwards_make_logits_only_where_they_are_read(family, spec, rows, invariant, monkeypatch):
     """A forward over a whole canvas or prompt computes logits for the block (or the prompt's last
     token) only: no vocabulary-wide array of the compiled decode has more than batch x `rows`
-    rows, where the chunk's logits would have batch x its length (80 or 48 here)."""
+    rows, where the chunk's logits would have batch x its length (80 or 48 here). The invariant
+    numerics mode computes whole tiles of rows (16 here), at least `arithmetic.MIN_TILES` of them."""
     from dlmjax.decoding import ar
     from hlo import first_program, logits_rows
 
     model = peaky_model(family, seed=1)
     owner, name = (ar, "_generate") if family == "qwen3" else (engine, "decode")
     prompts = [p * 6 for p in PROMPTS[:3]]
-    hlo, _, _ = first_program(monkeypatch, owner, name,
-                              lambda: generate(model, prompts, decoder=spec, max_new_tokens=8))
-    made = logits_rows(hlo, model.config)
-    assert made and max(made) <= 3 * rows, made
+    tile = 16
+    with dlmjax.numerics(invariant=invariant, row_tile=tile):
+        hlo, _, _ = first_program(monkeypatch, owner, name,
+                                  lambda: generate(model, prompts, decoder=spec, max_new_tokens=8))
+    made, read = logits_rows(hlo, model.config), 3 * rows
+    if invariant:
+        read = max(arithmetic.MIN_TILES, -(-read // tile)) * tile
+    assert made and max(made) <= read, made
 
 
 @pytest.mark.parametrize("spec", ["static:temperature=1.0", "ar:temperature=1.0,top_p=0.9"])

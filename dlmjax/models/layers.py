@@ -63,9 +63,9 @@ def apply_rope(x_blhd, cos_bld, sin_bld):
     (partial rotary: `rope_angles` of rotary_dim) rotate its first dims and pass the rest through.
     In the invariant numerics mode it runs over fixed row tiles: XLA's fused code for
     `x * cos + r * sin` rounds differently with the array's size (measured in bf16)."""
-    cos_b, sin_b = cos_bld[:, :, None, :], sin_bld[:, :, None, :]
+    cos_b, sin_b = cos_bld[..., None, :], sin_bld[..., None, :]
     if arithmetic.current().invariant:
-        cos_b, sin_b = (jnp.broadcast_to(a, x_blhd.shape[:3] + a.shape[-1:]) for a in (cos_b, sin_b))
+        cos_b, sin_b = (jnp.broadcast_to(a, x_blhd.shape[:-1] + a.shape[-1:]) for a in (cos_b, sin_b))
     return arithmetic.rowwise(_rotate_half, x_blhd, cos_b, sin_b)
 
 
@@ -147,47 +147,54 @@ def attention(q_blhd, kv_parts, query_group: int | None = None):
     """Grouped-query attention over one or more key/value parts with one joint softmax; a part's
     visibility is a [B, L, S] matrix or a `Visibility`.
 
-    In the invariant numerics mode each row's queries go through tiles of `query_group` queries
-    (the width of a packed copy: a copy's queries then take the same places in the same
-    computation as in a forward of that copy alone), else of the mode's `query_tile`. Otherwise
+    In the invariant numerics mode the rows go through tiles of the mode's `sequence_tile` rows and
+    their queries through tiles of `query_group` queries (the width of a packed copy: a copy's
+    queries then take the same places in the same computation as in a forward of that copy
+    alone), else of the mode's `query_tile`. Otherwise
     `dlmjax.kernels.attention` dispatches: flash kernels on accelerators, `_attention` (the
     reference) elsewhere."""
     setting = arithmetic.current()
     if setting.invariant:
         parts = [(k, v, visible_matrix(vis)) for k, v, vis in kv_parts]
-        return _attention_tiled(q_blhd, parts, query_group or setting.query_tile)
+        return _attention_tiled(q_blhd, parts, query_group or setting.query_tile, setting.sequence_tile)
     from dlmjax.kernels.attention import attention as dispatch
 
     return dispatch(q_blhd, kv_parts)
 
 
-def _attention_tiled(q_blhd, kv_parts, tile: int):
-    """`_attention` row by row and over tiles of `tile` queries (zero queries pad the last), so that
-    every score and value reduction has one shape whatever the batch or the number of queries. The
-    rows run as a loop of at least `arithmetic.MIN_TILES` iterations (a lone row beside hidden
-    zero rows), for the reason given there."""
+def _attention_tiled(q_blhd, kv_parts, tile: int, sequences: int):
+    """`_attention` over tiles of `sequences` batch rows and, within them, tiles of `tile` queries
+    (zero rows and queries pad the last), so that every score and value reduction has one shape
+    whatever the batch or the number of queries; a row's scores never mix with another row's. The
+    row tiles run as a loop of at least `arithmetic.MIN_TILES` iterations, for the reason given there."""
     b, l, h, d = q_blhd.shape
-    pad, rows = -l % tile, max(b, arithmetic.MIN_TILES)
+    pad, groups = -l % tile, max(arithmetic.MIN_TILES, -(-b // sequences))
+    rows = groups * sequences
 
-    def padded(x, axis_1: int):  # rows up to `rows`, axis 1 (queries) up to a whole tile
-        return jnp.pad(x, ((0, rows - b), (0, axis_1)) + ((0, 0),) * (x.ndim - 2))
+    def grouped(x, axis_1: int):  # [groups, sequences, ...]: rows up to `rows`, axis 1 up to a whole tile
+        x = jnp.pad(x, ((0, rows - b), (0, axis_1)) + ((0, 0),) * (x.ndim - 2))
+        return x.reshape(groups, sequences, *x.shape[1:])
 
-    q_btqhd = padded(q_blhd, pad).reshape(rows, -1, tile, h, d)
-    visible_btqs = [padded(vis, pad).reshape(rows, -1, tile, vis.shape[-1]) for _, _, vis in kv_parts]
+    def query_tiles(x):  # [groups, sequences, L + pad, ...] -> [groups, L / tile, sequences, tile, ...]
+        x = x.reshape(*x.shape[:2], -1, tile, *x.shape[3:])
+        return jnp.swapaxes(x, 1, 2)
 
-    def one_row(xs):
-        q_tqhd, keys, values, visible = xs
+    q_gtsqhd = query_tiles(grouped(q_blhd, pad))
+    visible_gtsqs = [query_tiles(grouped(vis, pad)) for _, _, vis in kv_parts]
+
+    def one_group(xs):
+        q_tsqhd, keys, values, visible = xs
 
         def one_tile(tile_xs):
-            q_qhd, vis = tile_xs
-            parts = [(k[None], v[None], s[None]) for k, v, s in zip(keys, values, vis)]
-            return jax.lax.optimization_barrier(_attention(jax.lax.optimization_barrier(q_qhd[None]), parts)[0])
+            q_sqhd, vis = tile_xs
+            parts = list(zip(keys, values, vis))
+            return jax.lax.optimization_barrier(_attention(jax.lax.optimization_barrier(q_sqhd), parts))
 
-        return jax.lax.map(one_tile, (q_tqhd, visible))
+        return jax.lax.map(one_tile, (q_tsqhd, visible))
 
-    keys, values = [padded(k, 0) for k, _, _ in kv_parts], [padded(v, 0) for _, v, _ in kv_parts]
-    out = jax.lax.map(one_row, (q_btqhd, keys, values, visible_btqs))
-    return out.reshape(rows, l + pad, h, d)[:b, :l]
+    keys, values = [grouped(k, 0) for k, _, _ in kv_parts], [grouped(v, 0) for _, v, _ in kv_parts]
+    out = jax.lax.map(one_group, (q_gtsqhd, keys, values, visible_gtsqs))  # [groups, L / tile, sequences, tile, H, hd]
+    return jnp.swapaxes(out, 1, 2).reshape(rows, l + pad, h, d)[:b, :l]
 
 
 def _attention(q_blhd, kv_parts):
