@@ -130,28 +130,21 @@ def row_tiles(a_mk, tile: int):
     return jnp.pad(a_mk, ((0, n * tile - m), (0, 0))).reshape(n, tile, a_mk.shape[-1])
 
 
-def rowwise(fn, *arrays, composite: bool = False):
+def rowwise(fn, *arrays):
     """fn(*arrays) for a function that treats each row (each index of the leading axes; the last
     axis is the row) on its own, e.g. a norm or a softmax over the last axis. In invariant mode the
     rows go through fixed tiles of `row_tile` rows, so that a row's result never depends on how
     many rows there are (XLA picks reduction code by shape). fn returns arrays (or a tuple of
-    them) with the rows' leading axes, optionally axes of their own after them.
-
-    composite=True: fn is a run of row-local steps that call `matmul` and `rowwise` themselves (a
-    layer's norm, projections and RoPE). Inside the tile those run plain: the tile's fixed shape
-    already makes them invariant, and the run then costs one tile loop instead of one per step (on
-    a GPU each loop iteration is a few kernel launches, which outweighed the work at decode shapes)."""
+    them) with the rows' leading axes, optionally a last axis of their own."""
     setting = current()
     if not setting.invariant:
         return fn(*arrays)
     lead, tile = arrays[0].shape[:-1], setting.row_tile
     m = math.prod(lead)
     tiled = [row_tiles(a.reshape(m, a.shape[-1]), tile) for a in arrays]
-    inside = replace(setting, invariant=False) if composite else setting
 
     def one_tile(xs):
-        with _use(inside):
-            return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(xs)))
+        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(xs)))
 
     out = jax.lax.map(one_tile, tiled)
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m].reshape(*lead, *y.shape[2:]), out)

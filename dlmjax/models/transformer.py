@@ -176,8 +176,8 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, hd
 
-    def _heads(self, y, heads: int):
-        return y.reshape(*y.shape[:-1], heads, self.head_dim)
+    def _heads(self, y_bl, heads: int):
+        return y_bl.reshape(*y_bl.shape[:2], heads, self.head_dim)
 
     def _finish_q(self, q, cos, sin):
         q = self._heads(q, self.num_heads)
@@ -197,24 +197,22 @@ class Attention(nnx.Module):
         v = linear(x_bld, v_w, None if bias is None else bias[2])
         return self._finish_kv(k, v, cos, sin)
 
-    def project(self, x, cos, sin):
-        """q [..., H, hd], k and v [..., Hkv, hd] of normed hidden states x [..., D] and their
-        RoPE angles cos, sin [..., hd] (any leading axes: each token on its own)."""
-        q, k, v = split_qkv(self.qkv(x), self.num_kv_heads, self.head_dim)
-        return (self._finish_q(q, cos, sin), *self._finish_kv(k, v, cos, sin))
-
-    def attend(self, q_blhd, k, v, self_visible, cached=None, chunk_parts=()):
-        """The heads' outputs [B, L, H hd] (before `o`): attention to this chunk's k, v
-        (`self_visible` [B, L, L]) and, if given, to `cached` = (k [B,S,Hkv,hd], v, visible
-        [B, L, S]). `chunk_parts` (static sizes summing to L) splits the chunk's keys into parts
-        reduced on their own (see `layers.attention`)."""
-        b, l = q_blhd.shape[:2]
+    def __call__(self, x_bld, cos, sin, self_visible, cached=None, chunk_parts=()):
+        """Attend to this chunk (`self_visible` [B, L, L]) and, if given, to
+        `cached` = (k [B,S,Hkv,hd], v, visible [B, L, S]). `chunk_parts` (static sizes summing to L)
+        splits the chunk's keys into parts reduced on their own (see `layers.attention`).
+        Returns (out, this chunk's (k, v))."""
+        b, l, _ = x_bld.shape
+        q, k, v = split_qkv(self.qkv(x_bld), self.num_kv_heads, self.head_dim)
+        q = self._finish_q(q, cos, sin)
+        k, v = self._finish_kv(k, v, cos, sin)
         parts, start = [] if cached is None else [cached], 0
         for size in chunk_parts or (l,):
             end = start + size
             parts.append((k[:, start:end], v[:, start:end], layers.key_slice(self_visible, start, end)))
             start = end
-        return layers.attention(q_blhd, parts, query_group=_uniform_width(chunk_parts, l)).reshape(b, l, -1)
+        out = layers.attention(q, parts, query_group=_uniform_width(chunk_parts, l))
+        return self.o(out.reshape(b, l, -1)), (k, v)
 
 
 def _uniform_width(chunk_parts, length: int) -> int | None:
@@ -247,27 +245,10 @@ class Block(nnx.Module):
         self.mlp = moe_layer(cfg, rngs) if moe else MLP(cfg, rngs=rngs)
 
     def __call__(self, x, cos, sin, self_visible, cached=None, chunk_parts=()):
-        """x [B, L, D] -> (x after the block, this chunk's (k, v)). The token-wise parts on each side
-        of the attention run as one `arithmetic.rowwise` each (one tile loop per part in the
-        invariant numerics mode; plain calls otherwise); a MoE layer tiles its tokens itself."""
-        q, k, v = arithmetic.rowwise(self._qkv, x, cos, sin, composite=True)
-        heads = self.attn.attend(q, k, v, self_visible, cached, chunk_parts)
-        if isinstance(self.mlp, MLP):
-            x = arithmetic.rowwise(self._finish, x, heads, composite=True)
-        else:
-            x = arithmetic.rowwise(self._add_attention, x, heads, composite=True)
-            x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", None, None)), (k, v)
-
-    def _qkv(self, x, cos, sin):
-        return self.attn.project(self.attn_norm(x), cos, sin)
-
-    def _add_attention(self, x, heads):
-        return x + self.attn.o(heads)
-
-    def _finish(self, x, heads):
-        x = self._add_attention(x, heads)
-        return x + self.mlp(self.mlp_norm(x))
+        attn_out, kv = self.attn(self.attn_norm(x), cos, sin, self_visible, cached, chunk_parts)
+        x = x + attn_out
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, ("batch", None, None)), kv
 
 
 def moe_layer(cfg: ModelConfig, rngs: nnx.Rngs) -> MoE:
