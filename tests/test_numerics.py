@@ -175,6 +175,7 @@ def test_precision_sets_jax_matmul_precision_inside_and_restores_it():
 @pytest.mark.parametrize("options, message", [
     (dict(precision="tf32"), "choose one of default, highest"),
     (dict(row_tile=0), "must be >= 1"),
+    (dict(sequence_tile=0), "sequence_tile=0 must be >= 1"),
 ])
 def test_bad_numerics_options(options, message):
     with pytest.raises(InputError, match=message):

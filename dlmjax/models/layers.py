@@ -63,9 +63,9 @@ def apply_rope(x_blhd, cos_bld, sin_bld):
     (partial rotary: `rope_angles` of rotary_dim) rotate its first dims and pass the rest through.
     In the invariant numerics mode it runs over fixed row tiles: XLA's fused code for
     `x * cos + r * sin` rounds differently with the array's size (measured in bf16)."""
-    cos_b, sin_b = cos_bld[..., None, :], sin_bld[..., None, :]
+    cos_b, sin_b = cos_bld[:, :, None, :], sin_bld[:, :, None, :]
     if arithmetic.current().invariant:
-        cos_b, sin_b = (jnp.broadcast_to(a, x_blhd.shape[:-1] + a.shape[-1:]) for a in (cos_b, sin_b))
+        cos_b, sin_b = (jnp.broadcast_to(a, x_blhd.shape[:3] + a.shape[-1:]) for a in (cos_b, sin_b))
     return arithmetic.rowwise(_rotate_half, x_blhd, cos_b, sin_b)
 
 
@@ -150,9 +150,8 @@ def attention(q_blhd, kv_parts, query_group: int | None = None):
     In the invariant numerics mode the rows go through tiles of the mode's `sequence_tile` rows and
     their queries through tiles of `query_group` queries (the width of a packed copy: a copy's
     queries then take the same places in the same computation as in a forward of that copy
-    alone), else of the mode's `query_tile`. Otherwise
-    `dlmjax.kernels.attention` dispatches: flash kernels on accelerators, `_attention` (the
-    reference) elsewhere."""
+    alone), else of the mode's `query_tile`. Otherwise `dlmjax.kernels.attention` dispatches:
+    flash kernels on accelerators, `_attention` (the reference) elsewhere."""
     setting = arithmetic.current()
     if setting.invariant:
         parts = [(k, v, visible_matrix(vis)) for k, v, vis in kv_parts]
