@@ -1,6 +1,7 @@
 """The decoding engine against plain reference loops written here (no cache, full forward per
 step), batch invariance, determinism, metrics and bad input."""
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -48,27 +49,35 @@ def full_logits(model, seq):
     return np.asarray(model(jnp.asarray([seq], jnp.int32)).logits[0])
 
 
-def reference_decode(model, prompt, *, block, policy, block_aligned, max_new=MAX_NEW, tau=0.9, banned=(), last=()):
+def reference_decode(model, prompt, *, block, policy, block_aligned, max_new=MAX_NEW, tau=0.9, banned=(), last=(),
+                     counts=None):
     """The plain loop: full canvas, one full forward per step, commit in the current block.
-    policy: 'static' (top-1) or 'threshold' (conf > tau, at least top-1). As LLaDA's generate()
-    with logits_eos_inf (`banned`: never proposed) and confidence_eos_eot_inf (`last`: logits at
-    -inf after the argmax, before the confidence's softmax)."""
+    policy: 'static' (top-1, or with `counts` the count of the block's step: LLaDA's
+    get_num_transfer_tokens, Dream's schedule, where a step of 0 forwards and commits nothing) or
+    'threshold' (conf > tau, at least top-1). As LLaDA's generate() with logits_eos_inf
+    (`banned`: never proposed) and confidence_eos_eot_inf (`last`: logits at -inf after the
+    argmax, before the confidence's softmax)."""
     start = (len(prompt) // block) * block if block_aligned else len(prompt)
     in_block = len(prompt) - start
     num_blocks = math.ceil((in_block + max_new) / block)
     seq = list(prompt) + [MASK] * (num_blocks * block - in_block)
     for b in range(num_blocks):
         cols = list(range(start + b * block, start + (b + 1) * block))
+        step = 0
         while any(seq[c] == MASK for c in cols):
             logits = jnp.asarray(full_logits(model, seq)).at[:, [MASK, *banned]].set(-jnp.inf)
             proposed = np.asarray(jnp.argmax(logits, axis=-1))
             probs = np.asarray(jax.nn.softmax(logits.at[:, list(last)].set(-jnp.inf), axis=-1))
             masked = [c for c in cols if seq[c] == MASK]
             conf = {c: probs[c, proposed[c]] for c in masked}
-            best = max(masked, key=lambda c: (conf[c], -c))
-            chosen = [best] if policy == "static" else sorted({best, *[c for c in masked if conf[c] > tau]})
+            ranked = sorted(masked, key=lambda c: (-conf[c], c))
+            if policy == "static":
+                chosen = ranked[: 1 if counts is None else counts[step]]
+            else:
+                chosen = sorted({ranked[0], *[c for c in masked if conf[c] > tau]})
             for c in chosen:
                 seq[c] = int(proposed[c])
+            step += 1
         generated = seq[len(prompt) : cols[-1] + 1]
         if EOS in generated:
             break
@@ -97,6 +106,38 @@ def test_bidirectional_exact_mode_matches_reference_loop(family):
     result = generate(model, prompts, decoder="static:block=4,cache=none", max_new_tokens=MAX_NEW)
     for prompt, row in zip(prompts, result.rows):
         assert row.tokens == reference_decode(model, prompt, block=4, policy="static", block_aligned=False)
+
+
+@pytest.mark.parametrize("family, spec, block, counts", [
+    ("llada", "static:block=8,steps=5", 8, [2, 2, 2, 1, 1]),  # LLaDA's get_num_transfer_tokens, 16 tokens
+    ("sdar", "static:steps=3", 4, [2, 1, 1]),  # counted from a block's first step, a partly filled one too (SDAR's)
+    ("dream", "static:block=16,steps=16,schedule=linear", 16, [0] + [1] * 14 + [2]),  # Dream's generate()
+])
+def test_step_schedules_match_the_reference_loops(family, spec, block, counts):
+    """`static:steps=S` commits the count of the block's step (tests/test_policies.py checks the
+    counts against LLaDA's and Dream's code in torch): the tokens of the plain loop that does, in
+    fewer forwards than one token per step; a step of Dream's that commits nothing is left out."""
+    model = peaky_model(family, seed=2)
+    result = generate(model, PROMPTS, decoder=spec, max_new_tokens=16)
+    for prompt, row in zip(PROMPTS, result.rows):
+        assert row.tokens == reference_decode(model, prompt, block=block, policy="static",
+                                              block_aligned=family == "sdar", max_new=16, counts=counts)
+    one_per_step = generate(model, PROMPTS, decoder=dataclasses.replace(parse_decoder(spec), steps=None, schedule="even"),
+                            max_new_tokens=16)
+    assert sum(r.nfe for r in result.rows) < sum(r.nfe for r in one_per_step.rows)
+    if family == "dream":  # one block: 15 forwards where the reference runs 16
+        assert [r.nfe for r in result.rows] == [15] * len(PROMPTS)
+
+
+def test_step_options_are_checked():
+    with pytest.raises(DecoderSpecError, match="k=2 and steps=4 both set"):
+        parse_decoder("static:k=2,steps=4")
+    with pytest.raises(DecoderSpecError, match="give steps"):
+        parse_decoder("static:schedule=linear")
+    with pytest.raises(DecoderSpecError, match="schedule"):
+        parse_decoder("static:steps=4,schedule=cosine")
+    with pytest.raises(DecoderSpecError, match="steps=0"):
+        parse_decoder("static:steps=0")
 
 
 @pytest.mark.parametrize("option, banned, last", [("no_eos", (EOS,), ()), ("eos_last", (), (EOS,))])

@@ -135,12 +135,10 @@ def test_llada2_matches_reference_loop_batch_and_alone(model, spec):
 
 
 def test_default_is_one_token_per_step_at_block_32():
-    """Block 32, steps 32: quota 1 per step; where nothing passes tau, one token per forward."""
-    from dlmjax.decoding.llada2 import quota_schedule
+    """Block 32, steps 32: quota 1 per step (LLaDA2.0's quota is the even `step_counts`)."""
+    from dlmjax.decoding.policies import step_counts
 
-    assert quota_schedule(32, 32).tolist() == [1] * 32
-    assert quota_schedule(8, 3).tolist() == [3, 3, 2]
-    assert quota_schedule(8, 12).tolist() == [1] * 8 + [0] * 4
+    assert step_counts(32, 32) == (1,) * 32
 
 
 def test_random_llada2_moe_preset(tmp_path, monkeypatch):

@@ -63,6 +63,59 @@ def test_static_picks_top_k_masked_first_index_on_ties():
     assert as_list(policies.static_commit(scores([0.2, 0.6, 0.9, 0.4]), masked, 2)) == [False, True, False, True]
 
 
+def test_static_takes_a_count_per_row_and_ranks_as_top_k():
+    """A count per row [B] commits each row's count of top-ranked masked positions, with the same
+    ranking (first index on ties) as a fixed k."""
+    masked = jnp.asarray([[True, True, False, True], [True, True, True, True]])
+    s = scores([0.5, 0.5, 0.9, 0.5])
+    s = s.replace(confidence=jnp.asarray([[0.5, 0.5, 0.9, 0.5], [0.1, 0.7, 0.7, 0.3]]))
+    got = policies.static_commit(s, masked, jnp.asarray([2, 3]))
+    assert np.asarray(got).tolist() == [[True, True, False, False], [False, True, True, True]]
+    for k in (1, 2, 3):
+        np.testing.assert_array_equal(policies.static_commit(s, masked, jnp.asarray([k, k])),
+                                      policies.static_commit(s, masked, k))
+
+
+def dream_counts_in_torch(masked: int, steps: int, eps: float = 1e-3) -> list[int]:
+    """Dream's generate() (generation_utils._sample), the count of each step, as it runs in torch."""
+    import torch
+
+    timesteps = torch.linspace(1, eps, steps + 1)
+    counts = []
+    for i in range(steps):
+        num_mask_token = torch.tensor(masked - sum(counts)) / 1  # mask_index.sum() / batch
+        t, s = timesteps[i], timesteps[i + 1]
+        counts.append(int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token))
+    return counts
+
+
+def llada_counts_in_torch(masked: int, steps: int) -> list[int]:
+    """LLaDA's get_num_transfer_tokens for one row."""
+    import torch
+
+    mask_num = torch.tensor([[masked]])
+    num = torch.zeros(1, steps, dtype=torch.int64) + mask_num // steps
+    num[:, : int(mask_num % steps)] += 1
+    return num[0].tolist()
+
+
+def test_step_schedules_equal_llada_and_dream_in_torch():
+    """`static:steps=S` spreads a block as LLaDA's get_num_transfer_tokens does (`even`) or as
+    Dream's generate() does (`linear`: float32 in torch, its steps that commit nothing left out),
+    for every block up to 70 and every step count up to block + 2, and the seeds' lengths."""
+    sizes = [(m, s) for m in range(1, 71) for s in range(1, m + 3)]
+    sizes += [(m, s) for m in (128, 256, 512, 1024) for s in (m // 8, m // 4, m // 2, m - 1, m)]
+    zero_steps = 0
+    for masked, steps in sizes:
+        dream = dream_counts_in_torch(masked, steps)
+        assert policies.step_counts(masked, steps, "linear") == tuple(n for n in dream if n), (masked, steps)
+        zero_steps += dream.count(0)
+        llada = llada_counts_in_torch(masked, steps)
+        assert policies.step_counts(masked, steps, "even") == tuple(n for n in llada if n), (masked, steps)
+    assert zero_steps > 0, "no Dream step committed nothing: leaving them out is untested"
+    assert dream_counts_in_torch(512, 512)[:3] == [0, 1, 1] and dream_counts_in_torch(512, 512)[-1] == 2
+
+
 def test_progress_guard_commits_top1_only_when_nothing_else():
     masked = jnp.asarray([[True, True, True, False]])
     s = scores([0.3, 0.6, 0.1, 0.99])

@@ -47,26 +47,10 @@ from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_de
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, PROBABILITY
 
 
-def quota_schedule(block: int, steps: int) -> jax.Array:
-    """[steps] int32: `block` commits spread over `steps` steps, the remainder on the first ones."""
-    base, extra = divmod(block, steps)
-    return base + (jnp.arange(steps) < extra).astype(jnp.int32)
-
-
-def confidence_rank(confidence_bk, eligible_bk):
-    """[B, K] int32: each eligible position's rank by confidence, highest first (the lower index
-    first among equals); ineligible positions rank after every eligible one."""
-    conf = jnp.where(eligible_bk, confidence_bk, -jnp.inf)
-    k = conf.shape[-1]
-    idx = jnp.arange(k)
-    before = (conf[:, None, :] > conf[:, :, None]) | ((conf[:, None, :] == conf[:, :, None]) & (idx[None, :] < idx[:, None]))
-    return jnp.sum(before & eligible_bk[:, None, :], axis=-1).astype(jnp.int32)
-
-
 def quota_commit(scores: policies.Scores, masked_bk, tau: float, quota_b):
     """LLaDA2's M2T: the masked positions above `tau` if at least quota of them, else the quota
     most confident ones. Equals (above tau) | (ranked within the quota)."""
-    ranked = confidence_rank(scores.confidence, masked_bk) < quota_b[:, None]
+    ranked = policies.rank_positions(scores.confidence, masked_bk) < quota_b[:, None]
     return masked_bk & ((scores.confidence > tau) | ranked)
 
 
@@ -108,7 +92,7 @@ class LLaDA2(DiffusionDecoder):
     def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
         carry = state.carry
         fresh = carry["block"] != state.block  # a row that moved starts its counters over
-        step = jnp.where(fresh, 0, carry["step"])
+        step = policies.block_step(carry, state.block)
         post = jnp.where(fresh, 0, carry["post"])
         closed = ~fresh & carry["closed"]  # block done, waiting for the others (prefix/dual)
         if keys_b is not None:
@@ -119,7 +103,7 @@ class LLaDA2(DiffusionDecoder):
             quota = jnp.ones_like(step)
         else:
             steps = min(self.steps, fwd.geometry.max_new_tokens)
-            quota = quota_schedule(fwd.geometry.block, steps)[jnp.minimum(step, steps - 1)]
+            quota = policies.scheduled_counts(policies.step_counts(fwd.geometry.block, steps), step)
         m2t = policies.with_progress_guard(quota_commit(scores, masked_bk, self.tau, quota), scores, masked_bk)
         has_mask = jnp.any(masked_bk, axis=-1)
         edit = jnp.zeros_like(masked_bk)

@@ -12,6 +12,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dlmjax import arithmetic
@@ -138,11 +139,74 @@ def with_progress_guard(commit_bk, scores: Scores, masked_bk):
 STATIC_ORDERS = ("confidence", "margin", "entropy")
 
 
-def static_commit(scores: Scores, masked_bk, k: int, order: str = "confidence"):
+def rank_positions(values_bk, eligible_bk):
+    """[B, K] int32: each eligible position's rank by value, highest first (the lower index first
+    among equals); ineligible positions rank after every eligible one."""
+    values = jnp.where(eligible_bk, values_bk, -jnp.inf)
+    idx = jnp.arange(values.shape[-1])
+    before = (values[:, None, :] > values[:, :, None]) | (
+        (values[:, None, :] == values[:, :, None]) & (idx[None, :] < idx[:, None]))
+    return jnp.sum(before & eligible_bk[:, None, :], axis=-1).astype(jnp.int32)
+
+
+def static_commit(scores: Scores, masked_bk, k, order: str = "confidence"):
     """The k masked positions ranked first by `order`: highest confidence, highest margin, or
-    lowest entropy (first index on ties)."""
+    lowest entropy (first index on ties). k: an int, or a count per row [B]."""
     ranking = {"confidence": scores.confidence, "margin": scores.margin, "entropy": -scores.entropy}[order]
-    return top_k_mask(ranking, masked_bk, k)
+    if isinstance(k, int):
+        return top_k_mask(ranking, masked_bk, k)
+    return masked_bk & (rank_positions(ranking, masked_bk) < k[:, None])
+
+
+STEP_SCHEDULES = ("even", "linear")
+
+
+def step_counts(block: int, steps: int, schedule: str = "even") -> tuple[int, ...]:
+    """How many positions each step commits when a block of `block` positions is denoised in
+    `steps` steps, leaving out the steps that commit none (such a step forwards the same block
+    again: without it the tokens are the same, one forward fewer).
+
+    even: `block // steps` a step, the first `block % steps` steps one more (LLaDA's
+      get_num_transfer_tokens; SDAR's and LLaDA2.0's schedules are the same).
+    linear: Dream's: over t = linspace(1, 1e-3, steps + 1), step i commits int(m (1 - t[i+1] /
+      t[i])) of the m positions still masked, and the last step all that are left; in float32 as
+      its generate() computes it in torch (with as many steps as positions, the first step commits
+      none and the last two)."""
+    if schedule == "even":
+        base, extra = divmod(block, steps)
+        counts = [base + (i < extra) for i in range(steps)]
+    else:
+        t = _torch_linspace_f32(1.0, 1e-3, steps + 1)
+        counts, left = [], block
+        for i in range(steps):
+            n = left if i == steps - 1 else int(np.float32(left) * (np.float32(1) - t[i + 1] / t[i]))
+            counts.append(n)
+            left -= n
+    return tuple(n for n in counts if n > 0)
+
+
+def _torch_linspace_f32(start: float, end: float, num: int) -> np.ndarray:
+    """torch.linspace(start, end, num) in float32, value for value (tested): the first half counts
+    up from start, the second half down from end, each value rounded once from the product and sum
+    (a fused multiply-add)."""
+    start32, end32 = np.float32(start), np.float32(end)
+    step = np.float64((end32 - start32) / np.float32(num - 1))
+    idx = np.arange(num)
+    up = np.float64(start32) + step * idx
+    down = np.float64(end32) - step * (num - 1 - idx)
+    return np.where(idx < num // 2, up, down).astype(np.float32)
+
+
+def scheduled_counts(counts: tuple[int, ...], step_b):
+    """[B] int32: each row's count at its step of the block (`step_counts`), the last count once
+    the schedule has run out."""
+    return jnp.asarray(counts, jnp.int32)[jnp.minimum(step_b, len(counts) - 1)]
+
+
+def block_step(carry, block_b):
+    """[B] int32: each row's step within its current block, from a carry {"block", "step"} written
+    by its previous round (0 where the row's block changed since, or the carry's block is -1)."""
+    return jnp.where(carry["block"] != block_b, 0, carry["step"])
 
 
 def threshold_commit(scores: Scores, masked_bk, tau: float):

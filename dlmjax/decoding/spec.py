@@ -138,19 +138,54 @@ class Static(DiffusionDecoder):
 
     order: what "most confident" ranks by: `confidence` (the token's probability; LLaDA's
     low_confidence, Dream's maskgit_plus), `margin` (top-1 minus top-2 probability; Dream's
-    topk_margin) or `entropy` (lowest first; Dream's alg="entropy")."""
+    topk_margin) or `entropy` (lowest first; Dream's alg="entropy").
+    steps: instead of k, denoise each block in this many steps, step i of a block committing the
+    i-th count of `schedule` (`policies.step_counts`): `even` (LLaDA's, SDAR's: block // steps a
+    step, the remainder on the first steps) or `linear` (Dream's). LLaDA's generate(steps=S,
+    gen_length=G, block_length=K) is `static:block=K,steps=S*K/G`; Dream's diffusion_generate(steps=S)
+    with max_new_tokens=G is `static:block=G,steps=S,schedule=linear`. Steps that would commit
+    nothing are left out (the reference forwards the same canvas again there)."""
 
     name: ClassVar[str] = "static"
     eos_options: ClassVar[bool] = True
-    limits = {"k": AT_LEAST_1, "order": OneOf(policies.STATIC_ORDERS)}
+    limits = {"k": AT_LEAST_1, "order": OneOf(policies.STATIC_ORDERS), "steps": AT_LEAST_1,
+              "schedule": OneOf(policies.STEP_SCHEDULES)}
     k: int = 1
     order: str = "confidence"
+    steps: int | None = None
+    schedule: str = "even"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.steps is not None and self.k != 1:
+            raise DecoderSpecError(f"static: k={self.k} and steps={self.steps} both set how many positions a step "
+                                   "commits; give one of them")
+        if self.steps is None and self.schedule != "even":
+            raise DecoderSpecError(f"static: schedule={self.schedule} spreads a block over `steps` steps; give steps "
+                                   "too (e.g. steps=32)")
 
     def ranks_by_confidence(self) -> bool:
         return self.order == "confidence"
 
     def select(self, scores, masked_bk):
         return policies.static_commit(scores, masked_bk, self.k, order=self.order)
+
+    def init_carry(self, fwd, batch: int):
+        if self.steps is None:
+            return None
+        zeros = jnp.zeros((batch,), jnp.int32)
+        return {"block": zeros - 1, "step": zeros}  # block -1: the first round starts the row's block afresh
+
+    def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
+        if self.steps is None:
+            return super().plan(fwd, state, tokens_bk, masked_bk, keys_b)
+        step = policies.block_step(state.carry, state.block)
+        counts = policies.scheduled_counts(policies.step_counts(fwd.geometry.block, self.steps, self.schedule), step)
+        scores = self.scores(fwd, state, keys_b)
+        chosen = policies.static_commit(scores, masked_bk, counts, order=self.order)
+        after = jnp.where(policies.with_progress_guard(chosen, scores, masked_bk), scores.tokens, tokens_bk)
+        carry = {"block": state.block, "step": step + jnp.any(masked_bk, axis=-1)}
+        return Plan(tokens=after, copies=after[:, None], carry=carry)
 
 
 @dataclass(frozen=True)
