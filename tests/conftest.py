@@ -24,6 +24,17 @@ else:
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
     os.environ.setdefault("DLMJAX_INVARIANT", "1")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and several workers share the device
+# Most of the suite's time is XLA compiling decode programs, and tests in different modules, the
+# two xdist workers and the CLI tests' subprocesses compile many of the same ones: one persistent
+# compilation cache per run (unless the environment names one), made by the first process to
+# import this file (pytest's, before its workers start), shared through the environment with the
+# workers and subprocesses, and removed by that process at the end.
+_RUN_CACHE_OWNER = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _RUN_CACHE_OWNER:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dlmjax-test-jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -40,24 +51,13 @@ _hypothesis_settings.load_profile("dlmjax")
 
 import jax  # noqa: E402  (after the XLA flags above)
 import pytest  # noqa: E402
-from jax.experimental.compilation_cache import compilation_cache as jax_cache  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def persistent_compilation_cache(tmp_path_factory):
-    """A persistent compilation cache for one module (use it with `pytestmark =
-    pytest.mark.usefixtures("persistent_compilation_cache")`): train() calls on the same shapes
-    (resumed runs) load the step compiled by the first instead of compiling it again. The
-    previous settings come back, and the cache is reset, when the module ends."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {name: getattr(jax.config, name) for name in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax-cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    jax_cache.reset_cache()
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    jax_cache.reset_cache()
+def pytest_unconfigure(config):
+    if _RUN_CACHE_OWNER:
+        import shutil
+
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture

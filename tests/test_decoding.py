@@ -18,6 +18,7 @@ from dlmjax import arithmetic
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
 from dlmjax.decoding.spec import DecoderSpecError, Threshold, decoder_names, parse_decoder
+from tiny_models import compiled_forward
 
 MASK, EOS, PAD, VOCAB = 39, 38, 0, 40
 MAX_NEW = 8
@@ -46,7 +47,7 @@ def peaky_model(family: str, seed: int = 0, **overrides):
 
 
 def full_logits(model, seq):
-    return np.asarray(model(jnp.asarray([seq], jnp.int32)).logits[0])
+    return np.asarray(compiled_forward(model)(jnp.asarray([seq], jnp.int32)).logits[0])
 
 
 def reference_decode(model, prompt, *, block, policy, block_aligned, max_new=MAX_NEW, tau=0.9, banned=(), last=(),

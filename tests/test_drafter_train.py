@@ -25,7 +25,6 @@ from dlmjax.train.drafter import block_inputs, sample_anchors
 from dlmjax.train.loop import train
 from test_mrp_train import tiny_backbone
 
-pytestmark = pytest.mark.usefixtures("persistent_compilation_cache")  # conftest.py
 
 CONFIG = "configs/drafter/toy-ar.yaml"
 

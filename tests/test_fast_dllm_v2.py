@@ -10,7 +10,7 @@ import pytest
 
 import dlmjax
 from dlmjax.config import ConfigError, from_hf_config, to_hf_config
-from tiny_models import random_tokens, state_dict_numpy, torch_logits, torch_model, write_checkpoint
+from tiny_models import compiled_forward, random_tokens, state_dict_numpy, torch_logits, torch_model, write_checkpoint
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -150,7 +150,7 @@ def reference_fast_dllm_v2(model, prompt, *, block, sub_block, tau, max_new):
     for b in range(num_blocks):
         cols = list(range(start + b * block, start + (b + 1) * block))
         while any(seq[c] == MASK for c in cols):
-            logits = jnp.asarray(model(jnp.asarray([seq], jnp.int32)).logits[0]).at[:, MASK].set(-jnp.inf)
+            logits = compiled_forward(model)(jnp.asarray([seq], jnp.int32)).logits[0].at[:, MASK].set(-jnp.inf)
             probs = np.asarray(jax.nn.softmax(logits, axis=-1))  # position p: the logits computed at p - 1
             if seq[cols[0]] == MASK:
                 seq[cols[0]] = int(probs[cols[0]].argmax())

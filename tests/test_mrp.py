@@ -2,6 +2,8 @@
 random heads; the packed verification equals separate forwards; the head's own KV cache equals
 a full forward; heads for another backbone are refused; the reference weight names round-trip."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,12 +244,22 @@ def test_reference_names_round_trip_through_a_checkpoint_dir(toy, tmp_path):
     load_model(out)  # the backbone still loads from the directory that now also holds the head
 
 
+@functools.partial(nnx.jit, static_argnames=("lo", "hi", "mask"))
+def remask_step(model, head, seq_1l, *, lo: int, hi: int, mask: int):
+    """One step of `reference_remask` as one program: the block's probabilities (the mask token
+    excluded) and the head's residual on each position's argmax, read from the pre-commit block."""
+    from dlmjax.heads.mrp import head_output
+
+    out = model(seq_1l)
+    probs = jax.nn.softmax(out.logits[0, lo:hi].astype(jnp.float32).at[:, mask].set(-jnp.inf), axis=-1)
+    h_p = head_output(head, model, 0, seq_1l[:, lo:hi], out.hidden[:, lo:hi], jnp.arange(lo, hi, dtype=jnp.int32)[None])
+    return probs, head.config.residual_scale * model.token_logits(h_p, jnp.argmax(probs, axis=-1)[None])
+
+
 def reference_remask(model, head, prompt, *, tau, delta, max_new):
     """(tokens, forwards, vetoes) of the reference code's remask (`_generate_residual_remask`: the
     residual rule, the head reading the pre-commit block alone), written as a plain loop: no
     cache, one full backbone forward per step."""
-    from dlmjax.heads.mrp import head_output
-
     cfg = model.config
     block, mask, eos = cfg.block_size, cfg.mask_token_id, set(cfg.eos_token_ids)
     start = (len(prompt) // block) * block
@@ -257,15 +269,11 @@ def reference_remask(model, head, prompt, *, tau, delta, max_new):
     for b in range(num_blocks):
         lo, hi = start + b * block, start + (b + 1) * block
         while mask in seq[lo:hi]:
-            out = model(jnp.asarray([seq[:hi]], jnp.int32))
+            probs, residual = remask_step(model, head, jnp.asarray([seq[:hi]], jnp.int32), lo=lo, hi=hi, mask=mask)
             forwards += 1
-            logits = out.logits[0, lo:hi].astype(jnp.float32).at[:, mask].set(-jnp.inf)
-            probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+            probs = np.asarray(probs)
             tokens, conf = probs.argmax(-1), probs.max(-1)
             masked = np.asarray(seq[lo:hi]) == mask
-            h_p = head_output(head, model, 0, jnp.asarray([seq[lo:hi]], jnp.int32), out.hidden[:, lo:hi],
-                              jnp.arange(lo, hi, dtype=jnp.int32)[None])
-            residual = head.config.residual_scale * model.token_logits(h_p, jnp.asarray(tokens)[None])
             size = np.abs(np.asarray(residual)[0])
             proposed = masked & (conf > tau)
             kept = proposed & (size <= delta)

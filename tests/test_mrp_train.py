@@ -22,7 +22,6 @@ from dlmjax.train.loop import make_optimizer, train
 from dlmjax.train.mrp import kl_per_position, per_position_loss, reveal
 from dlmjax.train.objectives import mask_blocks
 
-pytestmark = pytest.mark.usefixtures("persistent_compilation_cache")  # conftest.py
 
 CONFIG = "configs/mrp/toy-sdar.yaml"
 TINY = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8,

@@ -9,6 +9,7 @@ from dlmjax.heads.controller import FEATURES, model_fingerprint
 from dlmjax.sharding import make_mesh
 from dlmjax.traces import TraceError, collect_traces, load_traces, save_traces
 from test_decoding import MASK, peaky_model
+from tiny_models import compiled_forward
 
 MAX_NEW = 8
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7, 8], [3], [5, 9, 14, 2, 2, 7, 30], [20, 21], [4, 4, 4, 4], [11, 12], [33, 1, 2]]
@@ -24,7 +25,7 @@ def sdar():
 
 
 def scores_np(model, seq, start, k):
-    logits = np.asarray(model(jnp.asarray([seq], jnp.int32)).logits[0, start : start + k], np.float64)
+    logits = np.asarray(compiled_forward(model)(jnp.asarray([seq], jnp.int32)).logits[0, start : start + k], np.float64)
     logits[:, MASK] = -np.inf
     logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
     probs = np.exp(logp)

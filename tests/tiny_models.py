@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
+from flax import nnx
 
 from dlmjax.io.safetensors import save_file
 
@@ -108,3 +111,16 @@ def llada_tensors(llama_state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def random_tokens(batch: int, length: int, vocab: int = 96, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, vocab, (batch, length)).astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, *args):
+    return nnx.merge(graphdef, state)(*args)
+
+
+def compiled_forward(module):
+    """module(*args) as one compiled program per graph and argument shapes, for reference loops
+    that call a model step after step: run eagerly, every step dispatches (and on a new shape
+    compiles) each operation on its own, which made those loops most of the suite's time."""
+    graphdef, state = nnx.split(module)
+    return functools.partial(_forward, graphdef, state)
