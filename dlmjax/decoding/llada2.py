@@ -92,7 +92,7 @@ class LLaDA2(DiffusionDecoder):
     def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
         carry = state.carry
         fresh = carry["block"] != state.block  # a row that moved starts its counters over
-        step = policies.block_step(carry, state.block)
+        step = jnp.where(fresh, 0, carry["step"])
         post = jnp.where(fresh, 0, carry["post"])
         closed = ~fresh & carry["closed"]  # block done, waiting for the others (prefix/dual)
         if keys_b is not None:

@@ -203,12 +203,6 @@ def scheduled_counts(counts: tuple[int, ...], step_b):
     return jnp.asarray(counts, jnp.int32)[jnp.minimum(step_b, len(counts) - 1)]
 
 
-def block_step(carry, block_b):
-    """[B] int32: each row's step within its current block, from a carry {"block", "step"} written
-    by its previous round (0 where the row's block changed since, or the carry's block is -1)."""
-    return jnp.where(carry["block"] != block_b, 0, carry["step"])
-
-
 def threshold_commit(scores: Scores, masked_bk, tau: float):
     return masked_bk & (scores.confidence > tau)
 

@@ -179,7 +179,7 @@ class Static(DiffusionDecoder):
     def plan(self, fwd, state, tokens_bk, masked_bk, keys_b) -> Plan:
         if self.steps is None:
             return super().plan(fwd, state, tokens_bk, masked_bk, keys_b)
-        step = policies.block_step(state.carry, state.block)
+        step = jnp.where(state.carry["block"] != state.block, 0, state.carry["step"])  # 0: the row moved on
         counts = policies.scheduled_counts(policies.step_counts(fwd.geometry.block, self.steps, self.schedule), step)
         scores = self.scores(fwd, state, keys_b)
         chosen = policies.static_commit(scores, masked_bk, counts, order=self.order)
