@@ -147,8 +147,8 @@ def cmd_eval(args) -> int:
         from dlmjax.lm_eval.backend import run_backend
 
         return run_backend(args)
-    for option, value in (("--num-fewshot", args.num_fewshot), ("--confirm-run-unsafe-code",
-                                                               args.confirm_run_unsafe_code or None)):
+    for option, value in (("--num-fewshot", args.num_fewshot), ("--fewshot-as-multiturn", args.fewshot_as_multiturn),
+                          ("--confirm-run-unsafe-code", args.confirm_run_unsafe_code or None)):
         if value is not None:
             raise InputError(f"{option} applies to --backend lm-eval (the native tasks are zero-shot and always "
                              "sandbox the code they run); add --backend lm-eval or drop it")
@@ -339,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "and math500 (its minerva_math500) over the data dlmjax ships, offline")
     ev.add_argument("--num-fewshot", type=int, default=None,
                     help="--backend lm-eval: few-shot examples per prompt (default: the task's, e.g. gsm8k 5)")
+    ev.add_argument("--fewshot-as-multiturn", choices=("true", "false"), default=None,
+                    help="--backend lm-eval with --chat: the few-shot examples as turns of their own (true, lm-eval's "
+                         "default with a chat template) or all in the first user message (false); lm-eval's "
+                         "--fewshot_as_multiturn")
     ev.add_argument("--confirm-run-unsafe-code", action="store_true",
                     help="--backend lm-eval: allow humaneval and mbpp, which run the generated code (in dlmjax's "
                          "sandbox); lm-eval's --confirm_run_unsafe_code")

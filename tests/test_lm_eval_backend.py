@@ -7,6 +7,8 @@ tasks over the data dlmjax ships) through the dlmjax lm-eval model, offline.
   exact_match (strict-match) computed by hand on the logged responses;
 - the packaged task YAMLs load from any working directory and build lm-eval's prompts; the code
   tasks' sandboxed pass@k passes a canonical solution and fails a wrong one;
+- with --chat the few-shot examples are chat turns, or one user message with
+  --fewshot-as-multiturn false;
 - refusals name the fix: toy tasks, code tasks without --confirm-run-unsafe-code, lm-eval-only
   flags on the native backend;
 - an empty log-likelihood context is conditioned on the prefix token, as transformers scores it.
@@ -101,6 +103,31 @@ def test_results_md_has_dlmjax_table_then_lm_evals(gsm8k_run):
     text = (out / "results.md").read_text()
     assert text.index("| gsm8k | `threshold:tau=0.9` | 4 |") < text.index("gsm8k_local")
     assert "flexible-extract" in text and (out / "pareto.png").is_file()
+
+
+@pytest.mark.parametrize("multiturn, user_turns", [(None, 6), ("false", 1)])
+def test_chat_few_shot_examples_are_turns_unless_turned_off(multiturn, user_turns, tmp_path):
+    """--chat lays the 5 shots out as lm-eval does by default, a user and an assistant turn each;
+    --fewshot-as-multiturn false puts them all in the one user message."""
+    import shutil
+
+    from dlmjax.presets import resolve_model
+
+    model_dir = tmp_path / "toy-sdar-chat"
+    shutil.copytree(resolve_model("toy-sdar"), model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    flag = ["--fewshot-as-multiturn", multiturn] if multiturn else []
+    out = tmp_path / "out"
+    assert main(["eval", "--backend", "lm-eval", "--task", "gsm8k", "--limit", "1", "--model", str(model_dir), "--chat",
+                 *flag, "--decoder", DECODER, "--max-new-tokens", str(MAX_GEN), "--batch-size", "4", "--mesh", "data=1",
+                 "--out", str(out), "--save-outputs", "--no-progress"]) == 0
+    (row,) = [json.loads(line) for line in (out / "outputs.jsonl").open()]
+    assert row["prompt"].count("<user>") == user_turns
+    assert row["prompt"].count("</assistant>") == user_turns - 1  # the shots' answers as assistant turns
+    assert row["prompt"].count("Question: ") == 6 and row["prompt"].endswith("<assistant>")
 
 
 # ------------------------------------------------------------------------------ the task YAMLs
@@ -238,13 +265,15 @@ def test_code_tasks_run_with_the_flag_and_score_pass_at_1_by_hand(tmp_path):
     (["--task", "gsm8k", "--strict-data"], r"--strict-data feeds the native backend"),
     (["--task", "nope"], r"unknown task 'nope' for --backend lm-eval; tasks: gsm8k, humaneval, mbpp, math500"),
     (["--task", "gsm8k", "--compare-to", "static"], r"--compare-to.*drop --backend lm-eval"),
+    (["--task", "gsm8k", "--fewshot-as-multiturn", "false"], r"--fewshot-as-multiturn.*add --chat"),
 ])
 def test_lm_eval_backend_refusals_name_the_fix(argv, message, capsys, tmp_path):
     assert main(["eval", "--backend", "lm-eval", "--out", str(tmp_path), *argv]) == 2
     assert re.search(message, capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("flag", [["--num-fewshot", "5"], ["--confirm-run-unsafe-code"]])
+@pytest.mark.parametrize("flag", [["--num-fewshot", "5"], ["--fewshot-as-multiturn", "false"],
+                                  ["--confirm-run-unsafe-code"]])
 def test_lm_eval_flags_on_the_native_backend_are_refused(flag, capsys, tmp_path):
     assert main(["eval", "--task", "toy-arith", "--out", str(tmp_path), *flag]) == 2
     assert f"{flag[0]} applies to --backend lm-eval" in capsys.readouterr().err

@@ -41,6 +41,9 @@ def check_backend_args(args, tasks: list[str]) -> None:
         raise InputError(f"{'--data' if args.data is not None else '--strict-data'} feeds the native backend; the lm-eval tasks read the data dlmjax ships. For other "
                          "data: python -m dlmjax.lm_eval.tasks DIR, edit data_files in DIR's YAML and run dlmjax "
                          "lm-eval --include_path DIR")
+    if args.fewshot_as_multiturn is not None and not args.chat:
+        raise InputError("--fewshot-as-multiturn lays few-shot examples out as chat turns; add --chat (lm-eval's "
+                         "--apply_chat_template) or drop it")
     if args.compare_to is not None:
         raise InputError("--compare-to compares generated tokens, which lm-eval does not log; drop --backend lm-eval "
                          "to use it")
@@ -105,7 +108,8 @@ def run_backend(args) -> int:
                 model=lm, tasks=names, num_fewshot=args.num_fewshot, limit=args.limit, log_samples=True,
                 task_manager=TaskManager(include_path=include, include_defaults=False),
                 gen_kwargs={"max_gen_toks": args.max_new_tokens} if args.max_new_tokens else None,
-                apply_chat_template=args.chat, confirm_run_unsafe_code=args.confirm_run_unsafe_code,
+                apply_chat_template=args.chat, fewshot_as_multiturn=args.fewshot_as_multiturn != "false",
+                confirm_run_unsafe_code=args.confirm_run_unsafe_code,
             )
             tables.append(f"lm-eval, decoder `{decoder}`:\n\n{make_table(out)}")
             for task, name in zip(tasks, names):
