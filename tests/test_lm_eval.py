@@ -373,7 +373,8 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
     tokens, valid = likelihood._pad_rows([clean.tolist()] * 5, width, 0)
     mask = np.pad(masked, ((0, 0), (0, width - 46)))
     if block:  # the whole [noisy ; clean] rows through the same scorer
-        whole = likelihood._masked_scores(*nnx.split(model), tokens, mask, valid, np.zeros(5, np.int32), span=width,
+        whole = likelihood._masked_scores(*nnx.split(model), tokens, mask, valid, np.zeros(5, np.int32),
+                                          np.zeros_like(mask), span=width,
                                           block_size=block, mask_id=mask_id)
     else:  # the model's own (for Dream, shifted) logits of the whole noisy rows
         logits = model(jnp.where(mask, mask_id, tokens), valid_bl=jnp.asarray(valid)).logits
@@ -416,6 +417,74 @@ def test_a_block_causal_masked_position_is_scored_as_its_noisy_block_after_the_c
     for r, ((i, _), cols) in enumerate(zip(pairs, in_block)):
         expected[i] += np.where(masked[i] & cols, logp[r, np.arange(total), clean], 0.0)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def guided_reference(model, clean, masked, *, mask_id, cfg, context_len):
+    """[S, L] log-probs from LLaDA's guided logits u + (cfg + 1)(c - u), each from the model's own
+    whole-row forward: c of the noisy row, u of it with the context masked too. A block-causal
+    model gets one row per (pattern, block) as in the test above: that block noisy, the blocks
+    before it clean (the context masked in u's), the blocks after it unseen."""
+    import jax
+    import jax.numpy as jnp
+
+    positions = np.arange(len(clean))
+    block = model.config.block_size if model.config.attention == "block_causal" else len(clean)
+    pairs = sorted({(i, p // block) for i, p in zip(*np.nonzero(masked))})
+    in_block = [positions // block == b for _, b in pairs]
+    noisy = np.stack([np.where(masked[i] & cols, mask_id, clean) for (i, _), cols in zip(pairs, in_block)])
+    unconditional = np.where(positions < context_len, mask_id, noisy)
+
+    def logits(rows):
+        return np.asarray(model(jnp.asarray(rows)).logits, np.float64)
+
+    c, u = logits(noisy), logits(unconditional)
+    logp = np.asarray(jax.nn.log_softmax(u + (cfg + 1) * (c - u), axis=-1))
+    expected = np.zeros(masked.shape)
+    for r, ((i, _), cols) in enumerate(zip(pairs, in_block)):
+        expected[i] += np.where(masked[i] & cols, logp[r, positions, clean], 0.0)
+    return expected
+
+
+@pytest.mark.parametrize("which", ["toy_sdar", "llada", "dream"])
+def test_guided_log_probs_are_llada_cfg_over_the_whole_rows_logits(which, request):
+    """cfg > 0 scores from LLaDA's guided logits (block-causal, bidirectional, Dream's shifted
+    logits), within 1e-5 of the model's whole-row forwards; cfg 0 is the unguided scorer, and the
+    Monte Carlo estimate changes with the scale."""
+    from test_decoding import peaky_model
+
+    model = request.getfixturevalue("toy_sdar")[1] if which == "toy_sdar" else peaky_model(which, 4)
+    rng = np.random.default_rng(3)
+    mask_id, context_len, total = model.config.mask_token_id, 9, 19  # toy-sdar: context ends mid-block
+    clean = rng.integers(2, min(model.config.vocab_size, 30), total).astype(np.int32)
+    masked = np.zeros((4, total), bool)
+    masked[:, context_len:] = rng.random((4, total - context_len)) < 0.5
+    masked[:, context_len] = True
+    for cfg in (0.0, 1.5):
+        got = masked_logprobs(model, clean, masked, mask_id=mask_id, cfg=cfg, context_len=context_len)
+        expected = guided_reference(model, clean, masked, mask_id=mask_id, cfg=cfg, context_len=context_len)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    ctx, cont = clean[:context_len].tolist(), clean[context_len:].tolist()
+    estimates = [masked_diffusion_bound(model, ctx, cont, mc_num=8, seed=0, mask_id=mask_id, batch_size=8, cfg=cfg)
+                 for cfg in (0.0, 0.0, 1.0)]
+    assert estimates[0] == estimates[1] != estimates[2]
+
+
+def test_guidance_is_refused_where_it_cannot_apply():
+    from test_decoding import peaky_model
+
+    peaky = peaky_model("llada", 4)
+    with pytest.raises(ValueError, match="cfg=-1.0 is negative"):
+        masked_logprobs(peaky, np.arange(4), np.ones((1, 4), bool), mask_id=39, cfg=-1.0, context_len=1)
+    with pytest.raises(ValueError, match="there is no context here"):
+        masked_diffusion_bound(peaky, [], [5, 6], mc_num=2, seed=0, mask_id=39, cfg=1.0)
+    for value in ("-0.5", "nan", "strong"):
+        with pytest.raises(ModelArgsError, match=f"cfg={value!r} must be a number >= 0"):
+            DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, cfg=value)
+    with pytest.raises(ModelArgsError, match="a causal model has no mask token.*drop cfg"):
+        DlmjaxLM(pretrained="toy-ar", mesh_data=1, warmup=False, cfg=1)
+    guided = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, cfg="0.5")
+    with pytest.raises(ModelArgsError, match="guides log-likelihoods only.*drop cfg for generation tasks"):
+        guided.generate_until([])
 
 
 @pytest.mark.usefixtures("kernel_numerics")

@@ -21,6 +21,12 @@ whose expectation is the group's bound (the discrete form of the ELBO: equal to 
 the mean over `mc_num` samples. Masks are drawn on the host from a generator seeded by
 (seed, the request's tokens), so a request's estimate depends on nothing else (not its batch,
 not its position).
+
+Classifier-free guidance (`cfg` > 0, LLaDA's unsupervised guidance): each noisy row is also
+forwarded with its context masked too (in the same forward), and the log-probs are taken from
+the logits  u + (cfg + 1) (c - u),  c the row's and u the context-masked row's, as LLaDA's
+evaluation scores them. Those logits are made for the scored window only, and never by the
+`residual_argmax` kernel, which cannot combine two forwards.
 """
 
 from __future__ import annotations
@@ -159,29 +165,52 @@ def sample_masks(context: list[int], continuation: list[int], *, mc_num: int, se
     return MaskSamples(tokens, masked, weight)
 
 
-@partial(arithmetic.jit, static_argnames=("graphdef", "span", "block_size", "mask_id"))
-def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, first_b, *, span, block_size, mask_id):
-    """log p(clean token | the noisy sequence) at the `span` positions from each row's `first_b`:
-    [B, span] (read where masked). Only those positions, the continuation's, get logits."""
-    model = nnx.merge(graphdef, params)
-    noisy = jnp.where(masked_bl, mask_id, clean_bl)
+def _scoring_hidden(model: Transformer, noisy_bl, clean_bl, valid_bl, block_size):
+    """[B, L, D] the final-normed hidden state that scores each position of the noisy rows (for a
+    shifted-logit model, the column before it)."""
     b, l = clean_bl.shape
     if block_size:  # block-causal: [noisy ; clean], each noisy block sees the clean blocks before it
         positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-        out = model(jnp.concatenate([noisy, clean_bl], axis=1), jnp.concatenate([positions, positions], axis=1),
+        out = model(jnp.concatenate([noisy_bl, clean_bl], axis=1), jnp.concatenate([positions, positions], axis=1),
                     visible_bll=block_diffusion_visibility(positions, valid_bl, block_size), compute_logits=False)
-        hidden = noisy_half_hidden(out.hidden, block_size, model.config.shift_logits)
-    else:
-        hidden = model(noisy, valid_bl=valid_bl, compute_logits=False).hidden
-        if model.config.shift_logits:  # Dream: p scored from p - 1 and 0 from itself, as its logits are
-            hidden = layers.shift_right(hidden)
-    return token_logprobs(model, take_rows(hidden, first_b, span), take_rows(clean_bl, first_b, span))[0]
+        return noisy_half_hidden(out.hidden, block_size, model.config.shift_logits)
+    hidden = model(noisy_bl, valid_bl=valid_bl, compute_logits=False).hidden
+    if model.config.shift_logits:  # Dream: p scored from p - 1 and 0 from itself, as its logits are
+        hidden = layers.shift_right(hidden)
+    return hidden
+
+
+@partial(arithmetic.jit, static_argnames=("graphdef", "span", "block_size", "mask_id", "cfg"))
+def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, first_b, context_bl, *, span, block_size,
+                   mask_id, cfg=0.0):
+    """log p(clean token | the noisy sequence) at the `span` positions from each row's `first_b`:
+    [B, span] (read where masked). Only those positions, the continuation's, get logits. With
+    `cfg` > 0, from the guided logits (module docstring; `context_bl` marks the context)."""
+    model = nnx.merge(graphdef, params)
+    noisy = jnp.where(masked_bl, mask_id, clean_bl)
+    labels = take_rows(clean_bl, first_b, span)
+    if not cfg:
+        hidden = _scoring_hidden(model, noisy, clean_bl, valid_bl, block_size)
+        return token_logprobs(model, take_rows(hidden, first_b, span), labels)[0]
+    unconditional = jnp.where(context_bl, mask_id, noisy)  # the context masked wherever it is seen
+    twice = lambda x: jnp.concatenate([x, x])  # noqa: E731
+    hidden = _scoring_hidden(model, jnp.concatenate([noisy, unconditional]),
+                             jnp.concatenate([clean_bl, jnp.where(context_bl, mask_id, clean_bl)]), twice(valid_bl),
+                             block_size)
+    conditional, guide = jnp.split(model.lm_logits(take_rows(hidden, twice(first_b), span)).astype(jnp.float32), 2)
+    return label_scores(guide + (cfg + 1) * (conditional - guide), labels).logp
 
 
 def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *, mask_id: int,
-                    pad_id: int = 0) -> np.ndarray:
+                    pad_id: int = 0, cfg: float = 0.0, context_len: int = 0) -> np.ndarray:
     """[S, L] log-probs of the clean tokens at the masked positions of each pattern (0 elsewhere)
-    for one sequence `clean` [L] under its masking patterns `masked` [S, L]."""
+    for one sequence `clean` [L] under its masking patterns `masked` [S, L]; with `cfg` > 0,
+    guided against the rows with their first `context_len` tokens masked too."""
+    if cfg < 0:
+        raise ValueError(f"cfg={cfg} is negative; the guidance scale is 0 (none) or more, as in LLaDA's evaluation")
+    if cfg and not context_len:
+        raise ValueError("cfg guides the continuation against the context masked out; there is no context here "
+                         "(pass context_len, or cfg=0)")
     block = model.config.block_size if model.config.attention == "block_causal" else None
     width = _bucket(len(clean))
     tokens, valid = _pad_rows([clean.tolist()] * len(masked), width, pad_id)
@@ -192,20 +221,22 @@ def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *
         return np.zeros(masked.shape)
     span = min(_bucket(read[-1] - read[0] + 1), width)
     first = min(int(read[0]), width - span)
+    context = np.broadcast_to(np.arange(width) < context_len, tokens.shape)
     graphdef, params = nnx.split(model)
-    scores = _masked_scores(graphdef, params, tokens, mask, valid, np.full(len(masked), first, np.int32), span=span,
-                            block_size=block, mask_id=mask_id)
+    scores = _masked_scores(graphdef, params, tokens, mask, valid, np.full(len(masked), first, np.int32), context,
+                            span=span, block_size=block, mask_id=mask_id, cfg=float(cfg))
     full = np.zeros(tokens.shape, np.float32)
     full[:, first : first + span] = np.asarray(jax.device_get(scores))
     return np.where(masked, full[:, : len(clean)], 0.0)
 
 
 def masked_diffusion_bound(model: Transformer, context: list[int], continuation: list[int], *, mc_num: int,
-                           seed: int, mask_id: int, batch_size: int = 32, pad_id: int = 0,
+                           seed: int, mask_id: int, batch_size: int = 32, pad_id: int = 0, cfg: float = 0.0,
                            return_samples: bool = False):
     """The Monte Carlo estimate of the masked-diffusion bound on log p(continuation | context)
-    (module docstring): the mean over `mc_num` samples, run `batch_size` samples per forward.
-    With `return_samples`, the per-sample values [mc_num] instead."""
+    (module docstring): the mean over `mc_num` samples, run `batch_size` samples per forward,
+    guided by `cfg` where it is > 0. With `return_samples`, the per-sample values [mc_num]
+    instead."""
     if not continuation:
         raise ValueError("the continuation is empty; there is nothing to score")
     block = model.config.block_size if model.config.attention == "block_causal" else None
@@ -216,7 +247,8 @@ def masked_diffusion_bound(model: Transformer, context: list[int], continuation:
         rows = len(masked)
         if rows < batch_size:  # one compiled shape: pad with copies, dropped below
             masked = np.concatenate([masked, np.repeat(masked[:1], batch_size - rows, axis=0)])
-        logp = masked_logprobs(model, samples.tokens, masked, mask_id=mask_id, pad_id=pad_id)[:rows]
+        logp = masked_logprobs(model, samples.tokens, masked, mask_id=mask_id, pad_id=pad_id, cfg=cfg,
+                               context_len=len(context))[:rows]
         values.append(np.sum(logp * samples.weight[start : start + rows], axis=1, dtype=np.float64))
     values = np.concatenate(values)
     return values if return_samples else float(values.mean())

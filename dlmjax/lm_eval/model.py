@@ -53,6 +53,8 @@ MODEL_ARGS: dict[str, tuple[object, str]] = {
     "seed": (0, "sampling seed of sampled decoders and of the Monte Carlo masks"),
     "mc_num": (128, "Monte Carlo samples per diffusion log-likelihood"),
     "mc_batch": (32, "Monte Carlo samples per forward"),
+    "cfg": (0.0, "classifier-free guidance scale of diffusion log-likelihoods (LLaDA's `cfg`: u + (cfg+1)(c - u) "
+                 "against the context masked; 0 = none); generation is not guided"),
     "dtype": (None, "float32, bfloat16 or float16 (default: the checkpoint's)"),
     "mrp_head": (None, "checkpoint directory holding the MRP head (default: the model's own)"),
     "drafter": (None, "DFlash drafter directory (default: the model's drafter/)"),
@@ -110,6 +112,17 @@ def _int_arg(args: dict, key: str, *, minimum: int = 1) -> int | None:
     if number < minimum or number != float(value):
         raise ModelArgsError(f"model_args {key}={value!r} must be an integer >= {minimum}")
     return number
+
+
+def _guidance_arg(args: dict) -> float:
+    try:
+        cfg = float(args["cfg"])
+    except (TypeError, ValueError):
+        cfg = -1.0
+    if not cfg >= 0:  # also NaN
+        raise ModelArgsError(f"model_args cfg={args['cfg']!r} must be a number >= 0 (0: no guidance; LLaDA's "
+                             "evaluation uses 0.5 to 2 on some multiple-choice tasks)")
+    return cfg
 
 
 def _bool_arg(args: dict, key: str) -> bool:
@@ -172,6 +185,7 @@ class DlmjaxLM(TemplateLM):
         self.max_new_tokens = _int_arg(args, "max_new_tokens")
         self.mc_num, self.mc_batch = _int_arg(args, "mc_num"), _int_arg(args, "mc_batch")
         self.seed = _int_arg(args, "seed", minimum=0)
+        self.cfg = _guidance_arg(args)
         self.refill = _int_arg(args, "refill")
         self.warmup = _bool_arg(args, "warmup")
         self.add_bos_token = None if args["add_bos_token"] is None else _bool_arg(args, "add_bos_token")
@@ -194,6 +208,9 @@ class DlmjaxLM(TemplateLM):
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path, self.model.config)
         self.causal = self.model.config.attention == "causal"
+        if self.cfg and self.causal:
+            raise ModelArgsError(f"model_args cfg={self.cfg} guides a diffusion model's log-likelihood against its "
+                                 "context masked; a causal model has no mask token to do that with: drop cfg")
         self.use_decoder(args["decoder"])
 
     def use_decoder(self, decoder: str | None) -> None:
@@ -297,6 +314,10 @@ class DlmjaxLM(TemplateLM):
     # ------------------------------------------------------------------ generate_until
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        if self.cfg:
+            raise ModelArgsError(f"model_args cfg={self.cfg} guides log-likelihoods only; dlmjax's decoders do not "
+                                 "guide generation (LLaDA's generation evaluations run at cfg 0): drop cfg for "
+                                 "generation tasks")
         parsed = [parse_generation_request(i, r, self.max_new_tokens) for i, r in enumerate(requests)]
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         groups = defaultdict(list)  # one stream per (task, budget)
@@ -369,7 +390,8 @@ class DlmjaxLM(TemplateLM):
             results = []
             for ctx, cont in tqdm(pairs, desc="dlmjax loglikelihood (Monte Carlo)", disable=disable_tqdm):
                 value = masked_diffusion_bound(self.model, ctx, cont, mc_num=self.mc_num, seed=self.seed,
-                                               mask_id=int(mask_id), batch_size=self.mc_batch, pad_id=self.eot_token_id)
+                                               mask_id=int(mask_id), batch_size=self.mc_batch, pad_id=self.eot_token_id,
+                                               cfg=self.cfg)
                 results.append((value, False))  # greedy-ness is not estimated (as in LLaDA's evaluation)
         for (key, _, _), result in zip(requests, results):
             if key is not None:
