@@ -469,7 +469,7 @@ def test_guided_log_probs_are_llada_cfg_over_the_whole_rows_logits(which, reques
     assert estimates[0] == estimates[1] != estimates[2]
 
 
-def test_guidance_is_refused_where_it_cannot_apply():
+def test_guidance_is_refused_where_it_cannot_apply_and_reaches_the_lm_eval_model():
     from test_decoding import peaky_model
 
     peaky = peaky_model("llada", 4)
@@ -482,7 +482,11 @@ def test_guidance_is_refused_where_it_cannot_apply():
             DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, cfg=value)
     with pytest.raises(ModelArgsError, match="a causal model has no mask token.*drop cfg"):
         DlmjaxLM(pretrained="toy-ar", mesh_data=1, warmup=False, cfg=1)
-    guided = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, cfg="0.5")
+    guided = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, cfg="0.5", mc_num=8, mc_batch=8)
+    ctx, cont = guided.tok_encode("12+7-3\n"), guided.tok_encode("12+7=19")
+    ((value, _),) = guided._loglikelihood_tokens([(None, ctx, cont)], disable_tqdm=True)
+    assert value == masked_diffusion_bound(guided.model, ctx, cont, mc_num=8, seed=0, mask_id=guided.config.mask_token_id,
+                                           batch_size=8, pad_id=guided.eot_token_id, cfg=0.5)
     with pytest.raises(ModelArgsError, match="guides log-likelihoods only.*drop cfg for generation tasks"):
         guided.generate_until([])
 
