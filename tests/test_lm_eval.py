@@ -12,6 +12,7 @@ local jsonl through a task YAML (`dataset_path: json`), never the Hub.
 import itertools
 import json
 import math
+from functools import partial
 import re
 
 import numpy as np
@@ -273,12 +274,12 @@ def test_chat_options_of_lm_evals_hf_model(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------------------- likelihoods
 
 
-def exact_bound(model, context, continuation, mask_id):
+def exact_bound(model, context, continuation, mask_id, suffix=()):
     """The masked-diffusion bound computed exactly: every nonempty masking pattern of every group,
     weighted as the estimator weighs it (each l in 1..T equally likely, each pattern of l equally)."""
     block = model.config.block_size if model.config.attention == "block_causal" else None
-    tokens = np.asarray(context + continuation, np.int32)
-    groups = continuation_groups(len(context), len(tokens), block)
+    tokens = np.asarray(context + continuation + list(suffix), np.int32)
+    groups = continuation_groups(len(context), len(tokens), block, len(suffix))
     total = 0.0
     for group in np.unique(groups[groups >= 0]):
         cols = np.flatnonzero(groups == group)
@@ -323,8 +324,11 @@ def test_diffusion_estimate_is_reproducible_and_batch_independent(toy_sdar):
     assert wrong < a - 1.0  # the trained model prefers the right chain
 
 
-@pytest.mark.parametrize("which", ["toy_sdar", "tiny_llada"])
+@pytest.mark.parametrize("which", ["toy_sdar", "tiny_llada", "tiny_llada+eos"])
 def test_diffusion_estimate_approaches_the_enumerated_bound(which, request):
+    """Also with an EOS suffix (Dream's evaluation), which is never masked and conditions the
+    continuation before it: a different bound."""
+    suffix = []
     if which == "toy_sdar":
         _, model, tok, _ = request.getfixturevalue("toy_sdar")
         ctx, cont = tok.encode("3+4-2\n"), tok.encode("3+4=7\n")  # 6 + 6 tokens: blocks of 2 and 4 (block 8)
@@ -332,12 +336,31 @@ def test_diffusion_estimate_approaches_the_enumerated_bound(which, request):
     else:
         model = request.getfixturevalue("tiny_llada")
         ctx, cont, mask_id = [5, 9, 2, 7], [11, 4, 20, 6, 13], 31  # one group of 5: 31 patterns
-    exact = exact_bound(model, ctx, cont, mask_id)
+        suffix = [1] if which.endswith("+eos") else []
+    exact = exact_bound(model, ctx, cont, mask_id, suffix)
     samples = masked_diffusion_bound(model, ctx, cont, mc_num=2048, seed=0, mask_id=mask_id, batch_size=512,
-                                     return_samples=True)
+                                     suffix=suffix, return_samples=True)
     stderr = samples.std() / math.sqrt(len(samples))
     assert stderr > 0
     assert abs(samples.mean() - exact) < 4 * stderr, (samples.mean(), exact, stderr)
+    if suffix:
+        assert abs(exact - exact_bound(model, ctx, cont, mask_id)) > 1e-3  # the suffix conditions
+
+
+def test_an_eos_suffix_is_never_masked_and_reaches_the_lm_eval_model():
+    from dlmjax.lm_eval.likelihood import sample_masks
+
+    samples = sample_masks([5, 9], [11, 4, 20], mc_num=64, seed=0, block_size=None, suffix=[1])
+    assert samples.tokens.tolist() == [5, 9, 11, 4, 20, 1]
+    assert not samples.masked[:, [0, 1, 5]].any() and samples.masked[:, 2:5].any(axis=1).all()
+    lm = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, eos_suffix="true", mc_num=8, mc_batch=8)
+    ctx, cont = lm.tok_encode("12+7-3\n"), lm.tok_encode("12+7=19")
+    ((value, _),) = lm._loglikelihood_tokens([(None, ctx, cont)], disable_tqdm=True)
+    bound = partial(masked_diffusion_bound, lm.model, ctx, cont, mc_num=8, seed=0, mask_id=lm.config.mask_token_id,
+                    batch_size=8, pad_id=lm.eot_token_id)
+    assert value == bound(suffix=[lm.eot_token_id]) != bound()
+    with pytest.raises(ModelArgsError, match="eos_suffix=true.*a causal model.*drop it"):
+        DlmjaxLM(pretrained="toy-ar", mesh_data=1, warmup=False, eos_suffix=True)
 
 
 @pytest.mark.parametrize("which", ["toy_sdar", "llada", "dream"])

@@ -22,6 +22,9 @@ the mean over `mc_num` samples. Masks are drawn on the host from a generator see
 (seed, the request's tokens), so a request's estimate depends on nothing else (not its batch,
 not its position).
 
+A `suffix` (Dream's evaluation appends EOS) follows the continuation, clean and never masked: the
+bound is then on log p(continuation | context, suffix after it).
+
 Classifier-free guidance (`cfg` > 0, LLaDA's unsupervised guidance): each noisy row is also
 forwarded with its context masked too (in the same forward), and the log-probs are taken from
 the logits  u + (cfg + 1) (c - u),  c the row's and u the context-masked row's, as LLaDA's
@@ -137,21 +140,22 @@ class MaskSamples:
     weight: np.ndarray  # [S, L] float32, 0 where not masked
 
 
-def continuation_groups(context_len: int, total_len: int, block_size: int | None) -> np.ndarray:
-    """[L] group id of each position: -1 for the context, else 0 for a bidirectional model's whole
-    continuation, or the position's block for a block-causal model."""
+def continuation_groups(context_len: int, total_len: int, block_size: int | None,
+                        suffix_len: int = 0) -> np.ndarray:
+    """[L] group id of each position: -1 for the context and the suffix (never masked), else 0 for
+    a bidirectional model's whole continuation, or the position's block for a block-causal model."""
     positions = np.arange(total_len)
     groups = positions // block_size if block_size else np.zeros(total_len, np.int64)
-    return np.where(positions < context_len, -1, groups)
+    return np.where((positions < context_len) | (positions >= total_len - suffix_len), -1, groups)
 
 
 def sample_masks(context: list[int], continuation: list[int], *, mc_num: int, seed: int,
-                 block_size: int | None) -> MaskSamples:
+                 block_size: int | None, suffix: list[int] = ()) -> MaskSamples:
     """LLaDA-style masking patterns: per sample and group, l ~ U{1..T}, l of the T tokens masked."""
-    tokens = np.asarray(context + continuation, np.int32)
+    tokens = np.asarray(list(context) + list(continuation) + list(suffix), np.int32)
     digest = zlib.crc32(tokens.tobytes())
     rng = np.random.default_rng([seed, digest])
-    groups = continuation_groups(len(context), len(tokens), block_size)
+    groups = continuation_groups(len(context), len(tokens), block_size, len(suffix))
     masked = np.zeros((mc_num, len(tokens)), bool)
     weight = np.zeros((mc_num, len(tokens)), np.float32)
     for group in np.unique(groups[groups >= 0]):
@@ -232,15 +236,15 @@ def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *
 
 def masked_diffusion_bound(model: Transformer, context: list[int], continuation: list[int], *, mc_num: int,
                            seed: int, mask_id: int, batch_size: int = 32, pad_id: int = 0, cfg: float = 0.0,
-                           return_samples: bool = False):
+                           suffix: list[int] = (), return_samples: bool = False):
     """The Monte Carlo estimate of the masked-diffusion bound on log p(continuation | context)
     (module docstring): the mean over `mc_num` samples, run `batch_size` samples per forward,
-    guided by `cfg` where it is > 0. With `return_samples`, the per-sample values [mc_num]
-    instead."""
+    guided by `cfg` where it is > 0, with `suffix` clean after the continuation. With
+    `return_samples`, the per-sample values [mc_num] instead."""
     if not continuation:
         raise ValueError("the continuation is empty; there is nothing to score")
     block = model.config.block_size if model.config.attention == "block_causal" else None
-    samples = sample_masks(context, continuation, mc_num=mc_num, seed=seed, block_size=block)
+    samples = sample_masks(context, continuation, mc_num=mc_num, seed=seed, block_size=block, suffix=suffix)
     values = []
     for start in range(0, mc_num, batch_size):
         masked = samples.masked[start : start + batch_size]

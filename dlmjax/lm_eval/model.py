@@ -53,6 +53,8 @@ MODEL_ARGS: dict[str, tuple[object, str]] = {
     "seed": (0, "sampling seed of sampled decoders and of the Monte Carlo masks"),
     "mc_num": (128, "Monte Carlo samples per diffusion log-likelihood"),
     "mc_batch": (32, "Monte Carlo samples per forward"),
+    "eos_suffix": (False, "diffusion log-likelihoods condition on an EOS after the continuation, never masked "
+                          "(Dream's evaluation does): true or false"),
     "cfg": (0.0, "classifier-free guidance scale of diffusion log-likelihoods (LLaDA's `cfg`: u + (cfg+1)(c - u) "
                  "against the context masked; 0 = none); generation is not guided"),
     "dtype": (None, "float32, bfloat16 or float16 (default: the checkpoint's)"),
@@ -186,6 +188,7 @@ class DlmjaxLM(TemplateLM):
         self.mc_num, self.mc_batch = _int_arg(args, "mc_num"), _int_arg(args, "mc_batch")
         self.seed = _int_arg(args, "seed", minimum=0)
         self.cfg = _guidance_arg(args)
+        self.eos_suffix = _bool_arg(args, "eos_suffix")
         self.refill = _int_arg(args, "refill")
         self.warmup = _bool_arg(args, "warmup")
         self.add_bos_token = None if args["add_bos_token"] is None else _bool_arg(args, "add_bos_token")
@@ -211,6 +214,9 @@ class DlmjaxLM(TemplateLM):
         if self.cfg and self.causal:
             raise ModelArgsError(f"model_args cfg={self.cfg} guides a diffusion model's log-likelihood against its "
                                  "context masked; a causal model has no mask token to do that with: drop cfg")
+        if self.eos_suffix and self.causal:
+            raise ModelArgsError("model_args eos_suffix=true conditions a diffusion model's log-likelihood on an EOS "
+                                 "after the continuation; a causal model reads left to right and cannot: drop it")
         self.use_decoder(args["decoder"])
 
     def use_decoder(self, decoder: str | None) -> None:
@@ -378,8 +384,12 @@ class DlmjaxLM(TemplateLM):
 
     # ------------------------------------------------------------------ log-likelihoods
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, rolling: bool = False,
+                              **kwargs) -> list[tuple[float, bool]]:
+        """(log-likelihood, is_greedy) per (cache key, context ids, continuation ids); `rolling`
+        windows of one document take no EOS suffix (the document goes on after them)."""
         pairs = [self._fit(ctx, cont) for _, ctx, cont in requests]
+        suffix = [self.eot_token_id] if self.eos_suffix and not rolling else []
         if self.causal:
             results = causal_logprobs(self.model, pairs, batch_size=self.batch_size, pad_id=self.eot_token_id,
                                       prefix_id=self.prefix_token_id)
@@ -391,7 +401,7 @@ class DlmjaxLM(TemplateLM):
             for ctx, cont in tqdm(pairs, desc="dlmjax loglikelihood (Monte Carlo)", disable=disable_tqdm):
                 value = masked_diffusion_bound(self.model, ctx, cont, mc_num=self.mc_num, seed=self.seed,
                                                mask_id=int(mask_id), batch_size=self.mc_batch, pad_id=self.eot_token_id,
-                                               cfg=self.cfg)
+                                               cfg=self.cfg, suffix=suffix)
                 results.append((value, False))  # greedy-ness is not estimated (as in LLaDA's evaluation)
         for (key, _, _), result in zip(requests, results):
             if key is not None:
@@ -413,7 +423,7 @@ class DlmjaxLM(TemplateLM):
     def _scored_length(self) -> int:
         """Most tokens one window scores: a causal model reads all but the last of context +
         continuation, a diffusion model reads them all."""
-        return self.max_length if self.causal else self.max_length - 1
+        return self.max_length if self.causal else self.max_length - 1 - self.eos_suffix
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each document scored in disjoint windows of the model's length, as lm-eval's HF model does."""
@@ -423,7 +433,8 @@ class DlmjaxLM(TemplateLM):
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self._scored_length(),
                 context_len=1)]
-            scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True)
+            scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True,
+                                                rolling=True)
             total = sum(score for score, _ in scores)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             results.append(total)
