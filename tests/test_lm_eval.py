@@ -514,6 +514,54 @@ def test_guidance_is_refused_where_it_cannot_apply_and_reaches_the_lm_eval_model
         guided.generate_until([])
 
 
+def greedy_reference(model, context, length, mask_id, cfg=0.0):
+    """LLaDA's suffix_greedy_prediction as a plain loop over whole-row forwards: `length` masks
+    after the context, each step revealing the most confident masked position's argmax (the mask
+    id never proposed; a block-causal model's first unfinished block only)."""
+    import jax
+    import jax.numpy as jnp
+
+    seq = np.asarray(list(context) + [mask_id] * length)
+    block = model.config.block_size if model.config.attention == "block_causal" else len(seq)
+    for _ in range(length):
+        logits = np.asarray(model(jnp.asarray(seq[None])).logits[0], np.float64)
+        if cfg:
+            guide = np.asarray(model(jnp.asarray(np.where(np.arange(len(seq)) < len(context), mask_id, seq)[None]))
+                               .logits[0], np.float64)
+            logits = guide + (cfg + 1) * (logits - guide)
+        logits[:, mask_id] = -np.inf
+        confidence = np.asarray(jax.nn.softmax(logits, axis=-1)).max(axis=-1)
+        masked = np.flatnonzero(seq == mask_id)
+        candidates = masked[masked // block == masked[0] // block]
+        pick = candidates[np.argmax(confidence[candidates])]
+        seq[pick] = np.argmax(logits[pick])
+    return seq[len(context):].tolist()
+
+
+@pytest.mark.parametrize("which", ["toy_sdar", "llada", "dream", "llada+cfg"])
+def test_greedy_check_is_llada_suffix_greedy_prediction(which, request):
+    """greedy_continuation is True for what LLaDA's one-token-a-forward greedy loop decodes from
+    the context (toy-sdar block by block, Dream's shifted logits, guided logits) and False once a
+    token of it changes; DlmjaxLM reports it with is_check_greedy=true."""
+    from test_decoding import peaky_model
+
+    from dlmjax.lm_eval.likelihood import greedy_continuation
+
+    model = request.getfixturevalue("toy_sdar")[1] if which == "toy_sdar" else peaky_model(which.split("+")[0], 5)
+    cfg = 0.5 if which.endswith("+cfg") else 0.0
+    mask_id = model.config.mask_token_id
+    context = np.random.default_rng(4).integers(3, min(model.config.vocab_size, 30), 9).tolist()
+    greedy = greedy_reference(model, context, 11, mask_id, cfg)  # toy-sdar: from mid-block over two boundaries
+    assert greedy_continuation(model, context, greedy, mask_id=mask_id, cfg=cfg)
+    changed = greedy.copy()
+    changed[7] = 3 if changed[7] != 3 else 4
+    assert not greedy_continuation(model, context, changed, mask_id=mask_id, cfg=cfg)
+    if which == "toy_sdar":
+        lm = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, is_check_greedy="true", mc_num=2, mc_batch=2)
+        results = lm._loglikelihood_tokens([(None, context, greedy), (None, context, changed)], disable_tqdm=True)
+        assert [g for _, g in results] == [True, False]
+
+
 @pytest.mark.usefixtures("kernel_numerics")
 @pytest.mark.parametrize("which", ["toy-ar", "toy-sdar"])
 def test_likelihoods_on_the_kernel_path_make_no_logits(which, monkeypatch):

@@ -22,6 +22,11 @@ the mean over `mc_num` samples. Masks are drawn on the host from a generator see
 (seed, the request's tokens), so a request's estimate depends on nothing else (not its batch,
 not its position).
 
+Greedy-ness (`greedy_continuation`, LLaDA's `is_check_greedy`): the continuation is masked after
+the context and revealed one position per forward, the most confident masked position (of the
+first unfinished block, for a block-causal model) taking its argmax; the continuation is greedy
+if that gives it back.
+
 A `suffix` (Dream's evaluation appends EOS) follows the continuation, clean and never masked: the
 bound is then on log p(continuation | context, suffix after it).
 
@@ -232,6 +237,43 @@ def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *
     full = np.zeros(tokens.shape, np.float32)
     full[:, first : first + span] = np.asarray(jax.device_get(scores))
     return np.where(masked, full[:, : len(clean)], 0.0)
+
+
+@partial(arithmetic.jit, static_argnames=("graphdef", "block_size", "mask_id", "cfg"))
+def _reveal_most_confident(graphdef, params, tokens_bl, valid_bl, context_bl, *, block_size, mask_id, cfg=0.0):
+    """The rows with one more masked position revealed: the most confident (of the first block
+    with a masked position, for a block-causal model) takes its argmax; the mask id is never
+    proposed. With `cfg`, from the guided logits."""
+    model = nnx.merge(graphdef, params)
+    logits = model(tokens_bl, valid_bl=valid_bl).logits.astype(jnp.float32)
+    if cfg:
+        guide = model(jnp.where(context_bl, mask_id, tokens_bl), valid_bl=valid_bl).logits.astype(jnp.float32)
+        logits = guide + (cfg + 1) * (logits - guide)
+    logits = logits.at[..., mask_id].set(-jnp.inf)
+    best, confidence = jnp.argmax(logits, axis=-1), jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+    masked = tokens_bl == mask_id
+    if block_size:  # the first block that still has a masked position
+        blocks = jnp.arange(tokens_bl.shape[1]) // block_size
+        first = jnp.min(jnp.where(masked, blocks, tokens_bl.shape[1]), axis=1, keepdims=True)
+        masked &= blocks == first
+    pick = jnp.argmax(jnp.where(masked, confidence, -1.0), axis=1)
+    rows = jnp.arange(tokens_bl.shape[0])
+    return tokens_bl.at[rows, pick].set(jnp.where(masked[rows, pick], best[rows, pick], tokens_bl[rows, pick]))
+
+
+def greedy_continuation(model: Transformer, context: list[int], continuation: list[int], *, mask_id: int,
+                        pad_id: int = 0, cfg: float = 0.0) -> bool:
+    """Whether greedy decoding from `context` gives `continuation` (module docstring): one forward
+    per continuation token."""
+    block = model.config.block_size if model.config.attention == "block_causal" else None
+    width = _bucket(len(context) + len(continuation))
+    tokens, valid = _pad_rows([list(context) + [mask_id] * len(continuation)], width, pad_id)
+    context_bl = np.arange(width)[None] < len(context)
+    graphdef, params = nnx.split(model)
+    for _ in continuation:
+        tokens = _reveal_most_confident(graphdef, params, tokens, valid, context_bl, block_size=block,
+                                        mask_id=mask_id, cfg=float(cfg))
+    return np.asarray(tokens)[0, len(context) : len(context) + len(continuation)].tolist() == list(continuation)
 
 
 def masked_diffusion_bound(model: Transformer, context: list[int], continuation: list[int], *, mc_num: int,

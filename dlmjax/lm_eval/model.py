@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from dlmjax.decoding.api import Stream, _round_up
 from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, parse_decoder
-from dlmjax.lm_eval.likelihood import causal_logprobs, masked_diffusion_bound
+from dlmjax.lm_eval.likelihood import causal_logprobs, greedy_continuation, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
 from dlmjax.models.moe import EXPERT_DISPATCH, set_expert_dispatch
 from dlmjax.validation import InputError
@@ -53,6 +53,8 @@ MODEL_ARGS: dict[str, tuple[object, str]] = {
     "seed": (0, "sampling seed of sampled decoders and of the Monte Carlo masks"),
     "mc_num": (128, "Monte Carlo samples per diffusion log-likelihood"),
     "mc_batch": (32, "Monte Carlo samples per forward"),
+    "is_check_greedy": (False, "diffusion log-likelihoods also check is_greedy by decoding the continuation one "
+                               "token a forward (LLaDA's is_check_greedy; lambada's acc reads it): true or false"),
     "eos_suffix": (False, "diffusion log-likelihoods condition on an EOS after the continuation, never masked "
                           "(Dream's evaluation does): true or false"),
     "cfg": (0.0, "classifier-free guidance scale of diffusion log-likelihoods (LLaDA's `cfg`: u + (cfg+1)(c - u) "
@@ -189,6 +191,7 @@ class DlmjaxLM(TemplateLM):
         self.seed = _int_arg(args, "seed", minimum=0)
         self.cfg = _guidance_arg(args)
         self.eos_suffix = _bool_arg(args, "eos_suffix")
+        self.is_check_greedy = _bool_arg(args, "is_check_greedy")
         self.refill = _int_arg(args, "refill")
         self.warmup = _bool_arg(args, "warmup")
         self.add_bos_token = None if args["add_bos_token"] is None else _bool_arg(args, "add_bos_token")
@@ -397,12 +400,18 @@ class DlmjaxLM(TemplateLM):
             mask_id = self.config.mask_token_id if self.config.mask_token_id is not None else self.tokenizer.mask_id
             if mask_id is None:
                 raise ModelArgsError(f"{self.path} has no mask token; the diffusion log-likelihood needs one")
+            if not self.is_check_greedy and not rolling:
+                log.warning("is_greedy is False for every diffusion log-likelihood (model_args is_check_greedy=false, "
+                            "as LLaDA's evaluation recommends); a metric that reads it (lambada's acc) needs "
+                            "is_check_greedy=true")
             results = []
             for ctx, cont in tqdm(pairs, desc="dlmjax loglikelihood (Monte Carlo)", disable=disable_tqdm):
                 value = masked_diffusion_bound(self.model, ctx, cont, mc_num=self.mc_num, seed=self.seed,
                                                mask_id=int(mask_id), batch_size=self.mc_batch, pad_id=self.eot_token_id,
                                                cfg=self.cfg, suffix=suffix)
-                results.append((value, False))  # greedy-ness is not estimated (as in LLaDA's evaluation)
+                greedy = self.is_check_greedy and greedy_continuation(self.model, ctx, cont, mask_id=int(mask_id),
+                                                                      pad_id=self.eot_token_id, cfg=self.cfg)
+                results.append((value, greedy))
         for (key, _, _), result in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, result)
