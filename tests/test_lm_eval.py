@@ -348,6 +348,7 @@ def test_diffusion_estimate_approaches_the_enumerated_bound(which, request):
 
 
 def test_an_eos_suffix_is_never_masked_and_reaches_the_lm_eval_model():
+    """...but not its rolling windows: a document goes on after each of them."""
     from dlmjax.lm_eval.likelihood import sample_masks
 
     samples = sample_masks([5, 9], [11, 4, 20], mc_num=64, seed=0, block_size=None, suffix=[1])
@@ -359,6 +360,10 @@ def test_an_eos_suffix_is_never_masked_and_reaches_the_lm_eval_model():
     bound = partial(masked_diffusion_bound, lm.model, ctx, cont, mc_num=8, seed=0, mask_id=lm.config.mask_token_id,
                     batch_size=8, pad_id=lm.eot_token_id)
     assert value == bound(suffix=[lm.eot_token_id]) != bound()
+    plain = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, mc_num=8, mc_batch=8)
+    document = [Instance("loglikelihood_rolling", {}, ("12+7=19\n19-3=16",), 0, ("t", 0, 1))]
+    assert lm.loglikelihood_rolling(document, disable_tqdm=True) == plain.loglikelihood_rolling(document,
+                                                                                                  disable_tqdm=True)
     with pytest.raises(ModelArgsError, match="eos_suffix=true.*a causal model.*drop it"):
         DlmjaxLM(pretrained="toy-ar", mesh_data=1, warmup=False, eos_suffix=True)
 
