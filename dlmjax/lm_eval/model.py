@@ -431,7 +431,7 @@ class DlmjaxLM(TemplateLM):
 
     def _scored_length(self) -> int:
         """Most tokens one window scores: a causal model reads all but the last of context +
-        continuation, a diffusion model reads them all."""
+        continuation, a diffusion model reads them all (and an EOS suffix after them, where set)."""
         return self.max_length if self.causal else self.max_length - 1 - self.eos_suffix
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
