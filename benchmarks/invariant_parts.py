@@ -4,7 +4,7 @@ benchmarks/exactness.py).
 
 Each part runs `--chain` times in one program (each call fed the last one's output, so none can be
 hoisted), median of `--repeats` calls, divided by the chain: the host's dispatch counts once.
-A lax.map of MIN_TILES iterations of `x + 1` gives the cost of a tile loop itself.
+A lax.map of `min_tiles` iterations of `x + 1` gives the cost of a tile loop itself.
 
     PYTHONPATH=. python benchmarks/invariant_parts.py               # on a GPU
     PYTHONPATH=. python benchmarks/invariant_parts.py --shape sdar-mini   # CPU smoke run

@@ -44,13 +44,16 @@ class Numerics:
     row_tile: int = 128  # rows per matmul tile in invariant mode
     query_tile: int = 16  # queries per attention tile (per row) in invariant mode
     sequence_tile: int = 4  # batch rows per attention tile in invariant mode
+    min_tiles: int = 2  # iterations a tile loop runs at least in invariant mode (see `row_tiles`)
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
             raise InputError(f"precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if min(self.row_tile, self.query_tile, self.sequence_tile) < 1:
-            raise InputError(f"row_tile={self.row_tile}, query_tile={self.query_tile} and "
-                             f"sequence_tile={self.sequence_tile} must be >= 1")
+        sizes = dict(row_tile=self.row_tile, query_tile=self.query_tile, sequence_tile=self.sequence_tile,
+                     min_tiles=self.min_tiles)
+        bad = [f"{name}={value}" for name, value in sizes.items() if value < 1]
+        if bad:
+            raise InputError(f"{', '.join(bad)}: tile sizes and counts must be >= 1")
 
 
 _CURRENT: contextvars.ContextVar[Numerics] = contextvars.ContextVar(
@@ -63,10 +66,11 @@ def current() -> Numerics:
 
 @contextlib.contextmanager
 def numerics(precision: str | None = None, invariant: bool | None = None, row_tile: int | None = None,
-             query_tile: int | None = None, sequence_tile: int | None = None):
+             query_tile: int | None = None, sequence_tile: int | None = None, min_tiles: int | None = None):
     """Set the numerics for the code inside (unset arguments keep the current value)."""
     changes = {name: value for name, value in dict(precision=precision, invariant=invariant, row_tile=row_tile,
-                                                   query_tile=query_tile, sequence_tile=sequence_tile).items()
+                                                   query_tile=query_tile, sequence_tile=sequence_tile,
+                                                   min_tiles=min_tiles).items()
                if value is not None}
     with _use(replace(current(), **changes)):
         yield current()
@@ -114,19 +118,19 @@ def jit(fun=None, **jit_kwargs):
     return call
 
 
-# A tiled computation runs as a loop of at least this many iterations. XLA removes a loop of one
-# iteration and fuses its body with what surrounds it, and the code it then emits for the tile
-# differs from the loop body's (on CPU, which product of `a * b + c * d` LLVM contracts into an
-# FMA): a batch that fits one tile rounded differently from a batch of several (up to 3e-7 in fp32
-# at XLA's default optimisation level, from RoPE). XLA also drops optimization barriers before fusing, so the
-# barriers below keep the tiles apart only where XLA honours them.
-MIN_TILES = 2
-
-
 def row_tiles(a_mk, tile: int):
-    """[M, K] -> [N, tile, K]: zero rows pad the last tile, and further tiles up to MIN_TILES."""
+    """[M, K] -> [N, tile, K]: zero rows pad the last tile, and further tiles up to `min_tiles`.
+
+    A tiled computation runs as a loop of at least `Numerics.min_tiles` iterations (2). XLA
+    removes a loop of one iteration and fuses its body with what surrounds it, and the code it
+    then emits for the tile differs from the loop body's (on CPU, which product of `a * b + c * d`
+    LLVM contracts into an FMA): a batch that fits one tile rounded differently from a batch of
+    several (up to 3e-7 in fp32 at XLA's default optimisation level, from RoPE). XLA also drops
+    optimization barriers before fusing, so the barriers keep the tiles apart only where XLA
+    honours them. `min_tiles=1` is for measuring what the loops cost (on a GPU each iteration is a
+    few kernel launches); it gives up that equality."""
     m = a_mk.shape[0]
-    n = max(MIN_TILES, -(-m // tile))
+    n = max(current().min_tiles, -(-m // tile))
     return jnp.pad(a_mk, ((0, n * tile - m), (0, 0))).reshape(n, tile, a_mk.shape[-1])
 
 
@@ -160,7 +164,7 @@ def matmul(x_mk, w_kn, preferred_element_type=None):
 
     def one_tile(x_tk):
         # The barriers keep XLA from fusing the dot with what surrounds it differently per shape,
-        # where XLA honours them (see MIN_TILES).
+        # where XLA honours them (see `row_tiles`).
         y = jnp.matmul(jax.lax.optimization_barrier(x_tk), w_kn, preferred_element_type=preferred_element_type)
         return jax.lax.optimization_barrier(y)
 

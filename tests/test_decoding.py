@@ -252,7 +252,7 @@ def test_long_forwards_make_logits_only_where_they_are_read(family, spec, rows, 
     """A forward over a whole canvas or prompt computes logits for the block (or the prompt's last
     token) only: no vocabulary-wide array of the compiled decode has more than batch x `rows`
     rows, where the chunk's logits would have batch x its length (80 or 48 here). The invariant
-    numerics mode computes whole tiles of rows (16 here), at least `arithmetic.MIN_TILES` of them."""
+    numerics mode computes whole tiles of rows (16 here), at least `min_tiles` of them."""
     from dlmjax.decoding import ar
     from hlo import first_program, logits_rows
 
@@ -265,7 +265,7 @@ def test_long_forwards_make_logits_only_where_they_are_read(family, spec, rows, 
                                   lambda: generate(model, prompts, decoder=spec, max_new_tokens=8))
     made, read = logits_rows(hlo, model.config), 3 * rows
     if invariant:
-        read = max(arithmetic.MIN_TILES, -(-read // tile)) * tile
+        read = max(arithmetic.current().min_tiles, -(-read // tile)) * tile
     assert made and max(made) <= read, made
 
 

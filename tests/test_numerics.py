@@ -101,7 +101,7 @@ def test_invariant_mode_holds_at_xlas_default_optimisation_level():
     0 (conftest, for speed), where these layouts were equal; at XLA's default level LLVM contracts
     products into FMAs, and which product depended on whether a tiled loop ran once or more: a row
     alone differed from itself in a batch by 3e-7 in fp32 until every tiled loop ran at least twice
-    (arithmetic.MIN_TILES)."""
+    (`Numerics.min_tiles`)."""
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-c", AT_DEFAULT_LEVEL], cwd=Path(__file__).parent, env=env,
                          capture_output=True, text=True, timeout=600)
@@ -164,6 +164,19 @@ def test_compiled_functions_are_keyed_by_the_numerics():
         assert int(mode(jnp.int32(0))) == 0
 
 
+def test_tile_loops_run_min_tiles_times_and_programs_are_keyed_by_it():
+    """A batch that fits one tile still loops `min_tiles` times (2, see `arithmetic.row_tiles`);
+    `min_tiles=1` compiles a program of its own, never one traced under 2."""
+    tiles = arithmetic.jit(lambda x: arithmetic.row_tiles(x, 4).shape[0] + 0 * x.sum())
+    x = jnp.ones((3, 2))
+    assert int(tiles(x)) == 2
+    with dlmjax.numerics(min_tiles=1):
+        assert int(tiles(x)) == 1
+    with dlmjax.numerics(min_tiles=3):
+        assert arithmetic.row_tiles(jnp.ones((9, 2)), 4).shape == (3, 4, 2)
+    assert int(tiles(x)) == 2
+
+
 def test_precision_sets_jax_matmul_precision_inside_and_restores_it():
     before = jax.config.jax_default_matmul_precision
     with dlmjax.numerics(precision="highest") as setting:
@@ -174,8 +187,9 @@ def test_precision_sets_jax_matmul_precision_inside_and_restores_it():
 
 @pytest.mark.parametrize("options, message", [
     (dict(precision="tf32"), "choose one of default, highest"),
-    (dict(row_tile=0), "must be >= 1"),
-    (dict(sequence_tile=0), "sequence_tile=0 must be >= 1"),
+    (dict(row_tile=0), "row_tile=0: tile sizes and counts must be >= 1"),
+    (dict(sequence_tile=0), "sequence_tile=0: tile sizes"),
+    (dict(min_tiles=0, query_tile=-1), "query_tile=-1, min_tiles=0: tile sizes"),
 ])
 def test_bad_numerics_options(options, message):
     with pytest.raises(InputError, match=message):

@@ -165,9 +165,9 @@ def _attention_tiled(q_blhd, kv_parts, tile: int, sequences: int):
     """`_attention` over tiles of `sequences` batch rows and, within them, tiles of `tile` queries
     (zero rows and queries pad the last), so that every score and value reduction has one shape
     whatever the batch or the number of queries; a row's scores never mix with another row's. The
-    row tiles run as a loop of at least `arithmetic.MIN_TILES` iterations, for the reason given there."""
+    row tiles run as a loop of at least `min_tiles` iterations (`arithmetic.row_tiles` says why)."""
     b, l, h, d = q_blhd.shape
-    pad, groups = -l % tile, max(arithmetic.MIN_TILES, -(-b // sequences))
+    pad, groups = -l % tile, max(arithmetic.current().min_tiles, -(-b // sequences))
     rows = groups * sequences
 
     def grouped(x, axis_1: int):  # [groups, sequences, ...]: rows up to `rows`, axis 1 up to a whole tile
