@@ -249,16 +249,13 @@ def _reveal_most_confident(graphdef, params, tokens_bl, valid_bl, context_bl, *,
     if cfg:
         guide = model(jnp.where(context_bl, mask_id, tokens_bl), valid_bl=valid_bl).logits.astype(jnp.float32)
         logits = guide + (cfg + 1) * (logits - guide)
-    logits = logits.at[..., mask_id].set(-jnp.inf)
-    best, confidence = jnp.argmax(logits, axis=-1), jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+    scores = policies.score(logits, mask_id=mask_id)
     masked = tokens_bl == mask_id
     if block_size:  # the first block that still has a masked position
         blocks = jnp.arange(tokens_bl.shape[1]) // block_size
         first = jnp.min(jnp.where(masked, blocks, tokens_bl.shape[1]), axis=1, keepdims=True)
         masked &= blocks == first
-    pick = jnp.argmax(jnp.where(masked, confidence, -1.0), axis=1)
-    rows = jnp.arange(tokens_bl.shape[0])
-    return tokens_bl.at[rows, pick].set(jnp.where(masked[rows, pick], best[rows, pick], tokens_bl[rows, pick]))
+    return jnp.where(policies.top_k_mask(scores.confidence, masked, 1), scores.tokens, tokens_bl)
 
 
 def greedy_continuation(model: Transformer, context: list[int], continuation: list[int], *, mask_id: int,
