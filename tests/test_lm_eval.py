@@ -414,6 +414,35 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
     assert nothing.shape == masked.shape and not nothing.any()
 
 
+def whole_row_reference(model, clean, masked, *, mask_id, cfg=0.0, context_len=0):
+    """[S, L] log-probs of the masked tokens from the model's own whole-row forwards. A
+    block-causal model gets one row per (pattern, block): that block as the pattern masks it, the
+    blocks before it clean, the blocks after it unseen (a bidirectional model: one block). With
+    `cfg`, from LLaDA's guided logits u + (cfg + 1)(c - u): c of the row, u of it with the first
+    `context_len` tokens masked too."""
+    import jax
+    import jax.numpy as jnp
+
+    positions = np.arange(len(clean))
+    block = model.config.block_size if model.config.attention == "block_causal" else len(clean)
+    pairs = sorted({(i, p // block) for i, p in zip(*np.nonzero(masked))})
+    in_block = [positions // block == b for _, b in pairs]
+    noisy = np.stack([np.where(masked[i] & cols, mask_id, clean) for (i, _), cols in zip(pairs, in_block)])
+
+    def logits(rows):
+        return np.asarray(model(jnp.asarray(rows)).logits, np.float64)
+
+    guided = logits(noisy)
+    if cfg:
+        u = logits(np.where(positions < context_len, mask_id, noisy))
+        guided = u + (cfg + 1) * (guided - u)
+    logp = np.asarray(jax.nn.log_softmax(guided, axis=-1))
+    expected = np.zeros(masked.shape)
+    for r, ((i, _), cols) in enumerate(zip(pairs, in_block)):
+        expected[i] += np.where(masked[i] & cols, logp[r, positions, clean], 0.0)
+    return expected
+
+
 @pytest.mark.parametrize("which", ["toy_sdar", "fast_dllm_v2"])
 def test_a_block_causal_masked_position_is_scored_as_its_noisy_block_after_the_clean_ones(which, request):
     """The reference is the model's plain forward of the clean blocks before a position's block
@@ -421,8 +450,6 @@ def test_a_block_causal_masked_position_is_scored_as_its_noisy_block_after_the_c
     v2's shifted logits, the column before it, which for a block's first position is the clean
     block's last). The continuation starts mid-block and crosses two block boundaries, whose first
     positions are masked in some patterns and not in others."""
-    import jax
-    import jax.numpy as jnp
     from test_decoding import peaky_model
 
     model = request.getfixturevalue("toy_sdar")[1] if which == "toy_sdar" else peaky_model(which, 3)
@@ -435,42 +462,7 @@ def test_a_block_causal_masked_position_is_scored_as_its_noisy_block_after_the_c
     masked[:2, [3 * block, 4 * block]] = True
     masked[2:, [3 * block, 4 * block]] = False
     got = masked_logprobs(model, clean, masked, mask_id=mask_id)
-    # one row per (pattern, block): that block as the pattern masks it, every other block clean
-    # (the blocks after it are not seen), all in one forward
-    pairs = sorted({(i, p // block) for i, p in zip(*np.nonzero(masked))})
-    in_block = [np.arange(total) // block == b for _, b in pairs]
-    rows = np.stack([np.where(masked[i] & cols, mask_id, clean) for (i, _), cols in zip(pairs, in_block)])
-    logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray(rows)).logits.astype(jnp.float32), axis=-1))
-    expected = np.zeros(masked.shape)
-    for r, ((i, _), cols) in enumerate(zip(pairs, in_block)):
-        expected[i] += np.where(masked[i] & cols, logp[r, np.arange(total), clean], 0.0)
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def guided_reference(model, clean, masked, *, mask_id, cfg, context_len):
-    """[S, L] log-probs from LLaDA's guided logits u + (cfg + 1)(c - u), each from the model's own
-    whole-row forward: c of the noisy row, u of it with the context masked too. A block-causal
-    model gets one row per (pattern, block) as in the test above: that block noisy, the blocks
-    before it clean (the context masked in u's), the blocks after it unseen."""
-    import jax
-    import jax.numpy as jnp
-
-    positions = np.arange(len(clean))
-    block = model.config.block_size if model.config.attention == "block_causal" else len(clean)
-    pairs = sorted({(i, p // block) for i, p in zip(*np.nonzero(masked))})
-    in_block = [positions // block == b for _, b in pairs]
-    noisy = np.stack([np.where(masked[i] & cols, mask_id, clean) for (i, _), cols in zip(pairs, in_block)])
-    unconditional = np.where(positions < context_len, mask_id, noisy)
-
-    def logits(rows):
-        return np.asarray(model(jnp.asarray(rows)).logits, np.float64)
-
-    c, u = logits(noisy), logits(unconditional)
-    logp = np.asarray(jax.nn.log_softmax(u + (cfg + 1) * (c - u), axis=-1))
-    expected = np.zeros(masked.shape)
-    for r, ((i, _), cols) in enumerate(zip(pairs, in_block)):
-        expected[i] += np.where(masked[i] & cols, logp[r, positions, clean], 0.0)
-    return expected
+    np.testing.assert_allclose(got, whole_row_reference(model, clean, masked, mask_id=mask_id), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("which", ["toy_sdar", "llada", "dream"])
@@ -489,7 +481,7 @@ def test_guided_log_probs_are_llada_cfg_over_the_whole_rows_logits(which, reques
     masked[:, context_len] = True
     for cfg in (0.0, 1.5):
         got = masked_logprobs(model, clean, masked, mask_id=mask_id, cfg=cfg, context_len=context_len)
-        expected = guided_reference(model, clean, masked, mask_id=mask_id, cfg=cfg, context_len=context_len)
+        expected = whole_row_reference(model, clean, masked, mask_id=mask_id, cfg=cfg, context_len=context_len)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     ctx, cont = clean[:context_len].tolist(), clean[context_len:].tolist()
     estimates = [masked_diffusion_bound(model, ctx, cont, mc_num=8, seed=0, mask_id=mask_id, batch_size=8, cfg=cfg)
