@@ -17,9 +17,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
                            " --xla_backend_optimization_level=0").strip()
 if os.environ.get("DLMJAX_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    # XLA:CPU's older fusion emitters compile the engine's programs ~25% faster than its MLIR
-    # ones (benchmarks/results/compile_flags.md); test_numerics checks the users' default flags
-    # in a process of its own.
+    # XLA:CPU's older fusion emitters compile the engine's programs 20-30% faster than its MLIR
+    # ones (benchmarks/results/compile_flags/cpu.md); test_numerics checks the users' default
+    # flags in a process of its own.
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 else:
     # XLA's GPU autotuner times several configurations of every matmul it compiles; the tests'

@@ -29,6 +29,7 @@ from dlmjax.lm_eval.likelihood import continuation_groups, masked_diffusion_boun
 from dlmjax.presets import load_checkpoint  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
+from tiny_models import compiled_forward  # noqa: E402
 
 LIMIT = 8
 MAX_GEN = 48
@@ -430,7 +431,7 @@ def whole_row_reference(model, clean, masked, *, mask_id, cfg=0.0, context_len=0
     noisy = np.stack([np.where(masked[i] & cols, mask_id, clean) for (i, _), cols in zip(pairs, in_block)])
 
     def logits(rows):
-        return np.asarray(model(jnp.asarray(rows)).logits, np.float64)
+        return np.asarray(compiled_forward(model)(jnp.asarray(rows)).logits, np.float64)
 
     guided = logits(noisy)
     if cfg:
@@ -520,10 +521,11 @@ def greedy_reference(model, context, length, mask_id, cfg=0.0):
 
     seq = np.asarray(list(context) + [mask_id] * length)
     block = model.config.block_size if model.config.attention == "block_causal" else len(seq)
+    forward = compiled_forward(model)
     for _ in range(length):
-        logits = np.asarray(model(jnp.asarray(seq[None])).logits[0], np.float64)
+        logits = np.asarray(forward(jnp.asarray(seq[None])).logits[0], np.float64)
         if cfg:
-            guide = np.asarray(model(jnp.asarray(np.where(np.arange(len(seq)) < len(context), mask_id, seq)[None]))
+            guide = np.asarray(forward(jnp.asarray(np.where(np.arange(len(seq)) < len(context), mask_id, seq)[None]))
                                .logits[0], np.float64)
             logits = guide + (cfg + 1) * (logits - guide)
         logits[:, mask_id] = -np.inf
