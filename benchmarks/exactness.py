@@ -69,17 +69,24 @@ def _steps(graphdef, state, block_bk, cache, steps: int):
     return jax.lax.fori_loop(0, steps, step, block_bk)
 
 
-def step_ms(model, batch: int, prompt_len: int, block: int, repeats: int, steps: int = 8) -> float:
-    """Median device ms of one decode-step forward at `batch` rows: `repeats` timings of `steps`
-    chained steps in one program, each divided by `steps`, so the host's dispatch of a program
-    (flattening the weights' pytree, launching) counts once per `steps`, as in the engine's loop
-    where it counts once per generation."""
+def step_inputs(model, batch: int, prompt_len: int, block: int):
+    """(block of random tokens, KV cache of a random prompt) at `batch` rows. The prefill runs in the
+    fast mode: it only sets up the cache that both modes' steps read."""
     graphdef, state = nnx.split(model)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     prompts = jnp.asarray(rng.integers(0, vocab - 2, (batch, prompt_len)), jnp.int32)
     block_bk = jnp.asarray(rng.integers(0, vocab - 2, (batch, block)), jnp.int32)
-    cache = _prefill(graphdef, state, prompts, jnp.zeros(prompt_len + block))
+    with dlmjax.numerics(**MODES["fast"]):
+        return block_bk, _prefill(graphdef, state, prompts, jnp.zeros(prompt_len + block))
+
+
+def step_ms(model, block_bk, cache, repeats: int, steps: int = 8) -> float:
+    """Median device ms of one decode-step forward over `block_bk`'s rows: `repeats` timings of
+    `steps` chained steps in one program, each divided by `steps`, so the host's dispatch of a
+    program (flattening the weights' pytree, launching) counts once per `steps`, as in the engine's
+    loop where it counts once per generation."""
+    graphdef, state = nnx.split(model)
     jax.block_until_ready(_steps(graphdef, state, block_bk, cache, steps))  # compile
     times = []
     for _ in range(repeats):
@@ -123,6 +130,9 @@ def main():
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--skip-agreement", action="store_true")
+    p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES),
+                   help="the numerics modes whose agreement is measured (the cost compares both)")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results/exactness)")
     args = p.parse_args()
     device = jax.devices()[0]
@@ -140,15 +150,17 @@ def main():
         items = load_eval_set("toy-arith", limit=args.prompts - half).items + load_eval_set("toy-constraint", limit=half).items
         prompts, max_new, name = [item.prompt for item in items], args.max_new or 32, "toy-sdar"
     block = model.config.block_size
-    lines = [f"`{command}`", "", f"jax {jax.__version__}, {device.platform} {device.device_kind}, model {name}", "",
-             f"Decode-step forward ({block} tokens against {args.prompt_len} cached), median of {args.repeats}:", "",
-             "| batch | fast ms | invariant ms | invariant / fast |", "|---:|---:|---:|---:|"]
+    lines = [f"`{command}`", "", f"jax {jax.__version__}, {device.platform} {device.device_kind}, model {name}"]
+    if not args.skip_cost:
+        lines += ["", f"Decode-step forward ({block} tokens against {args.prompt_len} cached), median of {args.repeats}:",
+                  "", "| batch | fast ms | invariant ms | invariant / fast |", "|---:|---:|---:|---:|"]
     costs = []
-    for batch in args.batches:
+    for batch in [] if args.skip_cost else args.batches:
+        block_bk, cache = step_inputs(model, batch, args.prompt_len, block)
         ms = {}
         for mode, setting in MODES.items():
             with dlmjax.numerics(**setting):
-                ms[mode] = step_ms(model, batch, args.prompt_len, block, args.repeats)
+                ms[mode] = step_ms(model, block_bk, cache, args.repeats)
         costs.append(dict(batch=batch, **{f"{m}_ms": v for m, v in ms.items()}))
         lines.append(f"| {batch} | {ms['fast']:.2f} | {ms['invariant']:.2f} | {ms['invariant'] / ms['fast']:.2f}x |")
         print(lines[-1], flush=True)
@@ -157,8 +169,8 @@ def main():
         batch = max(args.batches)
         lines += ["", f"Token agreement over {len(prompts)} prompts, {max_new} new tokens, batch {batch}:", "",
                   "| mode | comparison | identical rows | token agreement |", "|---|---|---:|---:|"]
-        for mode, setting in MODES.items():
-            with dlmjax.numerics(**setting):
+        for mode in args.modes:
+            with dlmjax.numerics(**MODES[mode]):
                 for comparison, rows_same, tokens_same in agreement_runs(model, head, tokenizer, prompts, max_new,
                                                                          batch, block):
                     agreements.append(dict(mode=mode, comparison=comparison, identical_rows=rows_same,
