@@ -359,7 +359,8 @@ def section_transformers(model, args):
                      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                      num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_position_embeddings=32768)
     torch.manual_seed(0)
-    net = Qwen3ForCausalLM(hf).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # initialised where it runs (on the host, 2B weights take minutes)
+        net = Qwen3ForCausalLM(hf).to(dtype=dtype).eval()
     cache_name = torch_cache_name(net)
     lines = [f"transformers {__import__('transformers').__version__} eager forward on {device} "
              f"({args.block} tokens against {args.prompt_len} cached):", "", "| batch | ms |", "|---:|---:|"]

@@ -103,7 +103,8 @@ def agreement(rows, reference_rows) -> tuple[float, float]:
 
 
 def agreement_runs(model, head, tokenizer, prompts, max_new: int, batch: int, block: int):
-    """[(comparison, identical rows, token agreement)] of the three comparisons in the current mode."""
+    """(comparison, identical rows, token agreement) of the three comparisons in the current mode, each
+    as soon as it is measured."""
     def run(decoder, batch_prompts):
         return generate(model, batch_prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new,
                         head=head).rows
@@ -112,13 +113,13 @@ def agreement_runs(model, head, tokenizer, prompts, max_new: int, batch: int, bl
         return [row for s in range(0, len(prompts), batch) for row in run(decoder, prompts[s:s + batch])]
 
     threshold = "threshold:tau=0.9"
-    results = [(f"psd:policy=threshold,tau=0.9,depth=3 vs {threshold}",
-                *agreement(batched("psd:policy=threshold,tau=0.9,depth=3"), batched(threshold)))]
-    if head is not None:
-        results.append(("mrp-spec:drafts=3 vs static", *agreement(batched("mrp-spec:drafts=3"), batched("static"))))
+    threshold_rows = batched(threshold)
+    yield (f"psd:policy=threshold,tau=0.9,depth=3 vs {threshold}",
+           *agreement(batched("psd:policy=threshold,tau=0.9,depth=3"), threshold_rows))
     alone = [run(threshold, [p])[0] for p in prompts]
-    results.append((f"{threshold} batch {batch} vs batch 1", *agreement(batched(threshold), alone)))
-    return results
+    yield f"{threshold} batch {batch} vs batch 1", *agreement(threshold_rows, alone)
+    if head is not None:
+        yield "mrp-spec:drafts=3 vs static", *agreement(batched("mrp-spec:drafts=3"), batched("static"))
 
 
 def main():
