@@ -5,5 +5,5 @@
 # command instead (e.g. scripts/main.sh generate --model toy-sdar --prompt "12+7-3")
 source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
 cd "$ROOT"
-if [ "$#" -gt 0 ]; then exec "$VENV/bin/dlmjax" "$@"; fi
-exec "$VENV/bin/dlmjax" eval
+if [ "$#" -gt 0 ]; then exec "$PY" -m dlmjax.cli "$@"; fi
+exec "$PY" -m dlmjax.cli eval

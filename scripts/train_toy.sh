@@ -5,7 +5,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/venv.sh"
 cd "$ROOT"
 # toy-sdar adapts toy-ar (as SDAR adapts Qwen3) in two stages, so toy-ar comes first.
-train() { "$VENV/bin/dlmjax" train "configs/$1.yaml" --out "runs/$1" "${@:2}"; }
+train() { "$PY" -m dlmjax.cli train "configs/$1.yaml" --out "runs/$1" "${@:2}"; }
 train toy-ar "$@"
 "$PY" train/ship_toy.py runs/toy-ar toy-ar
 train toy-sdar-stage1 "$@"

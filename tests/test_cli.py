@@ -1,8 +1,10 @@
 """The `dlmjax` command line: generate (--json contract) and export."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +69,16 @@ def test_train_overrides_go_before_or_after_options(capsys):
 
 def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "dlmjax.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "generate" in out.stdout and "export" in out.stdout
+
+
+def test_main_script_runs_on_a_given_interpreter():
+    """`DLMJAX_PYTHON=python3 scripts/main.sh ...` (an accelerator machine's preinstalled python, no
+    virtualenv) runs the command with that interpreter."""
+    root = Path(__file__).parents[1]
+    out = subprocess.run(["bash", str(root / "scripts" / "main.sh"), "--help"], capture_output=True, text=True,
+                         env={**os.environ, "DLMJAX_PYTHON": sys.executable}, cwd=root)
+    assert out.returncode == 0, out.stderr
     assert "generate" in out.stdout and "export" in out.stdout
 
 
