@@ -1,10 +1,12 @@
-"""Decode and prefill on one accelerator, kernels on and off (issue 13), SDAR shapes with random weights.
+"""Decode and prefill on one accelerator, kernels on and off (issue 13), SDAR shapes with random weights,
+and the MoE shapes of issue 21 (LLaDA-MoE-7B-A1B, LLaDA2.0-mini, or any checkpoint's config.json).
 
 Sections (each a markdown table; all go to benchmarks/results/decode_gpu/<device>-<shape>.{json,md}):
 1. bandwidth: a device copy (read + write) of --copy-mib MiB, the roofline's bytes/s;
 2. step: one decode-step forward (a block of --block tokens against --prompt-len cached tokens, as
    benchmarks/exactness.py times it) at each batch, median ms per kernel mode, against the HBM
-   roofline = (weights + KV cache read) / measured bandwidth;
+   roofline = (weights + KV cache read) / measured bandwidth, where an MoE layer reads only the experts
+   that random routing of the step's tokens hits (`experts_read`; LLaDA-MoE's block is 32: --block 32);
 3. prefill: one forward writing the KV cache of L tokens (batch 1), TFLOP/s and % of --peak-tflops
    (default: the device's bf16 dense peak when known) per kernel mode; OOM is recorded as such,
    with the bytes the device reports as its peak use;
@@ -20,11 +22,14 @@ Sections (each a markdown table; all go to benchmarks/results/decode_gpu/<device
    and the wall time of its first call (compile included: on the H200 a 1.7B decoder's compile
    was too long to print a row in 120 s);
 7. transformers: the eager forward of the same shape (Qwen3ForCausalLM, random weights) for the
-   same block against the same cache, per-step ms, on the same device (torch CUDA when present).
+   same block against the same cache, per-step ms, on the same device (torch CUDA when present);
+   SDAR shapes only (the MoE diffusion families have no transformers class).
 
     PYTHONPATH=. python benchmarks/decode_gpu.py --shape sdar-1.7b          # on a GPU or TPU
     PYTHONPATH=. python benchmarks/decode_gpu.py --shape sdar-8b --prefill 512 2048 8192 32768
+    PYTHONPATH=. python benchmarks/decode_gpu.py --shape llada-moe-7b-a1b --block 32 --skip tiles argmax
     PYTHONPATH=. python benchmarks/decode_gpu.py --tiny                     # CPU, seconds: proves the script runs
+    PYTHONPATH=. python benchmarks/decode_gpu.py --tiny --shape tiny-moe    # the same through an MoE
 
 Set XLA_PYTHON_CLIENT_PREALLOCATE=false when the transformers section shares the GPU. On CPU the
 kernel modes both run the references (dlmjax.kernels), so "auto" and "off" time the same code.
@@ -40,6 +45,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -50,13 +56,15 @@ from flax import nnx
 import dlmjax
 from benchmarks.common import torch_cache_name
 from benchmarks.decode_throughput import SHAPES, random_sdar, run_batches
-from benchmarks.exactness import _prefill, step_ms
+from benchmarks.exactness import _prefill, step_inputs, step_ms
 from dlmjax import kernels
+from dlmjax.config import from_hf_config
 from dlmjax.decoding.api import generate
 from dlmjax.heads.mrp import init_head
 from dlmjax.kernels.attention import attention
 from dlmjax.kernels.residual_argmax import residual_argmax
 from dlmjax.models.layers import Visibility
+from dlmjax.models.moe import MoE
 
 # dense, by the first key that is a substring of device_kind (a v5e reports "TPU v5 lite" or "TPU v5e", a v5p
 # "TPU v5" or "TPU v5p": the lite and e names come first)
@@ -71,17 +79,50 @@ ARGMAX_TILES = ["tile_m=64,tile_v=128,tile_d=64,warps=8,stages=3", "tile_m=64,ti
                 "tile_m=16,tile_v=128,tile_d=128,warps=4,stages=2", "tile_m=128,tile_v=64,tile_d=64,warps=8,stages=3",
                 "tile_m=64,tile_v=256,tile_d=64,warps=8,stages=3"]
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1)
+# Issue 21's MoE shapes: the checkpoints' published config.json fields that set the shape (random bf16 weights),
+# read through dlmjax's own config translation. `--shape path/to/config.json` takes a checkpoint's own file instead.
+MOE_CONFIGS = {
+    # inclusionAI/LLaDA-MoE-7B-A1B-Instruct: 7.4B parameters, 1.4B active (64 experts of 1,024, top-8, every layer)
+    "llada-moe-7b-a1b": {"model_type": "llada", "architectures": ["LLaDAMoEModelLM"], "vocab_size": 157184,
+                         "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16,
+                         "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+                         "expert_intermediate_size": 1024, "dense_intermediate_size": 8192, "qk_layernorm": True,
+                         "rope_theta": 50000, "max_position_embeddings": 8192},
+    # inclusionAI/LLaDA2.0-mini: 16B parameters, 1.4B active (256 experts of 512 in groups of 32, top-8 of the
+    # top-4 groups, one shared expert; layer 0 dense), block diffusion in blocks of 32
+    "llada2.0-mini": {"model_type": "llada2_moe", "vocab_size": 157184, "hidden_size": 2048,
+                      "intermediate_size": 5120, "num_hidden_layers": 20, "num_attention_heads": 16,
+                      "num_key_value_heads": 4, "head_dim": 128, "num_experts": 256, "num_shared_experts": 1,
+                      "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                      "moe_intermediate_size": 512, "first_k_dense_replace": 1, "partial_rotary_factor": 0.5,
+                      "block_size": 32, "use_bias": False, "use_qkv_bias": False, "max_position_embeddings": 32768},
+    # the CPU stand-in (`--tiny --shape tiny-moe`): LLaDA2's router and layout at a few thousand parameters
+    "tiny-moe": {"model_type": "llada2_moe", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+                 "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                 "num_experts": 8, "num_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2,
+                 "moe_intermediate_size": 32, "first_k_dense_replace": 1, "block_size": 4, "use_bias": False,
+                 "max_position_embeddings": 4096, "mask_token_id": 1023},
+}
+SHAPE_CHOICES = sorted(SHAPES) + sorted(set(MOE_CONFIGS) - {"tiny-moe"})
 
 
 def build_model(shape: str):
-    """(model, MRP head, name): random SDAR-shaped weights (bf16), or the tiny CPU shape (fp32)."""
-    if shape != "tiny":
+    """(model, MRP head, name): random weights of an SDAR shape (bf16), an MoE shape (`MOE_CONFIGS` or a
+    config.json path; bf16), or the tiny CPU shapes (fp32)."""
+    if shape in SHAPES:
         model, head = random_sdar(shape)
         return model, head, f"random {shape} (bf16)"
-    cfg = dlmjax.ModelConfig(family="sdar", head_dim=32, attention="block_causal", block_size=4, qk_norm=True,
-                             mask_token_id=TINY["vocab_size"] - 1, eos_token_ids=(), pad_token_id=0,
-                             max_position_embeddings=4096, **TINY)
-    return dlmjax.init_model(cfg, seed=0), init_head(cfg, num_layers=1, init_std=0.02, seed=0), "random tiny (fp32)"
+    if shape == "tiny":
+        cfg = dlmjax.ModelConfig(family="sdar", head_dim=32, attention="block_causal", block_size=4, qk_norm=True,
+                                 mask_token_id=TINY["vocab_size"] - 1, eos_token_ids=(), pad_token_id=0,
+                                 max_position_embeddings=4096, **TINY)
+    else:
+        raw = MOE_CONFIGS.get(shape) or json.loads(Path(shape).read_text())
+        cfg = from_hf_config(raw)
+        cfg = replace(cfg, dtype="float32" if shape == "tiny-moe" else "bfloat16", pad_token_id=cfg.pad_token_id or 0)
+    name = f"random {Path(shape).parent.name if shape.endswith('.json') else shape} ({cfg.dtype})"
+    return dlmjax.init_model(cfg, seed=0), init_head(cfg, num_layers=1 if "tiny" in shape else 3, init_std=0.02,
+                                                     seed=0), name
 
 
 def timed(fn, repeats: int) -> float:
@@ -102,25 +143,47 @@ def bandwidth(mib: int, repeats: int) -> float:
     return 2 * x.nbytes / (timed(lambda: add(x), repeats) / 1e3)
 
 
-def weight_bytes(model) -> int:
-    """Bytes one forward reads of the weights: all but the embedding table (of which it reads B x L rows)
-    unless the head is tied to it."""
+def experts_read(num_experts: int, top_k: int, tokens: int) -> float:
+    """Experts an MoE layer reads for `tokens` tokens when each picks `top_k` of `num_experts` at random
+    (the expected number hit at least once)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def weight_bytes(model, tokens: int | None = None) -> int:
+    """Bytes one forward of `tokens` tokens reads of the weights: all but the embedding table (of which
+    it reads B x L rows) unless the head is tied to it; of an MoE layer's experts, the share that
+    random routing hits (`experts_read`; all of them when `tokens` is None)."""
     _, state = nnx.split(model)
     total = sum(x.nbytes for x in jax.tree.leaves(state))
-    return total if model.lm_head is None else total - model.embed[...].nbytes
+    total -= 0 if model.lm_head is None else model.embed[...].nbytes
+    cfg = model.config
+    if tokens is not None and cfg.num_experts:
+        unread = 1 - experts_read(cfg.num_experts, cfg.num_experts_per_tok, tokens) / cfg.num_experts
+        total -= sum(unread * (m.experts_gate_up[...].nbytes + m.experts_down[...].nbytes)
+                     for _, m in nnx.iter_graph(model) if isinstance(m, MoE))
+    return int(total)
 
 
 def kv_bytes(cfg, batch: int, length: int) -> int:
     return 2 * cfg.num_layers * batch * length * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
 
 
+def mlp_widths(cfg) -> list[int]:
+    """Per layer, the MLP width one token runs through: the dense MLP's, or the top-k experts' and the
+    shared expert's of an MoE layer."""
+    moe = cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size
+    return [moe if i in cfg.moe_layers else cfg.intermediate_size for i in range(cfg.num_layers)]
+
+
 def prefill_flops(cfg, length: int) -> float:
-    """Matmul FLOPs of a block-causal prefill of `length` tokens (no lm_head): projections and MLP
-    2 x params x tokens, attention scores and values 4 x tokens x visible keys x heads x head_dim."""
-    d, f, h, hkv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = 2 * length * (d * (h + 2 * hkv) * hd + h * hd * d + 3 * d * f)
-    visible = length * (length + cfg.block_size) / 2  # block-causal: about half the square
-    return cfg.num_layers * (per_layer + 4 * visible * h * hd)
+    """Matmul FLOPs of a prefill of `length` tokens (no lm_head): projections and MLP (an MoE layer's
+    router and the experts each token runs) 2 x params x tokens, attention scores and values
+    4 x tokens x visible keys x heads x head_dim (about half the square when block-causal)."""
+    d, h, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    attention_params = d * (h + 2 * hkv) * hd + h * hd * d
+    mlp_params = sum(3 * d * width for width in mlp_widths(cfg)) + d * cfg.num_experts * len(cfg.moe_layers)
+    visible = length * length if cfg.attention == "bidirectional" else length * (length + (cfg.block_size or 1)) / 2
+    return 2 * length * (cfg.num_layers * attention_params + mlp_params) + cfg.num_layers * 4 * visible * h * hd
 
 
 def prefill_memory_gib(cfg, length: int) -> dict:
@@ -132,7 +195,7 @@ def prefill_memory_gib(cfg, length: int) -> dict:
 
     item = jnp.dtype(cfg.dtype).itemsize
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.split(abstract_model(cfg))[1]))
-    d, f, h, hkv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    d, f, h, hkv, hd = cfg.hidden_size, max(mlp_widths(cfg)), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     activations = length * (2 * d + 3 * f + (h + 2 * hkv) * hd) * item + length * h * hd * 4
     gib = {"weights": weights, "kv_cache": kv_bytes(cfg, 1, length), "activations_flash": activations}
     gib = {k: v / 2**30 for k, v in gib.items()}
@@ -155,16 +218,19 @@ def path_of(kernel: str) -> str:
 
 def section_step(model, args, bw, modes):
     cfg = model.config
+    experts = "" if not cfg.num_experts else ("; of each MoE layer's experts, those that random routing of the "
+                                              "step's tokens hits")
     lines = [f"Decode step: {args.block} tokens against {args.prompt_len} cached, median of {args.repeats} "
-             f"(roofline = (weights + KV read) / {bw / 1e9:.0f} GB/s):", "",
+             f"(roofline = (weights + KV read) / {bw / 1e9:.0f} GB/s{experts}):", "",
              "| batch | kernels | attention path | ms | roofline ms | % of roofline |", "|---:|---|---|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     records = []
     for batch in args.batches:
-        roof = 1e3 * (weight_bytes(model) + kv_bytes(cfg, batch, args.prompt_len)) / bw
+        roof = 1e3 * (weight_bytes(model, tokens=batch * args.block) + kv_bytes(cfg, batch, args.prompt_len)) / bw
+        block_bk, cache = step_inputs(model, batch, args.prompt_len, args.block)
         for mode in modes:
             with kernels.use(mode):
-                ms, path = step_ms(model, batch, args.prompt_len, args.block, args.repeats), path_of("attention")
+                ms, path = step_ms(model, block_bk, cache, args.repeats), path_of("attention")
             records.append(dict(batch=batch, kernels=mode, path=path, ms=ms, roofline_ms=roof))
             lines.append(f"| {batch} | {mode} | {path} | {ms:.3f} | {roof:.3f} | {100 * roof / ms:.0f}% |")
             print(lines[-1], flush=True)
@@ -349,6 +415,10 @@ def section_transformers(model, args):
     from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
     cfg = model.config
+    if cfg.family != "sdar":  # transformers has no class for the MoE diffusion families (remote code only)
+        line = f"transformers' eager forward skipped: {cfg.family} has no transformers class (Qwen3 layout only)"
+        print(line, flush=True)
+        return [line], []
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and jax.default_backend() != "cpu":  # a TPU host: torch has no kernel on jax's device
         line = f"transformers' eager forward skipped: torch has no {jax.default_backend()} device here"
@@ -393,7 +463,9 @@ def section_transformers(model, args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="sdar-1.7b")
+    p.add_argument("--shape", default="sdar-1.7b", type=shape_arg,
+                   help=f"{', '.join(SHAPE_CHOICES)}, or a checkpoint's config.json (random weights of its shape); "
+                        "with --tiny: tiny (default) or tiny-moe")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 shape and sizes that run on CPU in seconds")
     p.add_argument("--block", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=512)
@@ -423,9 +495,16 @@ def parse_args(argv=None):
                        attention_tiles=["tile_q=16,tile_k=16", "tile_q=32,tile_k=16"],
                        argmax_tiles=["tile_m=8,tile_v=128", "tile_m=16,tile_v=256"])
     args = p.parse_args(argv)
-    if args.tiny:
+    if args.tiny and args.shape != "tiny-moe":
         args.shape = "tiny"
     return args
+
+
+def shape_arg(value: str) -> str:
+    if value in SHAPES or value in MOE_CONFIGS or (value.endswith(".json") and Path(value).is_file()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: choose one of {', '.join(SHAPE_CHOICES)}, or give the path of "
+                                     "an existing config.json")
 
 
 def main(argv=None):
@@ -457,7 +536,7 @@ def main(argv=None):
         results[key] = records
     out = Path(args.out or Path(__file__).parent / "results" / "decode_gpu")
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{device.platform}-{args.shape}"
+    tag = f"{device.platform}-{Path(args.shape).parent.name if args.shape.endswith('.json') else args.shape}"
     (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
                                                      device=f"{device.platform} {device.device_kind}", **results),
                                                 indent=2))

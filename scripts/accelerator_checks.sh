@@ -16,10 +16,13 @@
 #      (bench-*.log);
 #   3. the 32k-token prefill at SDAR-8B shape (bench-8b/);
 #   4. benchmarks/exactness.py's cost part at SDAR-1.7B shape: the invariant mode's decode step
-#      against the fast mode's at batch 1/16/64 (exactness/).
-# Each stage has its own time limit (seconds: TEST_S, TILES_S, STEP_S, DECODERS_S, PREFILL_8B_S,
+#      against the fast mode's at batch 1/16/64 (exactness/);
+#   5. bench-moe, named in STAGES only (not in the default plan): decode_gpu.py at an MoE shape (MOE_SHAPE,
+#      default llada-moe-7b-a1b, blocks of 32): the step against the active-expert roofline, prefill,
+#      and tokens/s of DECODERS (issue 21).
+# Each stage has its own time limit (seconds: TEST_S, TILES_S, STEP_S, DECODERS_S, PREFILL_8B_S, MOE_S,
 # EXACTNESS_S; by default 575 in all, about one call's worth of a lent machine) so a slow one cannot
-# starve the next; STAGES names the stages to run (default: all, in the order above). On the H200 the
+# starve the next; STAGES names the stages to run (default: all but bench-moe, in the order above). On the H200 the
 # step section, the prefill to 2k and compiles took 150 s, and three decoders (DECODERS) printed no
 # row in 125 s: one decoder per run. On an H100 (2026-11-26) every benchmark stage of this default
 # plan stopped at its limit mid-table (benchmarks/results/decode_gpu/gpu-h100.md): a 28-layer program
@@ -81,4 +84,7 @@ stage bench-8b "${PREFILL_8B_S:-45}" "$PY" benchmarks/decode_gpu.py --shape sdar
   --skip step argmax tiles decoders transformers --prefill 32768 --out "$BENCH_OUT/bench-8b"
 stage exactness "${EXACTNESS_S:-60}" "$PY" benchmarks/exactness.py --shape sdar-1.7b --skip-agreement --repeats 10 \
   --out "$BENCH_OUT/exactness"
+stage bench-moe "${MOE_S:-240}" "$PY" benchmarks/decode_gpu.py --shape "${MOE_SHAPE:-llada-moe-7b-a1b}" --block 32 \
+  --repeats 10 --kernels auto --skip tiles argmax transformers --batches 1 16 --prefill 2048 --prompts 16 \
+  --max-new 64 --decoders ${DECODERS:-threshold:tau=0.9} --out "$BENCH_OUT/bench-moe"
 cat "$OUT/stages.txt"

@@ -18,6 +18,7 @@ from dlmjax import arithmetic
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
 from dlmjax.decoding.spec import DecoderSpecError, Threshold, decoder_names, parse_decoder
+from dlmjax.validation import InputError
 from tiny_models import compiled_forward
 
 MASK, EOS, PAD, VOCAB = 39, 38, 0, 40
@@ -337,6 +338,16 @@ def test_missing_mask_token():
     model = peaky_model("sdar")
     model.config = model.config.replace(mask_token_id=None)
     with pytest.raises(ValueError, match="no mask token"):
+        generate(model, [[1, 2]], max_new_tokens=4)
+
+
+def test_a_mask_token_outside_the_vocabulary_is_refused():
+    """A mask id the embedding does not hold (a family's default id on a smaller vocabulary) would
+    never be replaced: the decoders would wait for it forever. It is refused, naming the fix."""
+    model = peaky_model("sdar")
+    model.config = model.config.replace(mask_token_id=model.config.vocab_size)
+    with pytest.raises(InputError, match=f"mask token id {model.config.vocab_size} is not in the model's "
+                                         f"vocabulary \\[0, {model.config.vocab_size}\\).*config.json"):
         generate(model, [[1, 2]], max_new_tokens=4)
 
 

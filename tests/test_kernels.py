@@ -633,6 +633,47 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path, decode_gpu):
     assert saved["step"] == results["step"] and "| batch | ms |" in (tmp_path / f"{tag}.md").read_text()
 
 
+def test_the_gpu_benchmark_runs_the_moe_shapes(tmp_path, decode_gpu):
+    """Issue 21's GPU benchmark: the MoE shapes translate through dlmjax's config reader at their
+    published sizes; the step's roofline reads only the experts that random routing hits; a tiny MoE
+    runs the step and a decoder on CPU; a checkpoint's own config.json can be given as the shape."""
+    import json
+
+    from flax import nnx
+
+    from dlmjax.config import from_hf_config
+    from dlmjax.models import abstract_model
+
+    sizes = {}
+    for name in ("llada-moe-7b-a1b", "llada2.0-mini"):
+        cfg = from_hf_config(decode_gpu.MOE_CONFIGS[name])
+        total = sum(x.size for x in jax.tree.leaves(nnx.split(abstract_model(cfg))[1]))
+        experts = 3 * cfg.hidden_size * cfg.moe_intermediate_size * len(cfg.moe_layers)
+        sizes[name] = round(total / 1e9, 1), round((total - (cfg.num_experts - cfg.num_experts_per_tok) * experts
+                                                    - cfg.vocab_size * cfg.hidden_size) / 1e9, 1)
+    assert sizes == {"llada-moe-7b-a1b": (7.4, 1.4), "llada2.0-mini": (16.3, 1.1)}  # total; active (lm_head in)
+
+    results = decode_gpu.main(["--tiny", "--shape", "tiny-moe", "--batches", "1", "--skip", "prefill", "tiles",
+                               "argmax", "--out", str(tmp_path)])
+    assert [r["kernels"] for r in results["step"]] == ["auto", "off"] and all(r["ms"] > 0 for r in results["step"])
+    assert results["decoders"][0]["tokens_per_s"] > 0 and results["transformers"] == []
+    model, _, name = decode_gpu.build_model("tiny-moe")
+    cfg = model.config
+    assert (cfg.family, cfg.num_experts, name) == ("llada2_moe", 8, "random tiny-moe (float32)")
+    experts = sum(m.experts_gate_up[...].nbytes + m.experts_down[...].nbytes
+                  for _, m in nnx.iter_graph(model) if isinstance(m, decode_gpu.MoE))
+    hit = decode_gpu.experts_read(8, 2, 4) / 8  # 4 tokens, top-2 of 8: 1 - (3/4)^4 of the experts
+    assert hit == pytest.approx(1 - 0.75 ** 4)
+    assert decode_gpu.weight_bytes(model, tokens=4) == int(decode_gpu.weight_bytes(model) - (1 - hit) * experts)
+
+    config_json = tmp_path / "my-checkpoint" / "config.json"
+    config_json.parent.mkdir()
+    config_json.write_text(json.dumps(decode_gpu.MOE_CONFIGS["tiny-moe"]))
+    assert decode_gpu.build_model(str(config_json))[2] == "random my-checkpoint (bfloat16)"
+    with pytest.raises(SystemExit):
+        decode_gpu.parse_args(["--shape", "llada-moe"])
+
+
 def test_the_gpu_benchmark_reports_a_kernel_the_device_refused(monkeypatch, decode_gpu):
     """Where the dispatcher chooses a kernel but the device's compile probe refused it (so the
     reference ran), decode_gpu's path column says so instead of "kernel"."""

@@ -92,14 +92,24 @@ def _token_ids(index: int, prompt) -> list[int]:
                          "kind") from None
 
 
-def _special_ids(model: Transformer, tokenizer: Tokenizer | None, *, need_mask: bool):
-    cfg = model.config
+def mask_token_id(cfg, tokenizer: Tokenizer | None) -> int:
+    """The mask id diffusion decoding writes into the canvas: config.json's, else the tokenizer's; it
+    must be a token of the model's vocabulary (the decoders wait for the model to replace it)."""
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else (tokenizer.mask_id if tokenizer else None)
-    if need_mask and mask_id is None:
+    if mask_id is None:
         raise InputError(
             "no mask token: diffusion decoding needs one; set mask_token_id in config.json or add a mask "
             "token (e.g. '<|mask|>') to the tokenizer"
         )
+    if not 0 <= mask_id < cfg.vocab_size:
+        raise InputError(f"mask token id {mask_id} is not in the model's vocabulary [0, {cfg.vocab_size}); set "
+                         "the checkpoint's own mask id (mask_token_id in its config.json)")
+    return int(mask_id)
+
+
+def _special_ids(model: Transformer, tokenizer: Tokenizer | None, *, need_mask: bool):
+    cfg = model.config
+    mask_id = mask_token_id(cfg, tokenizer) if need_mask else None
     eos = decode_stop_ids(cfg, tokenizer)
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else (tokenizer.pad_id if tokenizer else None)
     pad = pad if pad is not None else (eos[0] if eos else 0)

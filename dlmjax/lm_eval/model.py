@@ -27,7 +27,7 @@ from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from dlmjax.decoding.api import Stream, _round_up
+from dlmjax.decoding.api import Stream, _round_up, mask_token_id
 from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, parse_decoder
 from dlmjax.lm_eval.likelihood import causal_logprobs, greedy_continuation, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
@@ -397,9 +397,7 @@ class DlmjaxLM(TemplateLM):
             results = causal_logprobs(self.model, pairs, batch_size=self.batch_size, pad_id=self.eot_token_id,
                                       prefix_id=self.prefix_token_id)
         else:
-            mask_id = self.config.mask_token_id if self.config.mask_token_id is not None else self.tokenizer.mask_id
-            if mask_id is None:
-                raise ModelArgsError(f"{self.path} has no mask token; the diffusion log-likelihood needs one")
+            mask_id = mask_token_id(self.config, self.tokenizer)
             if not self.is_check_greedy and not rolling:
                 log.warning("is_greedy is False for every diffusion log-likelihood (model_args is_check_greedy=false, "
                             "as LLaDA's evaluation recommends); a metric that reads it (lambada's acc) needs "
