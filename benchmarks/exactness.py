@@ -12,6 +12,10 @@ in the fast mode and in the invariant mode.
 
     PYTHONPATH=. python benchmarks/exactness.py                            # toy-sdar (CPU)
     PYTHONPATH=. python benchmarks/exactness.py --shape sdar-1.7b          # random weights, bf16 (GPU)
+    PYTHONPATH=. python benchmarks/exactness.py --shape sdar-1.7b --skip-cost --modes fast --prompts 16 \
+        --max-new 32 --batches 16                                          # one part, one mode (a short GPU call)
+
+Each agreement row is printed as soon as it is measured (a call stopped at its time limit keeps them).
 
 On CPU wall time is not the target; the agreement is (the CPU's fast mode already rounds
 differently by batch shape in fp32, so it can flip near-ties too).
