@@ -121,8 +121,8 @@ def build_model(shape: str):
         cfg = from_hf_config(raw)
         cfg = replace(cfg, dtype="float32" if shape == "tiny-moe" else "bfloat16", pad_token_id=cfg.pad_token_id or 0)
     name = f"random {Path(shape).parent.name if shape.endswith('.json') else shape} ({cfg.dtype})"
-    return dlmjax.init_model(cfg, seed=0), init_head(cfg, num_layers=1 if "tiny" in shape else 3, init_std=0.02,
-                                                     seed=0), name
+    head_layers = 1 if shape in ("tiny", "tiny-moe") else 3
+    return dlmjax.init_model(cfg, seed=0), init_head(cfg, num_layers=head_layers, init_std=0.02, seed=0), name
 
 
 def timed(fn, repeats: int) -> float:
