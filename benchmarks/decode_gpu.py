@@ -230,7 +230,8 @@ def section_step(model, args, bw, modes):
         block_bk, cache = step_inputs(model, batch, args.prompt_len, args.block)
         for mode in modes:
             with kernels.use(mode):
-                ms, path = step_ms(model, block_bk, cache, args.repeats), path_of("attention")
+                trace = None if args.profile is None else str(Path(args.profile) / f"step-batch{batch}-{mode}")
+                ms, path = step_ms(model, block_bk, cache, args.repeats, trace_dir=trace), path_of("attention")
             records.append(dict(batch=batch, kernels=mode, path=path, ms=ms, roofline_ms=roof))
             lines.append(f"| {batch} | {mode} | {path} | {ms:.3f} | {roof:.3f} | {100 * roof / ms:.0f}% |")
             print(lines[-1], flush=True)
@@ -488,6 +489,10 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["step", "prefill", "argmax", "tiles", "decoders", "transformers"])
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="the step section also writes a jax profiler trace of one call (8 steps) per batch and kernel "
+                        "mode under DIR (step-batch<B>-<mode>/plugins/profile/...; a lent machine returns files at "
+                        "most 2 folders down: tar DIR into its output)")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results/decode_gpu)")
     if p.parse_args(argv).tiny:  # tiny defaults; options given explicitly still win
         p.set_defaults(prompt_len=32, batches=[1, 2], prefill=[64], argmax_positions=[8], prompts=2, max_new=8,

@@ -85,11 +85,12 @@ def step_inputs(model, batch: int, prompt_len: int, block: int):
         return block_bk, _prefill(graphdef, state, prompts, jnp.zeros(prompt_len + block))
 
 
-def step_ms(model, block_bk, cache, repeats: int, steps: int = 8) -> float:
+def step_ms(model, block_bk, cache, repeats: int, steps: int = 8, trace_dir: str | None = None) -> float:
     """Median device ms of one decode-step forward over `block_bk`'s rows: `repeats` timings of
     `steps` chained steps in one program, each divided by `steps`, so the host's dispatch of a
     program (flattening the weights' pytree, launching) counts once per `steps`, as in the engine's
-    loop where it counts once per generation."""
+    loop where it counts once per generation. With `trace_dir`, one more call runs under jax's
+    profiler, which writes its trace there (every kernel of the `steps` steps, with its time)."""
     graphdef, state = nnx.split(model)
     jax.block_until_ready(_steps(graphdef, state, block_bk, cache, steps))  # compile
     times = []
@@ -97,6 +98,9 @@ def step_ms(model, block_bk, cache, repeats: int, steps: int = 8) -> float:
         start = time.perf_counter()
         jax.block_until_ready(_steps(graphdef, state, block_bk, cache, steps))
         times.append(1e3 * (time.perf_counter() - start) / steps)
+    if trace_dir is not None:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(_steps(graphdef, state, block_bk, cache, steps))
     return statistics.median(times)
 
 

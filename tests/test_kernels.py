@@ -633,6 +633,15 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path, decode_gpu):
     assert saved["step"] == results["step"] and "| batch | ms |" in (tmp_path / f"{tag}.md").read_text()
 
 
+def test_the_gpu_benchmark_writes_a_profile_of_the_step(tmp_path, decode_gpu):
+    """`--profile DIR`: a jax profiler trace of the timed step per batch and kernel mode (issue 13's
+    owed decode-step profile, for a lent machine)."""
+    decode_gpu.main(["--tiny", "--batches", "1", "--kernels", "off", "--skip", "prefill", "tiles", "argmax",
+                     "decoders", "transformers", "--profile", str(tmp_path / "profile"), "--out", str(tmp_path)])
+    (trace,) = (tmp_path / "profile" / "step-batch1-off").rglob("*.xplane.pb")
+    assert trace.stat().st_size > 0
+
+
 def test_the_gpu_benchmark_runs_the_moe_shapes(tmp_path, decode_gpu):
     """Issue 21's GPU benchmark: the MoE shapes translate through dlmjax's config reader at their
     published sizes; the step's roofline reads only the experts that random routing hits; a tiny MoE
