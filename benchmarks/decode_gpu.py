@@ -106,6 +106,11 @@ MOE_CONFIGS = {
 SHAPE_CHOICES = sorted(SHAPES) + sorted(set(MOE_CONFIGS) - {"tiny-moe"})
 
 
+def shape_name(shape: str) -> str:
+    """A shape's name in titles and file names: a config.json's by its checkpoint folder."""
+    return Path(shape).parent.name if shape.endswith(".json") else shape
+
+
 def build_model(shape: str):
     """(model, MRP head, name): random weights of an SDAR shape (bf16), an MoE shape (`MOE_CONFIGS` or a
     config.json path; bf16), or the tiny CPU shapes (fp32)."""
@@ -120,7 +125,7 @@ def build_model(shape: str):
         raw = MOE_CONFIGS.get(shape) or json.loads(Path(shape).read_text())
         cfg = from_hf_config(raw)
         cfg = replace(cfg, dtype="float32" if shape == "tiny-moe" else "bfloat16", pad_token_id=cfg.pad_token_id or 0)
-    name = f"random {Path(shape).parent.name if shape.endswith('.json') else shape} ({cfg.dtype})"
+    name = f"random {shape_name(shape)} ({cfg.dtype})"
     head_layers = 1 if shape in ("tiny", "tiny-moe") else 3
     return dlmjax.init_model(cfg, seed=0), init_head(cfg, num_layers=head_layers, init_std=0.02, seed=0), name
 
@@ -541,7 +546,7 @@ def main(argv=None):
         results[key] = records
     out = Path(args.out or Path(__file__).parent / "results" / "decode_gpu")
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{device.platform}-{Path(args.shape).parent.name if args.shape.endswith('.json') else args.shape}"
+    tag = f"{device.platform}-{shape_name(args.shape)}"
     (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
                                                      device=f"{device.platform} {device.device_kind}", **results),
                                                 indent=2))

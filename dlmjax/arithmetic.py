@@ -118,6 +118,11 @@ def jit(fun=None, **jit_kwargs):
     return call
 
 
+def tile_count(rows: int, tile: int) -> int:
+    """Tiles of `tile` rows that hold `rows`, and at least `Numerics.min_tiles` (`row_tiles` says why)."""
+    return max(current().min_tiles, -(-rows // tile))
+
+
 def row_tiles(a_mk, tile: int):
     """[M, K] -> [N, tile, K]: zero rows pad the last tile, and further tiles up to `min_tiles`.
 
@@ -130,7 +135,7 @@ def row_tiles(a_mk, tile: int):
     honours them. `min_tiles=1` is for measuring what the loops cost (on a GPU each iteration is a
     few kernel launches); it gives up that equality."""
     m = a_mk.shape[0]
-    n = max(current().min_tiles, -(-m // tile))
+    n = tile_count(m, tile)
     return jnp.pad(a_mk, ((0, n * tile - m), (0, 0))).reshape(n, tile, a_mk.shape[-1])
 
 

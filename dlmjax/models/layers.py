@@ -167,7 +167,7 @@ def _attention_tiled(q_blhd, kv_parts, tile: int, sequences: int):
     whatever the batch or the number of queries; a row's scores never mix with another row's. The
     row tiles run as a loop of at least `min_tiles` iterations (`arithmetic.row_tiles` says why)."""
     b, l, h, d = q_blhd.shape
-    pad, groups = -l % tile, max(arithmetic.current().min_tiles, -(-b // sequences))
+    pad, groups = -l % tile, arithmetic.tile_count(b, sequences)
     rows = groups * sequences
 
     def grouped(x, axis_1: int):  # [groups, sequences, ...]: rows up to `rows`, axis 1 up to a whole tile
