@@ -123,6 +123,9 @@ class ModelConfig:
                            * size):
             raise ConfigError(f"group-limited routing (router_groups={groups}) needs the sigmoid router, >= 2 experts "
                               f"per group and num_experts_per_tok <= router_topk_groups x experts per group")
+        if self.router == "softmax" and self.routed_scaling_factor != 1.0:
+            raise ConfigError(f"routed_scaling_factor={self.routed_scaling_factor} is applied by the sigmoid "
+                              "(DeepSeek-V3) router only; the softmax router's weights are not scaled (set it to 1)")
         if self.router_expert_bias and self.router != "sigmoid":
             raise ConfigError("router_expert_bias is implemented for the sigmoid (DeepSeek-V3) router only")
 
@@ -230,11 +233,15 @@ def rope_fields(raw: dict) -> dict:
     and the type's parameters) or the older `rope_theta` + `rope_scaling` (type spelled `rope_type`
     or `type`; null for none); where a config has both, they must agree. Scalings other than
     linear and llama3 (yarn, dynamic, longrope) are refused."""
-    if raw.get("rope_parameters") is not None and raw.get("rope_scaling") is not None:
-        new, old = rope_fields({**raw, "rope_scaling": None}), rope_fields({**raw, "rope_parameters": None})
+    old_keys = {key: raw[key] for key in ("rope_theta", "rope_scaling") if raw.get(key) is not None}
+    if raw.get("rope_parameters") is not None and old_keys:
+        new = rope_fields({**raw, "rope_theta": None, "rope_scaling": None})
+        old = rope_fields({**raw, "rope_parameters": None, "rope_theta": old_keys.get("rope_theta", new["rope_theta"])})
+        if "rope_scaling" not in old_keys:  # a bare rope_theta beside rope_parameters says nothing of scaling
+            old = {**new, "rope_theta": old["rope_theta"]}
         if new != old:
-            raise ConfigError(f"config.json's `rope_parameters` ({raw['rope_parameters']!r}) and `rope_scaling` "
-                              f"({raw['rope_scaling']!r}) disagree; keep one of them")
+            raise ConfigError(f"config.json's `rope_parameters` ({raw['rope_parameters']!r}) and {old_keys!r} "
+                              "disagree; keep one spelling")
         return new
     params = raw.get("rope_parameters")
     if params is None:
@@ -282,6 +289,15 @@ def _rope_theta(raw: dict) -> float:
     if len(rope) > 1:
         raise ConfigError(f"RoPE scaling {rope['rope_scaling']!r} is not implemented for this family; only plain RoPE")
     return rope["rope_theta"]
+
+
+def rope_keys(cfg) -> dict:
+    """config.json's `rope_theta` and `rope_scaling` of `cfg` (a ModelConfig or a DrafterConfig):
+    the spelling that transformers 4 and 5 read, and so does the remote code of the families written
+    against transformers 4 (SDAR, Dream, Fast-dLLM v2), vLLM and SGLang, where transformers 5's
+    `rope_parameters` alone would leave them at their default theta."""
+    scaling = {key: value for key, value in rope_parameters(cfg).items() if key != "rope_theta"}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": None if cfg.rope_scaling == "none" else scaling}
 
 
 def rope_parameters(cfg) -> dict:
@@ -556,7 +572,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": rope_parameters(cfg),
+        **rope_keys(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "dtype": cfg.dtype,
@@ -653,6 +669,15 @@ def _from_qwen3_moe(raw: dict, fam: Family) -> ModelConfig:
                        moe_intermediate_size=_moe_int(raw, "moe_intermediate_size", 768), moe_layers=moe_layers,
                        router="softmax", norm_topk_prob=check_value("config.json `norm_topk_prob`", norm, "bool",
                                                                      error=ConfigError))
+
+
+def _partial_rotary_factor(cfg: ModelConfig) -> float:
+    """The `partial_rotary_factor` whose `int(head_dim * factor)` (as `_rotary_dim` and the families'
+    modeling code read it) is cfg's rotary dim: rotary_dim / head_dim can fall just below it in floating
+    point (58 / 100 * 100 = 57.99...), so the exact quotient is nudged up by a quarter of a dimension."""
+    rotary = cfg.rotary_dim or cfg.head_dim
+    factor = rotary / cfg.head_dim
+    return factor if int(cfg.head_dim * factor) == rotary else min(1.0, (rotary + 0.25) / cfg.head_dim)
 
 
 def _rotary_dim(raw: dict, head_dim: int) -> int | None:
@@ -753,7 +778,9 @@ def _from_llada2(raw: dict, fam: Family) -> ModelConfig:
     num_experts = _moe_int(raw, "num_experts", 0, low=AT_LEAST_0)
     top_k = _moe_int(raw, "num_experts_per_tok", 2)
     first_dense = _moe_int(raw, "first_k_dense_replace", 0, low=AT_LEAST_0)
-    groups = _moe_int(raw, "n_group", 1, nullable=True)
+    # absent: the defaults of the authors' LLaDA2MoeConfig (8 groups, 4 kept); null: no grouping
+    groups = _moe_int(raw, "n_group", 8, nullable=True) if raw.get("n_group", 8) is not None else 1
+    kept_groups = _moe_int(raw, "topk_group", 4, nullable=True) if raw.get("topk_group", 4) is not None else 1
     shared = _moe_int(raw, "num_shared_experts", 0, low=AT_LEAST_0, nullable=True)
     moe_width = _moe_int(raw, "moe_intermediate_size") or 0
     return ModelConfig(
@@ -770,7 +797,7 @@ def _from_llada2(raw: dict, fam: Family) -> ModelConfig:
         moe_layers=tuple(range(first_dense, num_layers)) if num_experts else (), router="sigmoid",
         # the gate renormalises whenever it picks more than one expert (`norm_topk_prob` is not read)
         norm_topk_prob=top_k > 1, routed_scaling_factor=_moe_float(raw, "routed_scaling_factor", 2.5),
-        router_groups=groups, router_topk_groups=_moe_int(raw, "topk_group", 1, nullable=True),
+        router_groups=groups, router_topk_groups=kept_groups,
         router_expert_bias=True,
         **_dtype_and_special_ids(raw, fam),
     )
@@ -817,7 +844,7 @@ def _to_llada_moe(cfg: ModelConfig) -> dict:
         "moe_layer_freq": [int(i in cfg.moe_layers) for i in range(cfg.num_layers)], "qk_layernorm": cfg.qk_norm,
         "moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False, "router_num_group": None,
         "router_topk_group": None, "routed_scaling_factor": 1, "norm_topk_prob": False, "rope_theta": cfg.rope_theta,
-        "rope_scaling": None, "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim,
+        "rope_scaling": None, "partial_rotary_factor": _partial_rotary_factor(cfg),
         "torch_dtype": cfg.dtype, **_token_ids(cfg),
     }
 
@@ -839,7 +866,7 @@ def _to_llada2(cfg: ModelConfig) -> dict:
         "use_qkv_bias": cfg.qkv_bias, "use_bias": cfg.o_bias, "use_qk_norm": True, "norm_head": False,
         "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "partial_rotary_factor": (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim, "num_experts": cfg.num_experts,
+        "partial_rotary_factor": _partial_rotary_factor(cfg), "num_experts": cfg.num_experts,
         "num_shared_experts": shared // width if width else 0, "num_experts_per_tok": cfg.num_experts_per_tok,
         "n_group": cfg.router_groups, "topk_group": cfg.router_topk_groups,
         "routed_scaling_factor": cfg.routed_scaling_factor, "moe_intermediate_size": width,

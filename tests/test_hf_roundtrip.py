@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import dlmjax
+from dlmjax.presets import PRESETS
 from tiny_models import (
     additive_mask, llada_tensors, random_tokens, state_dict_numpy, torch_logits, torch_model, write_checkpoint,
 )
@@ -166,6 +167,21 @@ def test_bf16_load_is_as_accurate_as_pytorch_bf16(saved):
     exact = torch_logits(model, tokens)
     torch_bf16_error = max_diff(torch_logits(copy.deepcopy(model).to(torch.bfloat16), tokens), exact)
     assert max_diff(got, exact) <= 2 * torch_bf16_error + 1e-3
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_exported_configs_spell_rope_as_transformers_4_code_reads_it(preset):
+    """SDAR's, Dream's and Fast-dLLM v2's modeling code (written against transformers 4), vLLM and
+    SGLang read `rope_theta`; transformers 5's `rope_parameters` alone would leave them at theta
+    10000. The export writes `rope_theta` + `rope_scaling`, which transformers 5 reads too
+    (test_export_reloads_in_transformers)."""
+    from dlmjax.config import ROPE_FIELDS, ModelConfig, from_hf_config, to_hf_config
+
+    cfg = ModelConfig(vocab_size=96, rope_theta=1e6, **PRESETS[preset])
+    out = to_hf_config(cfg)
+    assert out["rope_theta"] == 1e6 and out.get("rope_scaling") is None and "rope_parameters" not in out
+    read = from_hf_config(out)
+    assert [getattr(read, f) for f in ROPE_FIELDS] == [getattr(cfg, f) for f in ROPE_FIELDS]
 
 
 def test_additive_mask_helper_is_what_we_think():

@@ -57,8 +57,12 @@ def test_the_python_api_takes_preset_names_as_the_cli_does():
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}},
          r"rope_type 'llama3' takes .*missing \['high_freq_factor', 'low_freq_factor', "
          r"'original_max_position_embeddings'\]"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},  # beside the checkpoint's default rope_parameters
-         r"`rope_parameters` .* and `rope_scaling` .* disagree; keep one of them"),
+        # transformers 5's spelling beside 4's, saying something else: which would a reader take?
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e6,
+          "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+         r"`rope_parameters` .* and \{'rope_theta': 1000000.0, 'rope_scaling': .*\} disagree; keep one spelling"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 500000.0},
+         r"`rope_parameters` .* and \{'rope_theta': 500000.0\} disagree; keep one spelling"),
     ],
 )
 def test_unsupported_rope_scaling(checkpoint, change, message):

@@ -142,6 +142,34 @@ def test_moe_config_bools_must_be_true_or_false():
             from_hf_config({**_moe_raw_configs()[family], key: 2})
 
 
+def test_llada2_absent_group_keys_take_the_authors_defaults():
+    """LLaDA2MoeConfig (inclusionAI's dInfer and dFactory) defaults to n_group 8 and topk_group 4: a
+    config.json without them routes group-limited there, so it does here."""
+    config = {**llada2_config_json({**LLADA2, "experts": 16, "top_k": 4}), "moe_intermediate_size": 8}
+    absent = {k: v for k, v in config.items() if k not in ("n_group", "topk_group")}
+    cfg = from_hf_config(absent)
+    assert (cfg.router_groups, cfg.router_topk_groups) == (8, 4)
+    assert from_hf_config(to_hf_config(cfg)) == cfg
+
+
+@pytest.mark.parametrize("family", ["llada_moe", "llada2_moe"])
+def test_partial_rotary_export_reads_back_where_the_quotient_rounds_down(family):
+    """rotary_dim / head_dim in floating point can land just below the rotary dim once multiplied
+    back (58 / 100 * 100 = 57.99...); the exported factor must give int(head_dim * factor) = rotary_dim,
+    as dlmjax and the families' modeling code read it."""
+    raw = llada_moe_config_json(LLADA_MOE) if family == "llada_moe" else llada2_config_json(LLADA2)
+    cfg = from_hf_config(raw).replace(num_heads=1, num_kv_heads=1, head_dim=100, hidden_size=100, rotary_dim=58)
+    out = to_hf_config(cfg)
+    assert int(100 * out["partial_rotary_factor"]) == 58
+    assert from_hf_config(out).rotary_dim == 58
+
+
+def test_the_softmax_router_refuses_a_scaling_factor_it_would_not_apply():
+    cfg = from_hf_config(qwen3_moe_config_json(True))
+    with pytest.raises(ConfigError, match="routed_scaling_factor=2.5 is applied by the sigmoid"):
+        cfg.replace(routed_scaling_factor=2.5)
+
+
 def test_moe_config_nulls_that_mean_none_are_read_so():
     cfg = from_hf_config({**llada2_config_json(LLADA2), "num_shared_experts": None, "n_group": None,
                           "topk_group": None})

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dlmjax.config import DTYPES, ConfigError, ModelConfig, rope_fields, rope_parameters
+from dlmjax.config import DTYPES, ConfigError, ModelConfig, rope_fields, rope_keys, rope_parameters
 from dlmjax.heads.drafter import (
     FULL, SLIDING, Drafter, DrafterConfig, abstract_drafter, check_compatible, default_target_layer_ids,
 )
@@ -80,11 +80,9 @@ def _rope_keys(cfg: DrafterConfig, verbatim: dict) -> dict:
     still say what `cfg` says (rope_theta 1000000 stays an int), else rope_theta and rope_scaling
     (transformers 4 and 5 both read that spelling)."""
     given = {key: verbatim.pop(key) for key in ("rope_theta", "rope_scaling", "rope_parameters") if key in verbatim}
-    params = rope_parameters(cfg)
-    if given and rope_fields(given) == rope_fields({"rope_parameters": params}):
+    if given and rope_fields(given) == rope_fields({"rope_parameters": rope_parameters(cfg)}):
         return given
-    scaling = {key: value for key, value in params.items() if key != "rope_theta"}
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": None if cfg.rope_scaling == "none" else scaling}
+    return rope_keys(cfg)
 
 
 # Qwen3Config's default `sliding_window`; it keeps a window only where `use_sliding_window` is true
