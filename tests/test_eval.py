@@ -56,6 +56,22 @@ def test_sandbox_survives_a_fork_bomb(program):
     assert run_python("print('still here')").passed  # the machine is still usable
 
 
+def test_sandbox_runs_code_that_uses_numpy():
+    """numpy imports ctypes and sets OPENBLAS_MAIN_FREE as it loads; a correct HumanEval/MBPP answer
+    that uses it must pass. The handle to the interpreter's symbols that ctypes opens stays out of
+    reach (it leads to libc's system())."""
+    assert run_python("import numpy as np\nassert int(np.multiply(4, 3)) == 12", timeout_s=20).passed
+    escape = run_python("import ctypes\nctypes.pythonapi.system(b'true')")
+    assert not escape.passed and "pythonapi" in escape.output
+
+
+def test_sandbox_output_flood_is_cut_by_the_file_size_limit():
+    """Output goes to a file under the 16 MiB size limit, not into this process's memory."""
+    start = time.perf_counter()
+    result = run_python("while True:\n    print('x' * 10000)", timeout_s=5)
+    assert not result.passed and time.perf_counter() - start < 5 and len(result.output) <= 2000
+
+
 def test_sandbox_blocks_writes_outside_its_directory(tmp_path):
     targets = [tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt"]
     victim = tmp_path / "victim.txt"
