@@ -121,6 +121,9 @@ def test_the_shipped_math500_loads_and_every_solutions_boxed_answer_matches_its_
     ("2\\sqrt2", "2\\sqrt{2}"),
     ("\\displaystyle \\frac{\\sqrt{3}}{2}", "\\frac{\\sqrt{3}}{2}"),
     ("$4$.", "4"),
+    # a matrix's row breaks written compactly or across lines, against MATH's `\\ ` with spaces
+    ("\\begin{pmatrix}-2\\\\-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ -14 \\end{pmatrix}"),
+    ("\\begin{pmatrix}-2\\\\\n-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ -14 \\end{pmatrix}"),
 ])
 def test_math_answers_equal_in_common_latex_forms(predicted, reference):
     assert equivalent(predicted, reference)
@@ -135,6 +138,7 @@ def test_math_answers_equal_in_common_latex_forms(predicted, reference):
     ("-2", "2"),
     ("2\\sqrt{2}", "\\sqrt{8}"),  # no algebra: documented
     ("1,2", "1,2,3"),
+    ("\\begin{pmatrix}-2\\\\-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ 14 \\end{pmatrix}"),
 ])
 def test_different_math_answers_are_not_equal(predicted, reference):
     assert not equivalent(predicted, reference)

@@ -71,7 +71,7 @@ def normalize(answer: str) -> str:
     """One spelling for the common ways of writing the same answer (see the module docstring)."""
     a = answer.strip().rstrip(".").strip().strip("$").strip().replace("{,}", ",")
     a = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", a)
-    a = re.sub(r"\\(?:displaystyle|!|,|;|:| )|~", "", a)
+    a = re.sub(r"(\\\\)|\\(?:displaystyle|!|,|;|:| )|~", r"\1", a)  # spacing; a row break `\\` stays
     a = a.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("^{\\circ}", "").replace("^\\circ", "")
     a = a.replace("\\%", "").replace("%", "").replace("\\$", "")
     # a trailing unit, squared or cubed too (`864 \mbox{ inches}^2`)
