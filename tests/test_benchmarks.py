@@ -61,6 +61,9 @@ def test_code_is_taken_from_the_first_fence_or_the_text_before_done():
     assert extract_code("Sure:\n```python\nx = 1\n```\n```python\ny = 2\n```") == "x = 1\n"
     assert extract_code("```\nx = 1\n") == "x = 1\n"  # unclosed fence: to the end
     assert extract_code("x = 1\n[DONE] trailing words") == "x = 1\n"
+    # a completion that began inside a block (the chat template opened it) and closes it
+    assert extract_code("def f(x):\n    return x\n```\n\nIt returns x.") == "def f(x):\n    return x\n"
+    assert extract_code("Sure\n```\nx = 1\n```") == "x = 1\n"  # two fences: the first opens
 
 
 def test_malformed_mbpp_rows_are_reported_with_line_numbers_and_skipped(tmp_path):

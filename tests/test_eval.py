@@ -121,6 +121,9 @@ def test_the_shipped_gsm8k_test_split_loads():
     answer = extract_final_number(loaded.items[0].reference)
     going_on = f" She makes ${answer} every day.\n\nQuestion: Tom has 3 apples and buys 4 more."
     assert loaded.score(loaded.items[:1], [going_on]) == [True]
+    # a chat answer restating the question first is not cut there
+    restated = f"**Question:** {loaded.items[0].prompt}\n\n**Answer:** so #### {answer}"
+    assert loaded.score(loaded.items[:1], [restated]) == [True]
 
 
 def test_dataset_errors_name_the_fix(tmp_path):
@@ -169,6 +172,8 @@ def test_humaneval_scores_chat_answers_that_restate_the_function():
             f"{prompt}{body}\n\nprint({problem['entry_point']}([1.0, 2.0], 0.5))\n",  # unfenced, with a demo
             f"```python\n{def_line}\n{body}```",  # no imports: the prompt's stay in front
             f"```python\n{body}```",  # a fenced body
+            f"{body}```\n\nThis checks every pair.",  # the chat template opened the fence, the answer closes it
+            f"Here is the implementation:\n\n{prompt}{body}",  # unfenced, prose before
         ]
 
     loaded = load_eval_set("humaneval")

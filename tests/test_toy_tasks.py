@@ -138,6 +138,7 @@ def test_constraint_config_checks():
     # markdown headings are not answer lines: the last number counts (lm-eval's flexible-extract)
     ("#### Step 1: eggs\n16 - 3 - 4 = 9\n#### Step 2: money\n9 * 2 = 18\nThe answer is 18.", "18"),
     ("#### 12\n#### Check: 12 + 3 = 15", "12"),
+    ("#### 1. Compute the cost\n3 * 4 = 12\n#### 2) Answer\nThe total is 42.", "42"),  # numbered headings
 ])
 def test_extract_final_number(text, expected):
     assert extract_final_number(text) == expected

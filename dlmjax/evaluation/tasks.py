@@ -9,6 +9,7 @@ file (`.jsonl`, `.jsonl.gz`, `.json`), a directory holding one, or a Hugging Fac
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import os
@@ -167,10 +168,14 @@ def gsm8k_prompt(question: str) -> str:
 
 
 def gsm8k_answer(completion: str) -> str:
-    """The completion up to the next "Question:" (lm-eval's stop string for gsm8k): a base model
-    answering the `Question: ... Answer:` prompt goes on with a question of its own, whose
-    numbers are not its answer."""
-    return completion.split("Question:", 1)[0]
+    """The completion up to the first "Question:" (lm-eval's stop string for gsm8k) that follows a
+    number: a base model answering the `Question: ... Answer:` prompt goes on with a question of its
+    own, whose numbers are not its answer; a chat answer that opens by restating `**Question:** ...`
+    is not cut there."""
+    for stop in re.finditer("Question:", completion):
+        if re.search(r"\d", completion[:stop.start()]):
+            return completion[:stop.start()]
+    return completion
 
 
 def _gsm8k(data, strict: bool = False) -> EvalSet:
@@ -205,8 +210,9 @@ def humaneval_code(problem: dict, completion: str) -> str:
     else the completion. Code that defines the entry point itself (a chat answer restating the
     function) follows the prompt, whose imports and helpers it keeps and whose stub it replaces;
     other code continues the prompt's function body, cut after it (`truncate_completion`)."""
-    code = extract_code(completion) if "```" in completion else completion
+    code = extract_code(completion, problem["prompt"]) if "```" in completion else completion
     if re.search(rf"^def {re.escape(problem['entry_point'])}\s*\(", code, re.MULTILINE):
+        code = code[re.search(r"^(?:def|class|from|import|@)\b", code, re.MULTILINE).start():]  # no prose before
         return f"{problem['prompt']}\n{truncate_completion(code, _AFTER_A_FUNCTION_STOPS)}"
     return f"{problem['prompt']}{truncate_completion(code)}"
 
@@ -256,15 +262,33 @@ def mbpp_prompt(row: dict) -> str:
             f"Your code should pass these tests:\n\n{tests}\n")
 
 
-def extract_code(completion: str) -> str:
-    """The first fenced code block of a completion (```python ... ```, unclosed: to the end), else
-    the completion up to an `[DONE]` marker."""
+def extract_code(completion: str, prompt_code: str = "") -> str:
+    """The code of a completion: the first fenced code block (```python ... ```, unclosed: to the
+    end); or the text before the first fence where that fence closes a block the prompt or a chat
+    template opened (`_closes_a_block`); else the completion up to an `[DONE]` marker.
+    `prompt_code`: the code the completion continues (HumanEval's prompt)."""
     opened = completion.find("```")
-    if opened >= 0:
-        body = completion[completion.find("\n", opened) + 1:] if "\n" in completion[opened:] else ""
-        closed = body.find("```")
-        return body[:closed] if closed >= 0 else body
-    return completion.split("[DONE]")[0]
+    if opened < 0:
+        return completion.split("[DONE]")[0]
+    if _closes_a_block(completion, opened, prompt_code):
+        return completion[:opened]
+    body = completion[completion.find("\n", opened) + 1:] if "\n" in completion[opened:] else ""
+    closed = body.find("```")
+    return body[:closed] if closed >= 0 else body
+
+
+def _closes_a_block(completion: str, fence: int, prompt_code: str) -> bool:
+    """Whether the first fence (at `fence`) closes a code block the completion began inside
+    (`code ... ``` then an explanation): a bare fence, an odd number of fences, and before it code
+    that parses after `prompt_code` and is more than a bare expression (not a word like "Sure")."""
+    before, rest_of_line = completion[:fence], completion[fence + 3:].split("\n", 1)[0]
+    if not before.strip() or rest_of_line.strip() or completion.count("```") % 2 == 0:
+        return False
+    try:
+        tree = ast.parse(prompt_code + before)
+    except (SyntaxError, ValueError):
+        return False
+    return any(not isinstance(node, ast.Expr) for node in tree.body)
 
 
 def mbpp_program(row: dict, completion: str) -> str:

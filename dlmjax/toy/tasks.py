@@ -238,8 +238,8 @@ def _canonical(number: str) -> str | None:
 
 
 # GSM8K's answer line: `#### N`, the number right after the marker (a markdown heading such as
-# `#### Step 2: ...` is not one)
-_ANSWER_LINE = re.compile(r"####[ \t]*(" + _NUMBER.pattern + ")")
+# `#### Step 2: ...` or a numbered one, `#### 1. Compute ...`, is not one)
+_ANSWER_LINE = re.compile(r"####[ \t]*(" + _NUMBER.pattern + r")(?![.)][ \t]+[A-Za-z])")
 
 
 def extract_final_number(text: str) -> str | None:
