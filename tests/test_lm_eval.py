@@ -192,6 +192,23 @@ def test_malformed_requests_are_refused(toy_ar_lm):
         toy_ar_lm.loglikelihood([request("1+2", "", kind="loglikelihood")])
 
 
+def test_sampled_responses_depend_on_the_request_alone_and_repeats_differ():
+    """A sampling decoder's stream per request is keyed by the request (task, document, index,
+    repeat), not by its place in lm-eval's combined list: a task's samples are the same whichever
+    tasks share the run, and lm-eval's repeats of one request (pass@k) are different samples."""
+    lm = DlmjaxLM(pretrained="toy-sdar", decoder="static:temperature=50", batch_size=4, mesh_data=1, warmup=False)
+
+    def requests(task, prompts):
+        return [Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_gen_toks": 16}), 0, (task, doc, 1))
+                for doc, p in enumerate(prompts)]
+
+    a, b = requests("task_a", ["12+7\n", "3+4\n"]), requests("task_b", ["9-2\n", "5+5\n"])
+    alone = lm.generate_until(a)
+    assert lm.generate_until(b + a)[2:] == alone
+    repeated = lm.generate_until([a[0], a[0]])
+    assert repeated[0] == alone[0] and repeated[1] != repeated[0]
+
+
 def test_unknown_model_args_name_the_accepted_keys():
     with pytest.raises(ModelArgsError, match=r"key 'gen_length' unknown; accepted: pretrained, decoder, max_new_tokens"):
         DlmjaxLM.create_from_arg_string("pretrained=toy-ar,gen_length=256")

@@ -18,7 +18,8 @@ model_args, so a decoder with several options writes them with `;`
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+import zlib
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import jax
@@ -171,6 +172,20 @@ def parse_generation_request(index: int, request, default_max: int) -> Generatio
         log.warning("%s asks for sampling; dlmjax samples as its decoder says (add temperature=T to the decoder "
                     "spec in model_args)", where)
     return GenerationRequest(index, str(request.task_name), context, list(until), budget)
+
+
+def sampling_ids(requests) -> list[int]:
+    """Each request's sampling stream id (`row_ids`): a hash of its task, document and index in the
+    document, and of its repeat number where lm-eval sends the same request several times (pass@k).
+    It depends on the request alone, not on its place among the other tasks' requests of the run,
+    so a task's samples are the same whichever tasks share the run."""
+    seen = Counter()
+    ids = []
+    for request in requests:
+        key = f"{request.task_name}/{request.doc_id}/{request.idx}"
+        ids.append(zlib.crc32(f"{key}/{seen[key]}".encode()) & 0x7FFFFFFF)
+        seen[key] += 1
+    return ids
 
 
 class DlmjaxLM(TemplateLM):
@@ -328,6 +343,7 @@ class DlmjaxLM(TemplateLM):
                                  "guide generation (LLaDA's generation evaluations run at cfg 0): drop cfg for "
                                  "generation tasks")
         parsed = [parse_generation_request(i, r, self.max_new_tokens) for i, r in enumerate(requests)]
+        streams = sampling_ids(requests)
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         groups = defaultdict(list)  # one stream per (task, budget)
         for req in parsed:
@@ -336,7 +352,7 @@ class DlmjaxLM(TemplateLM):
         with tqdm(total=len(parsed), desc="dlmjax generate_until", disable=disable_tqdm) as bar:
             for (task, budget), group in groups.items():
                 prompts = [self._prompt_ids(req.context, budget) for req in group]
-                for req, row in zip(group, self._decode(task, prompts, budget, [r.index for r in group])):
+                for req, row in zip(group, self._decode(task, prompts, budget, [streams[r.index] for r in group])):
                     responses[req.index] = finish_text(row.tokens, self.tokenizer, req.until + [eos])
                     self.cache_hook.add_partial("generate_until", requests[req.index].args, responses[req.index])
                     bar.update(1)
