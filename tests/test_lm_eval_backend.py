@@ -272,6 +272,19 @@ def test_lm_eval_backend_refusals_name_the_fix(argv, message, capsys, tmp_path):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_code_tasks_with_chat_warn_that_lm_eval_runs_the_raw_response(capsys):
+    from argparse import Namespace
+
+    from dlmjax.lm_eval.backend import check_backend_args
+
+    args = Namespace(data=None, strict_data=False, fewshot_as_multiturn=None, compare_to=None,
+                     confirm_run_unsafe_code=True, chat=True)
+    check_backend_args(args, ["gsm8k", "mbpp"])
+    assert "lm-eval's mbpp runs the raw response as code" in capsys.readouterr().err
+    check_backend_args(Namespace(**{**vars(args), "chat": False}), ["gsm8k", "mbpp"])
+    assert "warning" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", [["--num-fewshot", "5"], ["--fewshot-as-multiturn", "false"],
                                   ["--confirm-run-unsafe-code"]])
 def test_lm_eval_flags_on_the_native_backend_are_refused(flag, capsys, tmp_path):

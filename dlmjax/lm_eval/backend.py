@@ -52,6 +52,10 @@ def check_backend_args(args, tasks: list[str]) -> None:
         raise InputError(f"{', '.join(unsafe)} run{'s' if len(unsafe) == 1 else ''} the generated code (lm-eval marks "
                          "the task unsafe_code): pass --confirm-run-unsafe-code (lm-eval's --confirm_run_unsafe_code) "
                          "to run it, in dlmjax's sandbox")
+    if unsafe and args.chat:
+        print(f"dlmjax eval: warning: lm-eval's {', '.join(unsafe)} run{'s' if len(unsafe) == 1 else ''} the raw "
+              "response as code, while a chat model answers with fenced code and prose, which then fails; the "
+              "native backend (drop --backend lm-eval) takes the code out of the answer", file=sys.stderr)
     if "math500" in tasks:
         try:
             import lm_eval.tasks.minerva_math.utils  # noqa: F401
