@@ -138,6 +138,8 @@ def test_default_target_layer_ids_and_always_written():
     cfg = from_dflash_config(raw)
     assert cfg.target_layer_ids == (1, 9, 17, 25, 33)
     assert to_dflash_config(cfg)["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+    del raw["max_position_embeddings"]
+    assert from_dflash_config(raw).max_position_embeddings == 32768  # transformers' Qwen3Config default
 
 
 @pytest.mark.parametrize(
@@ -153,6 +155,7 @@ def test_default_target_layer_ids_and_always_written():
         (lambda r: r["dflash_config"].update(target_layer_ids=[9, 1]),
          r"must increase, each id once \(e.g. \[1, 9\]\)"),
         (lambda r: r["dflash_config"].update(target_layer_ids=[1, 1]), "must increase, each id once"),
+        (lambda r: r["dflash_config"].update(target_layer_ids=[]), "target_layer_ids is empty"),
         # transformers drops the window without the switch (vLLM and SGLang then refuse the drafter)
         (lambda r: r.update(layer_types=["sliding_attention"], sliding_window=8), "use_sliding_window"),
     ],
@@ -171,6 +174,7 @@ def test_incompatible_target_is_refused_with_both_values(target, tmp_path):
     cases = [
         (dict(hidden_size=64, intermediate_size=64), r"hidden_size 64 != target hidden_size 32"),
         (dict(num_target_layers=8), r"num_target_layers 8 != target num_hidden_layers 6"),
+        (dict(vocab_size=151936), r"vocab_size 151936 != target vocab_size 96"),
     ]
     for i, (change, message) in enumerate(cases):
         raw = tiny_drafter_config()
@@ -242,6 +246,19 @@ def test_fresh_drafter_saves_in_dflash_names(target, tmp_path):
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
             "layers.0.mlp.gate_proj.weight"} <= names
     assert load_drafter(tmp_path, ours.config).config.replace(hf_extra=()) == cfg.replace(dtype="bfloat16", hf_extra=())
+
+
+def test_saving_a_drafter_that_reads_the_targets_last_layer_warns_about_the_servers(target, tmp_path, caplog):
+    """HF's hidden_states[N] (id N - 1) is final-normed; vLLM feeds that id the residual before the
+    norm and SGLang refuses it: a drafter reading it is written with a warning saying so."""
+    _, ours, _ = target
+    cfg = DrafterConfig.for_target(ours.config, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    last = ours.config.num_layers - 1
+    with caplog.at_level("WARNING", logger="dlmjax.io.dflash"):
+        save_drafter(init_drafter(cfg), tmp_path / "inner", dtype=None)
+        assert not caplog.records
+        save_drafter(init_drafter(cfg.replace(target_layer_ids=(1, last))), tmp_path / "last", dtype=None)
+    assert f"target_layer_ids holds {last}, num_target_layers - 1" in caplog.text and "vLLM" in caplog.text
 
 
 def test_a_drafter_for_a_llama3_scaled_target_takes_its_rope_and_saves_it_as_transformers_reads_it(target, tmp_path):

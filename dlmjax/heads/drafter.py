@@ -169,6 +169,8 @@ def check_compatible(cfg: DrafterConfig, target: ModelConfig) -> None:
         )
     if cfg.hidden_size != target.hidden_size:
         problems.append(f"drafter hidden_size {cfg.hidden_size} != target hidden_size {target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:  # vLLM would remap the drafter's ids to the target's (no map ships)
+        problems.append(f"drafter vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}")
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         problems.append(f"drafter mask_token_id {cfg.mask_token_id} is outside the target's vocab (vocab_size {target.vocab_size})")
     if cfg.num_target_layers != target.num_layers:

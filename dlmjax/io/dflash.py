@@ -22,6 +22,7 @@ they are always written.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,16 @@ def _rope_keys(cfg: DrafterConfig, verbatim: dict) -> dict:
     return rope_keys(cfg)
 
 
+log = logging.getLogger(__name__)
+LAST_LAYER_WARNING = (
+    "the drafter written to %s reads the target's last layer (target_layer_ids holds %d, num_target_layers - 1): "
+    "dlmjax, transformers and z-lab's code feed it the final-normed hidden state, vLLM the residual before the "
+    "norm (other drafts, no error) and SGLang refuses it; for those servers train with ids below %d")
+
 # Qwen3Config's default `sliding_window`; it keeps a window only where `use_sliding_window` is true
 _QWEN3_DEFAULT_WINDOW = 4096
+# Qwen3Config's default `max_position_embeddings`
+_QWEN3_DEFAULT_POSITIONS = 32768
 
 
 def _sliding_window(raw: dict) -> int | None:
@@ -148,14 +157,19 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
             "drops the window (vLLM and SGLang refuse such a drafter); set `use_sliding_window: true` and "
             "`sliding_window`, or make those layers full_attention"
         )
-    ids = dcfg.get("target_layer_ids") or default_target_layer_ids(raw["num_target_layers"], n)
+    ids = dcfg.get("target_layer_ids")
+    if ids is None:
+        ids = default_target_layer_ids(raw["num_target_layers"], n)
+    elif isinstance(ids, list) and not ids:
+        raise ConfigError("dflash_config.target_layer_ids is empty: list the target layers the drafter reads, or "
+                          "remove the key for DFlash's default")
     cfg = DrafterConfig(
         hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_layers=n,
         num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
         vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"], target_layer_ids=tuple(ids),
         mask_token_id=int(dcfg["mask_token_id"]), block_size=int(block_size),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), **_rope(raw),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096), layer_types=layer_types,
+        max_position_embeddings=raw.get("max_position_embeddings", _QWEN3_DEFAULT_POSITIONS), layer_types=layer_types,
         sliding_window=window if SLIDING in layer_types else None, dtype=dtype,
     )
     # Everything except the fields DrafterConfig owns is written back as it was read.
@@ -290,6 +304,8 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, *, dtype: str | None = "
         raise CheckpointError(f"{out_dir} already holds {WEIGHTS_FILE}; save the drafter into an empty or new directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = drafter.config
+    if cfg.num_target_layers - 1 in cfg.target_layer_ids:
+        log.warning(LAST_LAYER_WARNING, out_dir, cfg.num_target_layers - 1, cfg.num_target_layers - 1)
     tensors: dict[str, np.ndarray] = {}
     for path, var in sorted(_flat(nnx.state(drafter, nnx.Param)).items()):
         value = jax.device_get(var[...])
