@@ -19,14 +19,14 @@ import argparse
 import json
 import sys
 import traceback
-from pathlib import Path
 
 from dlmjax import kernels
 from dlmjax.arithmetic import PRECISIONS, numerics
 from dlmjax.decoding.spec import decoder_names
 from dlmjax.models.moe import EXPERT_DISPATCH
 from dlmjax.traces import add_parser as add_traces_parser
-from dlmjax.validation import InputError
+from dlmjax.io.files import check_output_dir
+from dlmjax.validation import InputError, count_arg, seed_arg
 
 # A mistake in what the user typed or pointed at: one line, exit 2. Anything else is a bug.
 USER_ERRORS = (InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
@@ -117,9 +117,9 @@ def cmd_export(args) -> int:
     from dlmjax.io.hf import check_export_target, export_model, load_model
     from dlmjax.presets import resolve_model
 
-    src, out = resolve_model(args.src), Path(args.out)
-    model = load_model(src)
+    src, out = resolve_model(args.src, "export SRC"), check_output_dir(args.out)
     check_export_target(out)
+    model = load_model(src)
     extras = []
     with staged_dir(out, keep_existing=True) as stage:  # `out` appears only once everything is written
         export_model(model, stage, tokenizer_from=src)
@@ -139,6 +139,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    check_output_dir(args.out)
     if args.backend == "lm-eval":
         if args.preset is not None:
             raise InputError("--preset sets up the native backend's tasks and decoders; drop --backend lm-eval")
@@ -257,17 +258,6 @@ MRP_HEAD_HELP = ("checkpoint directory holding the MRP head (mrp_modules.* tenso
                  "default: the model's own directory when it has one")
 
 
-def positive_int(text: str) -> int:
-    """argparse type for counts: an integer >= 1 (argparse reports anything else, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def add_numerics_args(parser: argparse.ArgumentParser):
     group = parser.add_argument_group("numerics (dlmjax.numerics)")
     group.add_argument("--precision", choices=PRECISIONS, default=None,
@@ -291,9 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--decoder", default=None,
                      help=f"NAME or NAME:key=value,... (default: static; ar for causal models); decoders: "
                           f"{', '.join(decoder_names())}")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=64,
+    gen.add_argument("--max-new-tokens", type=count_arg, default=64,
                      help="tokens to generate, any number >= 1 (whole blocks are decoded and cut; default 64)")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=seed_arg, default=0)
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
@@ -312,18 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "(family, mask id, block size); options given here override them")
     ev.add_argument("--task", action="append", help="toy-arith, toy-constraint, gsm8k, humaneval, mbpp, math500; repeat for several")
     ev.add_argument("--decoder", action="append", help="decoder SPEC as in `dlmjax generate`; repeat (default: a set)")
-    ev.add_argument("--limit", type=positive_int, default=None,
+    ev.add_argument("--limit", type=count_arg, default=None,
                     help="first N prompts per task (toy tasks: N generated; default 128)")
     ev.add_argument("--data", default=None, help="gsm8k/humaneval/mbpp/math500 source: local .jsonl(.gz)/.json, a directory or a HF dataset name")
     ev.add_argument("--strict-data", action="store_true",
                     help="refuse a --data file with unreadable rows (default: report their line numbers and skip them)")
     ev.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
     ev.add_argument("--save-outputs", action="store_true", help="also write outputs.jsonl (one line per decoder and prompt)")
-    ev.add_argument("--batch-size", type=positive_int, default=None, help="prompts decoded together (default 64, or the preset's)")
+    ev.add_argument("--batch-size", type=count_arg, default=None, help="prompts decoded together (default 64, or the preset's)")
     ev.add_argument("--mesh", default=None, help=MESH_HELP + " (--batch-size is rounded up to a multiple of data)")
     ev.add_argument("--expert-dispatch", choices=EXPERT_DISPATCH, default=None, help=EXPERT_DISPATCH_HELP)
-    ev.add_argument("--max-new-tokens", type=positive_int, default=None, help="override the task's generation budget")
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--max-new-tokens", type=count_arg, default=None, help="override the task's generation budget")
+    ev.add_argument("--seed", type=seed_arg, default=0)
     ev.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     ev.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     ev.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
@@ -357,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "process)")
     dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                       help="address of process 0 and a free port (or DLMJAX_COORDINATOR)")
-    dist.add_argument("--num-processes", type=positive_int, default=None, help="processes in the run (or "
+    dist.add_argument("--num-processes", type=count_arg, default=None, help="processes in the run (or "
                       "DLMJAX_NUM_PROCESSES)")
     dist.add_argument("--process-id", type=int, default=None, help="this process, 0..N-1 (or DLMJAX_PROCESS_ID, "
                       "or SLURM_PROCID)")

@@ -72,8 +72,8 @@ def _build(name: str, out_dir: Path) -> Path:
     return out_dir
 
 
-def resolve_model(name_or_dir: str | os.PathLike) -> Path:
-    """A checkpoint directory for a path or a preset name."""
+def resolve_model(name_or_dir: str | os.PathLike, what: str = "--model") -> Path:
+    """A checkpoint directory for a path or a preset name; `what` names the input in the error."""
     path = Path(name_or_dir)
     if path.is_dir():
         return path
@@ -87,7 +87,7 @@ def resolve_model(name_or_dir: str | os.PathLike) -> Path:
         target = cache_dir() / "presets" / str(name_or_dir)
         return target if (target / "config.json").is_file() else _build(str(name_or_dir), target)
     raise FileNotFoundError(
-        f"--model {name_or_dir!r} is neither a checkpoint directory nor a preset; presets: {', '.join(preset_names())}"
+        f"{what} {name_or_dir!r} is neither a checkpoint directory nor a preset; presets: {', '.join(preset_names())}"
     )
 
 
@@ -103,7 +103,7 @@ def load_checkpoint(name_or_dir: str | os.PathLike, *, dtype: str | None = None,
     model = load_model(path, dtype=dtype, mesh=mesh)
     if expert_dispatch is not None:
         set_expert_dispatch(model, expert_dispatch)
-    head_dir = resolve_model(head_from) if head_from else path
+    head_dir = resolve_model(head_from, "--mrp-head") if head_from else path
     head = load_head(head_dir, model.config) if head_from or has_head(path) else None
     return path, model, load_tokenizer(path, model.config), head
 

@@ -52,9 +52,10 @@ from dlmjax.decoding.engine import BlockForwards, Plan
 from dlmjax.decoding.spec import DiffusionDecoder, Static
 from dlmjax.decoding.tspd import Trajectory, block_abs_pos, feature_matrix, observe
 from dlmjax.heads.controller import FEATURES, model_fingerprint
+from dlmjax.io.files import check_output_dir
 from dlmjax.io.tokenizer import decode_stop_ids
 from dlmjax.models.transformer import take_rows
-from dlmjax.validation import InputError
+from dlmjax.validation import InputError, count_arg, seed_arg
 
 TRACE_FORMAT = "dlmjax-tspd-traces"
 TRACE_VERSION = 1
@@ -311,17 +312,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("traces", help="collect TSPD training traces (static reference + EGP labels)")
     p.add_argument("--model", default="toy-sdar", help="preset or checkpoint directory (default: toy-sdar)")
     p.add_argument("--tasks", default=None, help="comma-separated toy tasks (default: toy-arith,toy-constraint)")
-    p.add_argument("--per-task", type=int, default=256, help="prompts per task (with --prompts: the first N)")
+    p.add_argument("--per-task", type=count_arg, default=256, help="prompts per task (with --prompts: the first N)")
     p.add_argument("--prompts", default=None,
                    help="instead of toy tasks: a JSONL file (--field of each object) or a text file (one prompt per "
                         "line), e.g. a training split's questions; needs --max-new-tokens")
     p.add_argument("--field", default="prompt", help="--prompts JSONL: the text field (GSM8K: question)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="--prompts: tokens to generate per prompt")
     p.add_argument("--chat", action="store_true", help="--prompts: render each as a user turn of the chat template")
-    p.add_argument("--seed", type=int, default=0, help="prompt seed (the eval sets use 1234: keep it different)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seed", type=seed_arg, default=0, help="prompt seed (the eval sets use 1234: keep it different)")
+    p.add_argument("--batch-size", type=count_arg, default=32)
     p.add_argument("--data-parallel", action="store_true", help="split each batch over all devices ('data' axis)")
-    p.add_argument("--block", type=int, default=None, help="bidirectional models: decoding block (default 32)")
+    p.add_argument("--block", type=count_arg, default=None, help="bidirectional models: decoding block (default 32)")
     p.add_argument("--cache", default="none", choices=("none", "prefix", "dual"),
                    help="bidirectional models: cache mode of both decodes (default none: exact)")
     p.add_argument("--rollout", default="egp", choices=ROLLOUTS,
@@ -337,6 +338,7 @@ def run(args) -> int:
 
     if args.seed == 1234:
         raise InputError("--seed 1234 draws the evaluation prompts; pick another seed for training traces")
+    check_output_dir(args.out)
     path, model, tokenizer, _ = load_checkpoint(args.model)
     mesh = None
     if args.data_parallel:

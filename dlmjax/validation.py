@@ -15,6 +15,7 @@ its limit. Decoders, `ModelConfig` and the run-config sections all work this way
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -131,6 +132,32 @@ def check_fields(obj, prefix: str, *, error=InputError) -> None:
 def positive_int(name: str, value, *, error=InputError) -> int:
     """A count the user gives (tokens, prompts, rows): an integer >= 1."""
     return check_value(name, value, "int", AT_LEAST_1, error=error)
+
+
+def count_arg(text: str) -> int:
+    """argparse type for counts: an integer >= 1 (argparse reports anything else, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+SEED_LIMIT = 2**32  # jax.random.key keeps the low 32 bits of a seed: larger seeds would repeat smaller ones
+
+
+def seed_arg(text: str) -> int:
+    """argparse type for --seed: an integer in [0, 2**32) (argparse reports anything else, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, {SEED_LIMIT - 1}] (jax keeps a seed's low 32 bits, so "
+                                         "a larger one would repeat a smaller one's samples)")
+    return value
 
 
 def read_json_file(path: str | Path, *, error=InputError, fix: str = "fix or re-create the file") -> Any:

@@ -48,6 +48,41 @@ def test_unknown_model_lists_presets(capsys):
     assert "presets: toy-sdar, toy-ar, random-sdar, random-qwen3" in capsys.readouterr().err
 
 
+def test_unknown_inputs_are_named_as_the_user_gave_them(capsys):
+    assert main(["export", "no/such/dir", "out"]) == 2
+    assert "export SRC 'no/such/dir' is neither a checkpoint directory nor a preset" in capsys.readouterr().err
+    assert main(["lm-eval", "--model", "dlmjax", "--model_args", "pretrained=no/such/dir", "--tasks", "gsm8k"]) == 2
+    assert "model_args pretrained= 'no/such/dir' is neither" in capsys.readouterr().err
+
+
+def test_lm_evals_own_argument_errors_are_one_line_errors(capsys):
+    """A task name lm-eval does not know is the user's mistake (exit 2), not a dlmjax bug (exit 1)."""
+    assert main(["lm-eval", "--model", "dlmjax", "--model_args", "pretrained=toy-ar", "--tasks", "gsm8k_locl"]) == 2
+    err = capsys.readouterr().err
+    assert "lm-eval refused its arguments: Tasks not found: gsm8k_locl" in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "--task", "toy-arith", "--limit", "2", "--out", "{file}"],
+    ["eval", "--task", "toy-arith", "--limit", "2", "--out", "{file}/sub"],
+    ["export", "random-qwen3", "{file}/sub"],
+    ["traces", "--per-task", "2", "--out", "{file}"],
+])
+def test_an_output_directory_that_is_a_file_is_refused_before_any_work(argv, tmp_path, capsys):
+    file = tmp_path / "a.txt"
+    file.write_text("keep me")
+    assert main([a.format(file=file) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "is a file; choose a directory" in err or "which is a file; choose a directory" in err
+    assert file.read_text() == "keep me"
+
+
+def test_a_seed_jax_would_truncate_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "random-sdar", "--prompt", "Hi", "--seed", str(2**32)])
+    assert exit_info.value.code == 2 and "must be in [0, 4294967295]" in capsys.readouterr().err
+
+
 def test_export_cli_roundtrip(tmp_path, capsys):
     src = dlmjax.presets.resolve_model("random-qwen3")
     assert main(["export", str(src), str(tmp_path / "out"), "--format", "torch"]) == 0

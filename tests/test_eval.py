@@ -255,6 +255,14 @@ def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys):
     assert (out / "pareto.png").stat().st_size > 1000
     table = capsys.readouterr().out
     assert "| toy-arith | `static` |" in table and (out / "results.md").read_text().count("\n") >= 8
+    # a rerun into the same --out without --save-outputs leaves no earlier outputs beside its results
+    assert main(["eval", "--model", str(random_sdar), "--decoder", "static", "--no-progress", "--task", "toy-arith",
+                 "--limit", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
+    assert not (out / "outputs.jsonl").exists() and len(json.loads((out / "results.json").read_text())["runs"]) == 1
+    # a budget the model cannot hold names the task and decoder
+    assert main(["eval", "--model", str(random_sdar), "--decoder", "static", "--no-progress", "--task", "toy-arith",
+                 "--limit", "1", "--max-new-tokens", "4096", "--out", str(out)]) == 2
+    assert "task toy-arith, decoder static: prompt (" in capsys.readouterr().err
 
     out2 = tmp_path / "gsm-out"
     assert main(["eval", *common, "--task", "gsm8k", "--data", str(gsm), "--out", str(out2)]) == 0

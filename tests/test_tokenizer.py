@@ -26,6 +26,22 @@ def test_char_tokenizer_roundtrip(tmp_path):
     assert tok.decode([ids["mask"], *tok.encode("ab"), ids["eos"]]) == "ab"
 
 
+@pytest.mark.parametrize("model", ["toy-ar", "toy-sdar"])
+def test_the_toy_tokenizer_encodes_in_transformers_as_in_dlmjax(model, tmp_path):
+    """transformers' AutoTokenizer on the shipped toy checkpoints (and their exports) reads the
+    character vocabulary as dlmjax does; without `tokenizer_class` it took Qwen2's class from the
+    model type and dropped the newline."""
+    transformers = pytest.importorskip("transformers")
+    from dlmjax.presets import resolve_model
+
+    text = "12+7-3\n#### 16"
+    path = resolve_model(model)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path))(text, add_special_tokens=False)["input_ids"]
+    assert theirs == load_tokenizer(path).encode(text) and len(theirs) == len(text)
+    save_char_tokenizer(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
 def test_mask_id_from_config_wins(tmp_path):
     save_char_tokenizer(tmp_path)
     assert load_tokenizer(tmp_path, config("sdar", mask=7)).mask_id == 7

@@ -197,6 +197,18 @@ def test_resume_refuses_a_different_config(tmp_path):
         train(load_run_config("configs/toy-sdar.yaml", tiny_overrides(3)), tmp_path / "run", progress=False)
 
 
+def test_a_run_stopped_by_a_mistake_before_its_first_checkpoint_takes_the_corrected_config(tmp_path):
+    """A mistake found once the run directory is claimed (here: examples longer than seq_len) leaves
+    no checkpoint, so rerunning with the fix into the same --out starts the run, not a refusal."""
+    from dlmjax.validation import InputError
+
+    with pytest.raises(InputError, match="seq_len"):
+        train(load_run_config("configs/toy-sdar.yaml", tiny_overrides(2) + ["data.seq_len=4"]), tmp_path / "run",
+              progress=False)
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert train(load_run_config("configs/toy-sdar.yaml", tiny_overrides(2)), tmp_path / "run", progress=False).step == 2
+
+
 def test_training_lowers_the_loss(tmp_path):
     run = load_run_config("configs/toy-sdar.yaml", tiny_overrides(40) + ["train.log_every=10", "train.lr=1e-2",
                                                                         "data.tasks={toy-constraint: 1}"])

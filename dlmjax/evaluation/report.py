@@ -85,5 +85,7 @@ def write_report(records: list[RunRecord], outputs: list[dict] | None, out_dir: 
         with (out_dir / "outputs.jsonl").open("w") as f:
             for row in outputs:
                 f.write(json.dumps(row) + "\n")
+    else:  # an earlier run's outputs would sit beside this run's results as if they were its own
+        (out_dir / "outputs.jsonl").unlink(missing_ok=True)
     pareto_plot(records, out_dir / "pareto.png", title)
     return table

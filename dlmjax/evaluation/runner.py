@@ -94,8 +94,11 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
                       max_new_tokens=eval_set.max_new_tokens, seed=seed, row_ids=[it.index for it in items], mesh=mesh,
                       head=head, drafter=drafter, limit=limit)
 
-    if warmup:  # compile outside the timed run: the first slots and one refill
+    try:  # the prompts are checked here (e.g. against the model's length): name the task in the error
         probe = stream()
+    except InputError as err:
+        raise type(err)(f"task {eval_set.task}, decoder {decoder}: {err}") from None
+    if warmup:  # compile outside the timed run: the first slots and one refill
         for _ in stream(limit=min(len(items), probe.batch + probe.refill)):
             pass
     run = stream()

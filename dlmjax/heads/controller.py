@@ -179,7 +179,7 @@ def resolve_controller_path(name: str | Path) -> Path:
         from dlmjax.presets import preset_names, resolve_model
 
         if str(name) in preset_names():
-            path = resolve_model(str(name)) / CONTROLLER_FILE
+            path = resolve_model(str(name), "TSPD controller") / CONTROLLER_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"no TSPD controller at {name} ({path}); pass a tspd_controller.safetensors file or a directory with one "

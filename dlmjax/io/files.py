@@ -88,10 +88,24 @@ def restore_interrupted(target: Path) -> None:
         os.rename(previous, target)
 
 
+def check_output_dir(target: str | os.PathLike) -> Path:
+    """`target` as an absolute path to a directory that can be made or written, refused
+    (InputError) where it or a folder above it is a file. Commands call it before their work, so a
+    mistyped --out is refused at once, not after a run."""
+    path = Path(os.path.abspath(target))
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file" if folder == path else f"lies under {folder}, which is a file"
+                raise InputError(f"output directory {target} {where}; choose a directory (new, or one to write into)")
+            break
+    return path
+
+
 def _check_target(target: str | os.PathLike) -> Path:
     """`target` as an absolute path, refused where it cannot be renamed away safely: the filesystem
-    root, a mount point, or the current directory (or one holding it)."""
-    path = Path(os.path.abspath(target))
+    root, a mount point, or the current directory (or one holding it); or where it is a file."""
+    path = check_output_dir(target)
     real = path.resolve()
     fix = f"write into a subdirectory of it instead (e.g. {path / 'model'})"
     if real.parent == real:

@@ -17,6 +17,8 @@ over the data dlmjax ships (`python -m dlmjax.lm_eval.tasks DIR` writes them for
 from __future__ import annotations
 
 import sys
+import traceback
+from pathlib import Path
 
 try:
     from lm_eval.api.registry import register_model
@@ -26,11 +28,19 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from dlmjax.lm_eval.metrics import decoding_table, recorded_runs
 from dlmjax.lm_eval.model import MODEL_ARGS, DlmjaxLM, ModelArgsError, RequestError
+from dlmjax.validation import InputError
 
 MODEL_NAME = "dlmjax"
 register_model(MODEL_NAME)(DlmjaxLM)
 
 __all__ = ["MODEL_ARGS", "MODEL_NAME", "DlmjaxLM", "ModelArgsError", "RequestError", "decoding_table", "run_cli"]
+
+
+def _raised_by_lm_evals_arguments(err: BaseException) -> bool:
+    """Whether `err` comes from lm-eval's check of its command line (its EvaluatorConfig: unknown
+    tasks, no task, conflicting flags, a missing config file): a user's mistake, not dlmjax's."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).as_posix().endswith("lm_eval/config/evaluate_config.py")
 
 
 def run_cli(argv: list[str]) -> int:
@@ -43,6 +53,11 @@ def run_cli(argv: list[str]) -> int:
     sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        if not _raised_by_lm_evals_arguments(err):
+            raise
+        raise InputError(f"lm-eval refused its arguments: {err} (`lm-eval ls tasks` lists the task names, "
+                         "`dlmjax lm-eval --help` the flags)") from None
     finally:
         sys.argv = saved
     for info in recorded_runs()[before:]:

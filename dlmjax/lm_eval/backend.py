@@ -98,7 +98,7 @@ def run_backend(args) -> int:
                   tspd_controller=args.tspd_controller, max_new_tokens=args.max_new_tokens or 256)
     decoders = args.decoder
     if not decoders:
-        head = has_head(resolve_model(args.mrp_head) if args.mrp_head else lm.path) or None
+        head = has_head(resolve_model(args.mrp_head, "--mrp-head") if args.mrp_head else lm.path) or None
         drafter = (args.drafter or find_drafter_dir(lm.path)) or None
         decoders = default_decoders(lm.model, head, drafter)
 

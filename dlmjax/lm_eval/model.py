@@ -220,7 +220,7 @@ class DlmjaxLM(TemplateLM):
                      "share)", self.batch_size, rounded, self.mesh.shape["data"])
             self.batch_size = rounded
 
-        self.path = resolve_model(args["pretrained"])
+        self.path = resolve_model(args["pretrained"], "model_args pretrained=")
         self.model = load_model(self.path, dtype=args["dtype"], mesh=self.mesh)  # params placed on the mesh
         if args["expert_dispatch"] not in EXPERT_DISPATCH:
             raise ModelArgsError(f"model_args expert_dispatch={args['expert_dispatch']!r}: choose one of "
@@ -256,8 +256,8 @@ class DlmjaxLM(TemplateLM):
                                  f"model; use {'ar or drafter' if self.causal else 'a diffusion decoder'}")
         head = None
         if getattr(parsed, "needs_head", False):
-            head = load_head(resolve_model(args["mrp_head"]) if args["mrp_head"] else self.path, model.config)
-        elif args["mrp_head"] is not None and not has_head(resolve_model(args["mrp_head"])):
+            head = load_head(resolve_model(args["mrp_head"], "model_args mrp_head=") if args["mrp_head"] else self.path, model.config)
+        elif args["mrp_head"] is not None and not has_head(resolve_model(args["mrp_head"], "model_args mrp_head=")):
             raise ModelArgsError(f"mrp_head={args['mrp_head']!r} holds no MRP head")
         drafter = _drafter_for(self.path, model, [spec], args["drafter"], args["dtype"])
         self.decoder = parsed

@@ -30,7 +30,10 @@ def save_char_tokenizer(out_dir: str | Path, chars: tuple[str, ...] = CHARS) -> 
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = char_tokenizer(chars)
     tok.save(str(out_dir / "tokenizer.json"))
-    config = {"pad_token": PAD, "eos_token": EOS, "mask_token": MASK, "unk_token": UNK, "model_max_length": 4096}
+    # tokenizer_class: without it transformers' AutoTokenizer takes the model type's class (Qwen2's for
+    # qwen3/sdar), which re-tokenises the text its own way and drops the newline this vocabulary holds
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "eos_token": EOS, "mask_token": MASK,
+              "unk_token": UNK, "model_max_length": 4096}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return {"pad": tok.token_to_id(PAD), "eos": tok.token_to_id(EOS), "mask": tok.token_to_id(MASK),
             "vocab_size": tok.get_vocab_size()}

@@ -145,7 +145,7 @@ def load_target(name: str):
     from dlmjax.train.config import RunConfigError
 
     try:
-        ckpt_dir = resolve_model(name)
+        ckpt_dir = resolve_model(name, "model")
     except FileNotFoundError as exc:
         raise RunConfigError(f"backbone: {exc}") from None
     cfg = load_config(ckpt_dir)

@@ -85,7 +85,7 @@ def initial_model(model_cfg: ModelConfig, cfg):
     adapted to block diffusion, as SDAR adapts Qwen3)."""
     if cfg.init_from is None:
         return init_model(model_cfg, seed=cfg.seed)
-    source = load_model(resolve_model(cfg.init_from))
+    source = load_model(resolve_model(cfg.init_from, "train.init_from"))
     differing = [f for f in SHAPE_FIELDS if getattr(source.config, f) != getattr(model_cfg, f)]
     if differing:
         detail = ", ".join(f"{f}: {getattr(source.config, f)} vs {getattr(model_cfg, f)}" for f in differing)
@@ -166,7 +166,7 @@ def backbone_trainee(run: RunConfig, run_dir: Path) -> Trainee:
 def load_backbone(name: str) -> tuple[Path, Transformer, Tokenizer]:
     """(checkpoint dir, model, tokenizer) of an MRP run's backbone: block-causal, toy tokenizer."""
     try:
-        ckpt_dir = resolve_model(name)
+        ckpt_dir = resolve_model(name, "model")
     except FileNotFoundError as exc:
         raise RunConfigError(f"backbone: {exc}") from None
     cfg = load_config(ckpt_dir)
@@ -263,11 +263,18 @@ def check_run_dir(run_dir: Path) -> None:
             "run; pass a new or empty directory (or the directory of the run to resume)")
 
 
+def _has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run saved a checkpoint (Orbax's step directories under checkpoints/)."""
+    return any(p.name.isdigit() for p in (run_dir / "checkpoints").glob("*"))
+
+
 def _write_config(run_dir: Path, run: RunConfig, write: bool = True) -> None:
     """Write the resolved config (`write` False: only check it); a resumed run must use the same
-    one (fields added to the config since the run began compare at their defaults)."""
+    one (fields added to the config since the run began compare at their defaults). A run that
+    saved no checkpoint (it stopped on a mistake before its first) has nothing to resume: a new
+    config takes its place."""
     path = run_dir / "config.yaml"
-    if path.exists():
+    if path.exists() and _has_checkpoint(run_dir):
         stored = from_dict(read_yaml(path)).to_dict()
         differing = sorted(k for k, v in run.to_dict().items() if stored.get(k) != v)
         if differing:

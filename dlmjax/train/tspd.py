@@ -106,7 +106,7 @@ def tspd_trainee(run, run_dir: Path):
     features = check_features(t.features)
     expect = None
     if run.backbone:
-        expect = model_fingerprint(load_config(resolve_model(run.backbone)))
+        expect = model_fingerprint(load_config(resolve_model(run.backbone, "backbone")))
     arrays, meta = load_traces(t.traces, expect_model=expect)
     block = features == BLOCK_FEATURES
     if block:
