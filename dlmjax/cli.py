@@ -413,6 +413,10 @@ def _run(command: str, run) -> int:
     except USER_ERRORS as err:  # a mistake in the input: the message names it and the fix
         print(f"dlmjax {command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was finished is kept (a run's last step is checkpointed)
+        print(f"dlmjax {command}: interrupted" + ("; rerun the same command to resume from the last finished step"
+                                                  if command == "train" else ""), file=sys.stderr)
+        return 130
     except Exception:  # noqa: BLE001 (anything else is ours: keep the traceback)
         traceback.print_exc()
         print(f"dlmjax {command}: internal error: this is a bug in dlmjax, not a mistake in your input; "

@@ -77,6 +77,17 @@ def test_an_output_directory_that_is_a_file_is_refused_before_any_work(argv, tmp
     assert file.read_text() == "keep me"
 
 
+def test_ctrl_c_is_one_line_that_says_how_to_resume(capsys):
+    from dlmjax.cli import _run
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert _run("train", interrupted) == 130
+    assert capsys.readouterr().err == ("dlmjax train: interrupted; rerun the same command to resume from the last "
+                                       "finished step\n")
+
+
 def test_a_seed_jax_would_truncate_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", "random-sdar", "--prompt", "Hi", "--seed", str(2**32)])

@@ -191,6 +191,30 @@ def test_interrupted_training_resumes_exactly(tmp_path, config):
     assert (straight.model_dir / "tokenizer.json").is_file()
 
 
+def test_ctrl_c_right_after_a_log_step_keeps_its_checkpoint_and_its_log_row(tmp_path, monkeypatch):
+    """Ctrl-C between a step and its log row: the step is checkpointed and its row written, so the
+    resumed run's metrics.jsonl has every log step once."""
+    import dlmjax.train.loop as loop
+
+    class CtrlCAfterStep4(loop.tqdm):
+        steps = 0
+
+        def update(self, n=1):
+            super().update(n)
+            CtrlCAfterStep4.steps += n
+            if CtrlCAfterStep4.steps == 4:  # step 4 is done, its row not yet written
+                raise KeyboardInterrupt
+
+    run = load_run_config("configs/toy-sdar.yaml", tiny_overrides() + ["train.log_every=2", "train.checkpoint_every=5"])
+    monkeypatch.setattr(loop, "tqdm", CtrlCAfterStep4)
+    with pytest.raises(KeyboardInterrupt):
+        train(run, tmp_path / "run", progress=False)
+    monkeypatch.undo()
+    assert train(run, tmp_path / "run", progress=False).losses.keys() == {6}  # resumed after step 4
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "loss" in line] == [2, 4, 6]
+
+
 def test_resume_refuses_a_different_config(tmp_path):
     train(load_run_config("configs/toy-sdar.yaml", tiny_overrides(2)), tmp_path / "run", progress=False)
     with pytest.raises(ValueError, match="different config"):

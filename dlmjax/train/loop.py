@@ -416,7 +416,22 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     losses: dict[int, float] = {}
     bar = tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}", disable=not (progress and main),
                dynamic_ncols=True)
-    tokens_seen, window_start, done = 0, time.perf_counter(), start
+    tokens_seen, window_start, done, logged = 0, time.perf_counter(), start, start
+
+    def record(step, metrics):  # a log step's row: metrics.jsonl, TensorBoard, the bar
+        nonlocal tokens_seen, window_start, logged
+        metrics = jax.device_get(metrics)
+        losses[step] = float(metrics["loss"])
+        elapsed = time.perf_counter() - window_start
+        rates = {"tokens_per_s": tokens_seen * jax.process_count() / elapsed}
+        if log is not None:
+            log.write(step, {**metrics, **rates})
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{rates['tokens_per_s']:.0f}")
+        tokens_seen, window_start, logged = 0, time.perf_counter(), step
+
+    def is_log_step(step):
+        return step % cfg.log_every == 0 or step == last
+
     try:
         for step in range(start + 1, last + 1):
             if trainee.batch_at is not None:
@@ -434,15 +449,8 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
             # this process's rows, times the processes (exact on one process)
             tokens_seen += len(rows) if trainee.batch_at is not None else int(batch.valid.sum())
             bar.update(1)
-            if step % cfg.log_every == 0 or step == last:
-                metrics = jax.device_get(metrics)
-                losses[step] = float(metrics["loss"])
-                elapsed = time.perf_counter() - window_start
-                rates = {"tokens_per_s": tokens_seen * jax.process_count() / elapsed}
-                if log is not None:
-                    log.write(step, {**metrics, **rates})
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{rates['tokens_per_s']:.0f}")
-                tokens_seen, window_start = 0, time.perf_counter()
+            if is_log_step(step):
+                record(step, metrics)
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 eval_start = time.perf_counter()
                 local_params = _gathered(params, mesh)
@@ -453,7 +461,9 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
                 window_start += time.perf_counter() - eval_start  # tokens/s measures training only
             if step % cfg.checkpoint_every == 0:
                 manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-    finally:  # also on Ctrl-C: keep the last finished step
+    finally:  # also on Ctrl-C: keep the last finished step, and its log row (the resumed run starts after it)
+        if done > logged and is_log_step(done):
+            record(done, metrics)
         if done > start and manager.latest_step() != done:
             manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
         manager.wait_until_finished()
