@@ -101,3 +101,12 @@ def test_bad_psd_options():
         parse_decoder("psd:temperature=0.7")
     with pytest.raises(DecoderSpecError, match="depth=0"):
         parse_decoder("psd:depth=0")
+
+
+def test_a_depth_deeper_than_the_block_is_refused(sdar):
+    """Each draft commits at least one more token, so a block of K holds at most K drafts; a deeper
+    PSD only made its forwards slower."""
+    block = sdar.config.block_size
+    generate(sdar, PROMPTS[:1], decoder=f"psd:depth={block}", max_new_tokens=MAX_NEW)
+    with pytest.raises(DecoderSpecError, match=f"depth={block + 1} drafts cannot fit a block of {block} tokens"):
+        generate(sdar, PROMPTS[:1], decoder=f"psd:depth={block + 1}", max_new_tokens=MAX_NEW)

@@ -123,8 +123,14 @@ def _block_size(decoder: DiffusionDecoder, model: Transformer) -> int:
             raise DecoderSpecError(
                 f"block={decoder.block}: a block-causal model decodes in its own block size {cfg.block_size}"
             )
-        return cfg.block_size
-    return decoder.block or DEFAULT_BIDIRECTIONAL_BLOCK
+        block = cfg.block_size
+    else:
+        block = decoder.block or DEFAULT_BIDIRECTIONAL_BLOCK
+    depth = getattr(decoder, "depth", 1)  # PSD's drafts per forward (psd, tspd, ce)
+    if depth > block:
+        raise DecoderSpecError(f"{decoder.name}: depth={depth} drafts cannot fit a block of {block} tokens (each draft "
+                               f"commits at least one more); choose depth <= {block}")
+    return block
 
 
 def _cache_mode(decoder: DiffusionDecoder, model: Transformer) -> str:
