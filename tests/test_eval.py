@@ -229,6 +229,26 @@ def test_runner_pads_batches_and_counts_only_real_prompts(random_sdar):
     assert [o["tokens"] for o in outputs_b8] == [o["tokens"] for o in outputs[:5]]
 
 
+def test_every_task_and_decoder_is_checked_before_the_first_decodes(random_sdar, monkeypatch):
+    """A bad last decoder or a task whose prompts the model cannot hold is refused before any
+    decoding, not after the runs before it."""
+    import dlmjax.evaluation.runner as runner
+    from dlmjax.decoding.spec import DecoderSpecError
+
+    def decoded(*args, **kwargs):
+        raise AssertionError("a decoder ran before the checks")
+
+    monkeypatch.setattr(runner, "evaluate_decoder", decoded)
+    model = load_model(random_sdar)
+    tokenizer = load_tokenizer(random_sdar, model.config)
+    arith = load_eval_set("toy-arith", limit=2)
+    with pytest.raises(DecoderSpecError, match=r"task toy-arith, decoder threshold:tau=2: .*tau=2.0 must be in"):
+        run_eval(model, tokenizer, [arith], ["static", "threshold:tau=2"], model_name="random", progress=False)
+    too_long = load_eval_set("toy-arith", limit=2, max_new_tokens=4096)
+    with pytest.raises(InputError, match=r"task toy-arith, decoder static: prompt \("):
+        run_eval(model, tokenizer, [arith, too_long], ["static"], model_name="random", progress=False)
+
+
 def test_report_table_and_front():
     assert pareto_front([(1, 90), (2, 80), (1.5, 70), (3, 10)]) == [(1, 90), (2, 80), (3, 10)]
 

@@ -74,13 +74,14 @@ def test_spec_is_lossless_at_batch_1_and_8(toy, prompts, static_rows, which):
 
 
 def test_spec_is_lossless_on_a_peaked_random_backbone():
-    """Another backbone, prompts at every offset in their block, deep drafts, chained modules."""
+    """Another backbone, prompts at every offset in their block, drafts as deep as the block (deeper
+    than the masked positions left in most rounds), chained modules."""
     model = peaky_model("sdar", seed=4)
     head = random_head(model, num_modules=2, num_layers=2, init_std=0.2, seed=1)
     static = generate(model, PROMPTS, decoder="static", max_new_tokens=MAX_NEW)
-    spec = generate(model, PROMPTS, decoder="mrp-spec:drafts=5", max_new_tokens=MAX_NEW, head=head)
+    spec = generate(model, PROMPTS, decoder="mrp-spec:drafts=4", max_new_tokens=MAX_NEW, head=head)
     assert [r.tokens for r in spec.rows] == [r.tokens for r in static.rows]
-    alone = generate(model, [PROMPTS[2]], decoder="mrp-spec:drafts=5", max_new_tokens=MAX_NEW, head=head)
+    alone = generate(model, [PROMPTS[2]], decoder="mrp-spec:drafts=4", max_new_tokens=MAX_NEW, head=head)
     assert alone.rows[0].tokens == spec.rows[2].tokens and alone.rows[0].nfe == spec.rows[2].nfe
 
 
@@ -214,6 +215,11 @@ def test_head_for_another_backbone_is_refused(toy, tmp_path):
         parse_decoder("mrp-spec:temperature=0.7")
     with pytest.raises(DecoderSpecError, match="head_input='post'; choose one of others, pre"):
         parse_decoder("mrp-remask:head_input=post")
+    block = model.config.block_size  # a forward's commits past the block only cost time
+    with pytest.raises(DecoderSpecError, match=f"drafts={block + 1} cannot fit a block of {block} tokens"):
+        generate(model, ["1+2="], tokenizer=tokenizer, decoder=f"mrp-spec:drafts={block + 1}", head=random_head(model))
+    with pytest.raises(DecoderSpecError, match=f"mrp_steps={block} cannot fit .* choose mrp_steps <= {block - 1}"):
+        generate(model, ["1+2="], tokenizer=tokenizer, decoder=f"mrp-direct:mrp_steps={block}", head=random_head(model))
     # a head stored beside another backbone refuses to load for this one
     export_model(other_hidden, tmp_path / "other")
     save_head(random_head(other_hidden), tmp_path / "other")

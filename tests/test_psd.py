@@ -108,5 +108,5 @@ def test_a_depth_deeper_than_the_block_is_refused(sdar):
     PSD only made its forwards slower."""
     block = sdar.config.block_size
     generate(sdar, PROMPTS[:1], decoder=f"psd:depth={block}", max_new_tokens=MAX_NEW)
-    with pytest.raises(DecoderSpecError, match=f"depth={block + 1} drafts cannot fit a block of {block} tokens"):
+    with pytest.raises(DecoderSpecError, match=f"depth={block + 1} cannot fit a block of {block} tokens"):
         generate(sdar, PROMPTS[:1], decoder=f"psd:depth={block + 1}", max_new_tokens=MAX_NEW)

@@ -126,10 +126,12 @@ def _block_size(decoder: DiffusionDecoder, model: Transformer) -> int:
         block = cfg.block_size
     else:
         block = decoder.block or DEFAULT_BIDIRECTIONAL_BLOCK
-    depth = getattr(decoder, "depth", 1)  # PSD's drafts per forward (psd, tspd, ce)
-    if depth > block:
-        raise DecoderSpecError(f"{decoder.name}: depth={depth} drafts cannot fit a block of {block} tokens (each draft "
-                               f"commits at least one more); choose depth <= {block}")
+    # options that commit one more token per step of a forward: past the block they only cost time
+    for option, beyond in (("depth", 0), ("drafts", 0), ("mrp_steps", 1)):  # psd/tspd/ce, mrp-spec, mrp-direct
+        value = getattr(decoder, option, 0)
+        if value + beyond > block:
+            raise DecoderSpecError(f"{decoder.name}: {option}={value} cannot fit a block of {block} tokens (each step "
+                                   f"commits at least one more); choose {option} <= {block - beyond}")
     return block
 
 

@@ -80,24 +80,35 @@ def replicate_on(model, mesh):
     return nnx.merge(graphdef, jax.tree.map(place, state))
 
 
-def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model_name: str, batch_size: int,
-                     mesh=None, seed: int = 0, chat: bool = False, warmup: bool = True, bar=None, head=None,
-                     drafter=None):
-    """(RunRecord, per-prompt outputs) for one decoder (a SPEC string, used as its label) on one task."""
+def task_stream(model, tokenizer, eval_set: EvalSet, decoder: str, *, batch_size: int, mesh=None, seed: int = 0,
+                chat: bool = False, head=None, drafter=None):
+    """stream(limit=None): a `Stream` of `decoder` over the task's prompts. Making one checks the
+    decoder against the model and the prompts against its length; an error names the task and
+    decoder."""
     items = eval_set.items
     prompts = [item.prompt for item in items]
     if chat:  # True, or a dict of chat template variables (e.g. {"enable_thinking": False})
         prompts = tokenizer.user_turns(prompts, chat)
 
     def stream(limit=None):
-        return Stream(model, prompts, batch_size=batch_size, tokenizer=tokenizer, decoder=decoder,
-                      max_new_tokens=eval_set.max_new_tokens, seed=seed, row_ids=[it.index for it in items], mesh=mesh,
-                      head=head, drafter=drafter, limit=limit)
+        try:
+            return Stream(model, prompts, batch_size=batch_size, tokenizer=tokenizer, decoder=decoder,
+                          max_new_tokens=eval_set.max_new_tokens, seed=seed, row_ids=[it.index for it in items],
+                          mesh=mesh, head=head, drafter=drafter, limit=limit)
+        except InputError as err:
+            raise type(err)(f"task {eval_set.task}, decoder {decoder}: {err}") from None
 
-    try:  # the prompts are checked here (e.g. against the model's length): name the task in the error
-        probe = stream()
-    except InputError as err:
-        raise type(err)(f"task {eval_set.task}, decoder {decoder}: {err}") from None
+    return stream
+
+
+def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model_name: str, batch_size: int,
+                     mesh=None, seed: int = 0, chat: bool = False, warmup: bool = True, bar=None, head=None,
+                     drafter=None):
+    """(RunRecord, per-prompt outputs) for one decoder (a SPEC string, used as its label) on one task."""
+    items = eval_set.items
+    stream = task_stream(model, tokenizer, eval_set, decoder, batch_size=batch_size, mesh=mesh, seed=seed, chat=chat,
+                         head=head, drafter=drafter)
+    probe = stream()
     if warmup:  # compile outside the timed run: the first slots and one refill
         for _ in stream(limit=min(len(items), probe.batch + probe.refill)):
             pass
@@ -132,6 +143,10 @@ def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *,
         if not eval_set.items:
             raise InputError(f"{eval_set.task}: no usable prompts ({len(eval_set.skipped)} rows skipped); "
                              "check the dataset file or --limit")
+    for eval_set in eval_sets:  # every task and decoder checked before the first decodes (hours, on real models)
+        for decoder in decoders:
+            task_stream(model, tokenizer, eval_set, decoder, batch_size=batch_size, chat=chat, head=head,
+                        drafter=drafter)()
     if mesh is not None:
         model, head, drafter = (replicate_on(m, mesh) for m in (model, head, drafter))
     records, outputs = [], []
