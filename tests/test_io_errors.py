@@ -36,6 +36,20 @@ def test_missing_config(checkpoint):
         dlmjax.load_model(checkpoint)
 
 
+def test_a_training_run_or_a_drafter_given_as_the_model_names_what_to_pass(tmp_path):
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "config.yaml").write_text("objective: backbone\n")
+    (run / "model" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"is a dlmjax training run; what it trained is in {run / 'model'}"):
+        dlmjax.load_model(run)
+    from dlmjax.presets import resolve_model
+
+    drafter = resolve_model("toy-ar") / "drafter"
+    with pytest.raises(CheckpointError, match="holds a DFlash drafter, not a model: pass it as --drafter DIR"):
+        dlmjax.load_model(drafter)
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist; pass a checkpoint directory or a preset .*toy-sdar"):
         dlmjax.load_model(tmp_path / "nowhere")

@@ -249,6 +249,10 @@ def read_config(ckpt_dir: str | Path) -> dict:
                               f"preset ({', '.join(preset_names())})")
     path = ckpt_dir / "config.json"
     if not path.is_file():
+        exported = [ckpt_dir / sub for sub in ("model", "drafter") if (ckpt_dir / sub / "config.json").is_file()]
+        if (ckpt_dir / "config.yaml").is_file() and exported:  # a `dlmjax train` run directory
+            raise CheckpointError(f"{ckpt_dir} is a dlmjax training run; what it trained is in {exported[0]}: pass "
+                                  "that directory")
         raise CheckpointError(
             f"missing config.json in {ckpt_dir}: a Hugging Face checkpoint directory needs config.json "
             "beside its *.safetensors files (save it with `model.config.save_pretrained(dir)`)"
@@ -316,7 +320,11 @@ def checkpoint_path(name_or_dir: str | Path) -> Path:
 
 def load_config(ckpt_dir: str | Path, *, family: str | None = None, dtype: str | None = None) -> ModelConfig:
     """The `ModelConfig` of a checkpoint directory or preset name."""
-    cfg = from_hf_config(read_config(checkpoint_path(ckpt_dir)), family=family)
+    raw = read_config(checkpoint_path(ckpt_dir))
+    if isinstance(raw, dict) and raw.get("architectures") == ["DFlashDraftModel"]:
+        raise CheckpointError(f"{ckpt_dir} holds a DFlash drafter, not a model: pass it as --drafter DIR (model_args "
+                              "drafter=DIR) beside its target model")
+    cfg = from_hf_config(raw, family=family)
     return cfg.replace(dtype=dtype) if dtype else cfg
 
 
