@@ -134,12 +134,16 @@ def positive_int(name: str, value, *, error=InputError) -> int:
     return check_value(name, value, "int", AT_LEAST_1, error=error)
 
 
-def count_arg(text: str) -> int:
-    """argparse type for counts: an integer >= 1 (argparse reports anything else, exit 2)."""
+def _int_arg(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def count_arg(text: str) -> int:
+    """argparse type for counts: an integer >= 1 (argparse reports anything else, exit 2)."""
+    value = _int_arg(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
@@ -150,10 +154,7 @@ SEED_LIMIT = 2**32  # jax.random.key keeps the low 32 bits of a seed: larger see
 
 def seed_arg(text: str) -> int:
     """argparse type for --seed: an integer in [0, 2**32) (argparse reports anything else, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _int_arg(text)
     if not 0 <= value < SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"{value} must be in [0, {SEED_LIMIT - 1}] (jax keeps a seed's low 32 bits, so "
                                          "a larger one would repeat a smaller one's samples)")

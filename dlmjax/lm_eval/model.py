@@ -255,9 +255,10 @@ class DlmjaxLM(TemplateLM):
             raise ModelArgsError(f"decoder={spec!r} does not fit this {model.config.attention} {model.config.family} "
                                  f"model; use {'ar or drafter' if self.causal else 'a diffusion decoder'}")
         head = None
+        head_dir = resolve_model(args["mrp_head"], "model_args mrp_head=") if args["mrp_head"] else None
         if getattr(parsed, "needs_head", False):
-            head = load_head(resolve_model(args["mrp_head"], "model_args mrp_head=") if args["mrp_head"] else self.path, model.config)
-        elif args["mrp_head"] is not None and not has_head(resolve_model(args["mrp_head"], "model_args mrp_head=")):
+            head = load_head(head_dir or self.path, model.config)
+        elif head_dir is not None and not has_head(head_dir):
             raise ModelArgsError(f"mrp_head={args['mrp_head']!r} holds no MRP head")
         drafter = _drafter_for(self.path, model, [spec], args["drafter"], args["dtype"])
         self.decoder = parsed
