@@ -194,7 +194,9 @@ def load_eval_preset(name_or_path: str | os.PathLike) -> EvalPreset:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
-        raise InputError(f"{path}: YAML syntax error ({err}); fix the file") from None
+        from dlmjax.train.config import yaml_problem
+
+        raise InputError(f"{path}: YAML syntax error: {yaml_problem(err)}; fix the file") from None
     if not isinstance(raw, dict):
         raise InputError(f"{path}: a preset is a mapping of keys (name, checkpoint, family, ...)")
     known = {f.name for f in fields(EvalPreset)} - {"path"}

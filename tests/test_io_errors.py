@@ -43,6 +43,10 @@ def test_a_training_run_or_a_drafter_given_as_the_model_names_what_to_pass(tmp_p
     (run / "model" / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match=f"is a dlmjax training run; what it trained is in {run / 'model'}"):
         dlmjax.load_model(run)
+    from dlmjax.io.hf import open_shards  # where weights are read (an MRP head given as --mrp-head RUN)
+
+    with pytest.raises(CheckpointError, match="is a dlmjax training run"):
+        open_shards(run)
     from dlmjax.presets import resolve_model
 
     drafter = resolve_model("toy-ar") / "drafter"

@@ -183,3 +183,11 @@ def test_the_psd_and_tspd_seeds_llada_moe_table_decodes_a_llada_moe_model(tmp_pa
     assert all(len(row.tokens) == preset.block_size for result in tokens.values() for row in result.rows)
     threshold = [row.tokens for row in tokens["threshold:tau=0.9,block=32"].rows]
     assert [row.tokens for row in tokens["psd:policy=threshold,tau=0.9,depth=4,block=32"].rows] == threshold
+
+
+def test_a_preset_file_with_a_yaml_syntax_error_is_one_line_naming_where(tmp_path):
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("name: mine\ndecoders: [static\n")
+    with pytest.raises(InputError) as err:
+        load_eval_preset(bad)
+    assert f"{bad}: YAML syntax error: line 3, column 1: " in str(err.value) and "\n" not in str(err.value)

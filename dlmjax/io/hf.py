@@ -240,6 +240,14 @@ class FusedParams:
 # Import
 
 
+def _refuse_a_training_run(ckpt_dir: Path) -> None:
+    """A `dlmjax train` run directory given where a checkpoint goes: name the checkpoint it wrote."""
+    exported = [ckpt_dir / sub for sub in ("model", "drafter") if (ckpt_dir / sub / "config.json").is_file()]
+    if (ckpt_dir / "config.yaml").is_file() and exported:
+        raise CheckpointError(f"{ckpt_dir} is a dlmjax training run; what it trained is in {exported[0]}: pass that "
+                              "directory")
+
+
 def read_config(ckpt_dir: str | Path) -> dict:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
@@ -249,10 +257,7 @@ def read_config(ckpt_dir: str | Path) -> dict:
                               f"preset ({', '.join(preset_names())})")
     path = ckpt_dir / "config.json"
     if not path.is_file():
-        exported = [ckpt_dir / sub for sub in ("model", "drafter") if (ckpt_dir / sub / "config.json").is_file()]
-        if (ckpt_dir / "config.yaml").is_file() and exported:  # a `dlmjax train` run directory
-            raise CheckpointError(f"{ckpt_dir} is a dlmjax training run; what it trained is in {exported[0]}: pass "
-                                  "that directory")
+        _refuse_a_training_run(ckpt_dir)
         raise CheckpointError(
             f"missing config.json in {ckpt_dir}: a Hugging Face checkpoint directory needs config.json "
             "beside its *.safetensors files (save it with `model.config.save_pretrained(dir)`)"
@@ -277,6 +282,7 @@ def open_shards(ckpt_dir: str | Path) -> dict[str, SafetensorsFile]:
     else:  # every safetensors file but the side files dlmjax keeps beside a model
         files = sorted(p.name for p in ckpt_dir.glob("*.safetensors") if p.name not in SIDE_FILES)
     if not files:
+        _refuse_a_training_run(ckpt_dir)
         raise CheckpointError(
             f"no *.safetensors in {ckpt_dir}; dlmjax reads safetensors only "
             "(convert a PyTorch .bin checkpoint with transformers: `model.save_pretrained(dir)`)"

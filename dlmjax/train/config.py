@@ -353,7 +353,7 @@ def apply_override(raw: dict, override: str) -> None:
     try:
         node[parts[-1]] = yaml.safe_load(value)
     except yaml.YAMLError as err:
-        raise RunConfigError(f"override {override!r}: the value is not valid YAML ({_yaml_problem(err)})") from None
+        raise RunConfigError(f"override {override!r}: the value is not valid YAML ({yaml_problem(err)})") from None
 
 
 def from_dict(raw) -> RunConfig:
@@ -375,7 +375,7 @@ def from_dict(raw) -> RunConfig:
     )
 
 
-def _yaml_problem(err: yaml.YAMLError) -> str:
+def yaml_problem(err: yaml.YAMLError) -> str:
     mark = getattr(err, "problem_mark", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
     return where + (getattr(err, "problem", None) or str(err))
@@ -388,7 +388,7 @@ def read_yaml(path: Path):
     except UnicodeDecodeError as err:
         raise RunConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
-        raise RunConfigError(f"{path}: YAML syntax error: {_yaml_problem(err)}; fix the file") from None
+        raise RunConfigError(f"{path}: YAML syntax error: {yaml_problem(err)}; fix the file") from None
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
