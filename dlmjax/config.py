@@ -779,8 +779,8 @@ def _from_llada2(raw: dict, fam: Family) -> ModelConfig:
     top_k = _moe_int(raw, "num_experts_per_tok", 2)
     first_dense = _moe_int(raw, "first_k_dense_replace", 0, low=AT_LEAST_0)
     # absent: the defaults of the authors' LLaDA2MoeConfig (8 groups, 4 kept); null: no grouping
-    groups = _moe_int(raw, "n_group", 8, nullable=True) if raw.get("n_group", 8) is not None else 1
-    kept_groups = _moe_int(raw, "topk_group", 4, nullable=True) if raw.get("topk_group", 4) is not None else 1
+    groups, kept_groups = (1 if key in raw and raw[key] is None else _moe_int(raw, key, default)
+                           for key, default in (("n_group", 8), ("topk_group", 4)))
     shared = _moe_int(raw, "num_shared_experts", 0, low=AT_LEAST_0, nullable=True)
     moe_width = _moe_int(raw, "moe_intermediate_size") or 0
     return ModelConfig(

@@ -117,6 +117,7 @@ def _special_ids(model: Transformer, tokenizer: Tokenizer | None, *, need_mask: 
 
 
 def _block_size(decoder: DiffusionDecoder, model: Transformer) -> int:
+    """The block `decoder` decodes in on `model`; refuses per-forward step counts it cannot hold."""
     cfg = model.config
     if cfg.attention == "block_causal":
         if decoder.block not in (None, cfg.block_size):

@@ -108,8 +108,8 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
     items = eval_set.items
     stream = task_stream(model, tokenizer, eval_set, decoder, batch_size=batch_size, mesh=mesh, seed=seed, chat=chat,
                          head=head, drafter=drafter)
-    probe = stream()
     if warmup:  # compile outside the timed run: the first slots and one refill
+        probe = stream()
         for _ in stream(limit=min(len(items), probe.batch + probe.refill)):
             pass
     run = stream()

@@ -172,10 +172,9 @@ def gsm8k_answer(completion: str) -> str:
     number: a base model answering the `Question: ... Answer:` prompt goes on with a question of its
     own, whose numbers are not its answer; a chat answer that opens by restating `**Question:** ...`
     is not cut there."""
-    for stop in re.finditer("Question:", completion):
-        if re.search(r"\d", completion[:stop.start()]):
-            return completion[:stop.start()]
-    return completion
+    digit = re.search(r"\d", completion)
+    stop = completion.find("Question:", digit.end()) if digit else -1
+    return completion[:stop] if stop >= 0 else completion
 
 
 def _gsm8k(data, strict: bool = False) -> EvalSet:
