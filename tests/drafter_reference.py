@@ -89,6 +89,7 @@ class RefDrafter(nn.Module):
         self.layers = nn.ModuleList([RefLayer(self.c) for _ in range(raw["num_hidden_layers"])])
         self.norm = Qwen3RMSNorm(raw["hidden_size"], eps=raw["rms_norm_eps"])
         self.rotary = Qwen3RotaryEmbedding(self.c)
+        self.mask_embedding = None  # [D] where the drafter ships mask_embedding.pt
 
     @classmethod
     def load(cls, path) -> "RefDrafter":
@@ -97,7 +98,17 @@ class RefDrafter(nn.Module):
         f = SafetensorsFile(path / "model.safetensors")
         state = {k: torch.from_numpy(np.asarray(f.get(k)).astype(np.float32)) for k in f.keys()}
         model.load_state_dict(state, strict=True)
+        if (path / "mask_embedding.pt").is_file():  # as vLLM reads it: a dict with `embedding`, or the tensor
+            shipped = torch.load(path / "mask_embedding.pt", weights_only=True)
+            model.mask_embedding = (shipped["embedding"] if isinstance(shipped, dict) else shipped).reshape(-1).float()
         return model.float().eval()
+
+    def embed(self, target, block_ids):
+        """The block's embeddings: the target's, with the shipped mask embedding at mask ids (vLLM)."""
+        x = target.get_input_embeddings()(block_ids)
+        if self.mask_embedding is None:
+            return x
+        return torch.where((block_ids == self.mask_id)[..., None], self.mask_embedding.to(x.dtype), x)
 
     def _mask(self, kind, q_pos, k_pos, k_is_ctx):
         """[L, S+L] additive mask for one row: every context key (all are before the block);
@@ -135,7 +146,7 @@ def draft_logits(drafter: RefDrafter, target, feats, block_ids):
     s, k = feats.shape[1], block_ids.shape[1]
     ctx_pos = torch.arange(s)[None]
     block_pos = torch.arange(s, s + k)[None]
-    h = drafter(feats, ctx_pos, target.get_input_embeddings()(block_ids), block_pos)
+    h = drafter(feats, ctx_pos, drafter.embed(target, block_ids), block_pos)
     return target.lm_head(h)
 
 

@@ -337,6 +337,47 @@ def test_draft_logits_match_reference(target, tmp_path, layer_types, window, rop
     assert np.abs(expected).max() > 0.1  # the logits are not trivially small
 
 
+def test_a_shipped_mask_embedding_replaces_the_targets_row_as_vllm_reads_it(target, tmp_path):
+    """A drafter directory with mask_embedding.pt (torch.save of {mask_token_id, embedding}, the
+    embedding a row of a larger tensor, as trainers save it): its drafts use that embedding at mask
+    positions, as the reference does; an export writes it back, and the servers' torch.load reads it."""
+    tm, ours, _ = target
+    ref = write_reference_drafter(tmp_path / "d", tiny_drafter_config(), seed=1)
+    torch.manual_seed(5)
+    table = torch.randn(4, 32).to(torch.bfloat16)
+    torch.save({"mask_token_id": MASK_ID, "embedding": table[2]}, tmp_path / "d" / "mask_embedding.pt")
+    shipped = RefDrafter.load(tmp_path / "d")
+    drafter = load_drafter(tmp_path / "d", ours.config)
+    tokens = np.random.RandomState(0).randint(0, 90, (1, 11))
+    _, feats = target_pass(tm, torch.from_numpy(tokens).long(), ref.ids)
+    block = np.array([[int(tokens[0, -1])] + [MASK_ID] * 7])
+    expected = draft_logits(shipped, tm, feats, torch.from_numpy(block).long()).numpy()
+    got = _dlmjax_draft_logits(drafter, ours, feats.numpy(), block)
+    assert np.abs(got - expected).max() <= 1e-5
+    without = draft_logits(ref, tm, feats, torch.from_numpy(block).long()).numpy()
+    assert np.abs(expected - without).max() > 0.1  # the embedding changes the drafts
+
+    save_drafter(drafter, tmp_path / "out", dtype="bfloat16")
+    written = torch.load(tmp_path / "out" / "mask_embedding.pt", weights_only=True)
+    assert written["mask_token_id"] == MASK_ID and torch.equal(written["embedding"], table[2])
+    again = load_drafter(tmp_path / "out", ours.config)
+    np.testing.assert_array_equal(np.asarray(again.mask_embedding[...], np.float32), table[2].float().numpy())
+    save_drafter(drafter, tmp_path / "kept", dtype=None)  # the drafter's own dtype, float32
+    assert torch.load(tmp_path / "kept" / "mask_embedding.pt", weights_only=True)["embedding"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("shipped, message", [
+    ({"mask_token_id": MASK_ID + 1, "embedding": torch.zeros(32)}, "is for mask_token_id 96, but config.json's"),
+    ({"mask_token_id": MASK_ID}, r"keys \['mask_token_id'\]; a mask embedding file has `embedding`"),
+    (torch.zeros(31), r"holds shape \(31,\); a mask embedding has hidden_size=32 values"),
+], ids=["other-mask-id", "no-embedding", "wrong-size"])
+def test_a_mask_embedding_for_another_drafter_is_refused(tmp_path, shipped, message):
+    write_reference_drafter(tmp_path, tiny_drafter_config())
+    torch.save(shipped, tmp_path / "mask_embedding.pt")
+    with pytest.raises(CheckpointError, match=message):
+        load_drafter(tmp_path)
+
+
 def test_block_visibilities_are_the_matrices_as_kernel_visibilities():
     """Decoding's visibilities come as `layers.Visibility` (what the flash kernels read), full and
     sliding-window layers alike, and each is the matrix `visibilities` gives: rows whose blocks

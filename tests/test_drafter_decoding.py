@@ -12,7 +12,7 @@ import dlmjax
 from dlmjax.decoding.ar import generate_ar
 from dlmjax.decoding.speculative import accept_sampled, generate_with_drafter
 from dlmjax.io.dflash import load_drafter
-from drafter_reference import speculative_greedy
+from drafter_reference import RefDrafter, speculative_greedy
 from test_drafter import tiny_drafter_config, write_reference_drafter
 from tiny_models import torch_model
 
@@ -32,12 +32,16 @@ def pair(tmp_path_factory):
     tm.save_pretrained(path)
     ours = dlmjax.load_model(path)
 
-    def drafter(block_size=8, layer_types=None, window=None, seed=2):
+    def drafter(block_size=8, layer_types=None, window=None, seed=2, mask_embedding=False):
         raw = tiny_drafter_config(block_size=block_size, layer_types=layer_types, sliding_window=window)
         raw["vocab_size"] = SMALL_VOCAB
         raw["dflash_config"]["mask_token_id"] = SMALL_VOCAB - 1
         d = tmp_path_factory.mktemp("drafter")
         ref = write_reference_drafter(d, raw, seed=seed)
+        if mask_embedding:  # a drafter shipping its own mask embedding, read by the reference as vLLM reads it
+            torch.manual_seed(seed)
+            torch.save(torch.randn(raw["hidden_size"]), d / "mask_embedding.pt")
+            ref = RefDrafter.load(d)
         return ref, load_drafter(d, ours.config)
 
     return tm, ours, drafter
@@ -92,13 +96,14 @@ def test_the_drafter_loop_updates_the_caches_in_place(pair, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "block_size, layer_types, window",
-    [(4, None, None), (8, None, None), (16, None, None), (8, ["sliding_attention", "full_attention"], 6)],
-    ids=["b4", "b8", "b16", "b8-sliding"],
+    "block_size, layer_types, window, mask_embedding",
+    [(4, None, None, False), (8, None, None, False), (16, None, None, False),
+     (8, ["sliding_attention", "full_attention"], 6, False), (8, None, None, True)],
+    ids=["b4", "b8", "b16", "b8-sliding", "b8-mask-embedding"],
 )
-def test_accepted_lengths_match_reference(pair, block_size, layer_types, window):
+def test_accepted_lengths_match_reference(pair, block_size, layer_types, window, mask_embedding):
     tm, ours, make = pair
-    ref, drafter = make(block_size=block_size, layer_types=layer_types, window=window)
+    ref, drafter = make(block_size=block_size, layer_types=layer_types, window=window, mask_embedding=mask_embedding)
     prompts = _prompts(3, SMALL_VOCAB, seed=block_size, lo=2, hi=15)
     spec = generate_with_drafter(ours, drafter, prompts, max_new_tokens=30, eos_ids=(), pad_id=0)
     lengths = spec.accepted_lengths()

@@ -185,8 +185,14 @@ def check_compatible(cfg: DrafterConfig, target: ModelConfig) -> None:
         raise DrafterMismatchError("drafter does not fit this target: " + "; ".join(problems))
 
 
+class MaskEmbedding(nnx.Variable):
+    """A drafter's own embedding of the mask token [D] (DFlash's optional `mask_embedding.pt`),
+    used where the target's embedding row would be. Read and written, never trained."""
+
+
 class Drafter(nnx.Module):
-    """fc, hidden_norm, Qwen3-style layers, norm (DFlash's parameters, nothing vocab-sized)."""
+    """fc, hidden_norm, Qwen3-style layers, norm (DFlash's parameters, nothing vocab-sized), and
+    optionally its own mask embedding."""
 
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs):
         self.config = cfg
@@ -196,6 +202,16 @@ class Drafter(nnx.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.layers = nnx.List([Block(layer_cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mask_embedding: MaskEmbedding | None = nnx.data(None)  # set by load_drafter where shipped
+
+    def embed(self, target: Transformer, tokens_bl):
+        """A block's input embeddings: the target's, with the drafter's own mask embedding at mask
+        tokens where it has one (as vLLM substitutes it)."""
+        x = target.embed_tokens(tokens_bl)
+        if self.mask_embedding is None:
+            return x
+        is_mask = (tokens_bl == self.config.mask_token_id)[..., None]
+        return jnp.where(is_mask, self.mask_embedding[...].astype(x.dtype), x)
 
     def context(self, feats_scF):
         """Concatenated target hidden states [B, S, n_ids * D] -> context [B, S, D]."""
@@ -273,7 +289,7 @@ def block_hidden(drafter: Drafter, target: Transformer, block_bl, positions_bl, 
     (or its cache), which the target's lm_head turns into draft logits. Row b's block starts at
     positions_bl[b, 0]; context keys at or after it are not seen."""
     ctx_vis, blk_vis = block_visibilities(drafter.config, positions_bl, ctx_pos_bs, ctx_valid_bs)
-    return drafter(target.embed_tokens(block_bl), positions_bl, ctx_kv, ctx_vis, blk_vis)
+    return drafter(drafter.embed(target, block_bl), positions_bl, ctx_kv, ctx_vis, blk_vis)
 
 
 def context_features(target: Transformer, cfg: DrafterConfig, layer_hidden) -> jax.Array:

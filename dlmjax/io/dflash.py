@@ -11,6 +11,9 @@ A DFlash directory holds config.json and model.safetensors:
 - weights: `fc.weight` [D, n_ids * D], `hidden_norm.weight`, `norm.weight` and per layer
   `layers.{i}.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
   self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight`. No embedding, no lm_head.
+- optionally `mask_embedding.pt` (torch.save of `{"mask_token_id", "embedding"}` or of a bare
+  [D] tensor): the drafter's own embedding of the mask token, used in place of the target's row,
+  as vLLM does. It is read, kept with the drafter and written back.
 
 Translation is strict both ways: an unknown key or a missing required key is an error naming it.
 Keys that carry no numerics (transformers bookkeeping, token ids) are kept verbatim, so a
@@ -33,7 +36,8 @@ from flax import nnx
 
 from dlmjax.config import DTYPES, ConfigError, ModelConfig, rope_fields, rope_keys, rope_parameters
 from dlmjax.heads.drafter import (
-    FULL, SLIDING, Drafter, DrafterConfig, abstract_drafter, check_compatible, default_target_layer_ids,
+    FULL, SLIDING, Drafter, DrafterConfig, MaskEmbedding, abstract_drafter, check_compatible,
+    default_target_layer_ids,
 )
 from dlmjax.io.files import write_atomic
 from dlmjax.io.hf import (
@@ -41,9 +45,11 @@ from dlmjax.io.hf import (
     tensor_shape, to_hf_tensors,
 )
 from dlmjax.io.safetensors import CheckpointError, save_file
+from dlmjax.io.torch_file import read_pt, write_pt
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS_FILE = "model.safetensors"
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
 DRAFTER_SUBDIR = "drafter"  # where a drafter stored beside its target lives
 
 # ----------------------------------------------------------------------------------------------
@@ -293,7 +299,31 @@ def load_drafter(ckpt_dir: str | Path, target_config: ModelConfig | None = None,
     state = nnx.from_flat_state(
         [(tuple(int(k) if k.isdigit() else k for k in p.split(".")), expected[p].replace(loaded[p])) for p in expected]
     )
-    return nnx.merge(graphdef, state)
+    drafter = nnx.merge(graphdef, state)
+    mask_embedding = read_mask_embedding(ckpt_dir, cfg)
+    if mask_embedding is not None:
+        drafter.mask_embedding = MaskEmbedding(jnp.asarray(mask_embedding, jnp.dtype(cfg.dtype)))
+    return drafter
+
+
+def read_mask_embedding(ckpt_dir: Path, cfg: DrafterConfig) -> np.ndarray | None:
+    """The drafter's own mask embedding [D] from `mask_embedding.pt`, or None without the file."""
+    path = ckpt_dir / MASK_EMBEDDING_FILE
+    if not path.is_file():
+        return None
+    value = read_pt(path)
+    if isinstance(value, dict):
+        if "embedding" not in value:
+            raise CheckpointError(f"{path} holds a dict with keys {sorted(value)}; a mask embedding file has "
+                                  "`embedding` (and `mask_token_id`)")
+        if value.get("mask_token_id", cfg.mask_token_id) != cfg.mask_token_id:
+            raise CheckpointError(f"{path} is for mask_token_id {value['mask_token_id']}, but config.json's "
+                                  f"dflash_config.mask_token_id is {cfg.mask_token_id}")
+        value = value["embedding"]
+    if not isinstance(value, np.ndarray) or value.size != cfg.hidden_size:
+        got = f"shape {value.shape}" if isinstance(value, np.ndarray) else type(value).__name__
+        raise CheckpointError(f"{path} holds {got}; a mask embedding has hidden_size={cfg.hidden_size} values")
+    return value.reshape(-1)
 
 
 def save_drafter(drafter: Drafter, out_dir: str | Path, *, dtype: str | None = "bfloat16") -> Path:
@@ -313,6 +343,10 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, *, dtype: str | None = "
             value = jnp.asarray(value).astype(jnp.dtype(dtype))
         tensors.update(to_hf_tensors(path, np.asarray(value), DFLASH_RULES, cfg))
     save_file(tensors, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
+    if drafter.mask_embedding is not None:
+        value = jnp.asarray(jax.device_get(drafter.mask_embedding[...]))
+        value = np.asarray(value if dtype is None else value.astype(jnp.dtype(dtype)))
+        write_pt(out_dir / MASK_EMBEDDING_FILE, {"mask_token_id": cfg.mask_token_id, "embedding": value})
     written = cfg if dtype is None else cfg.replace(dtype=dtype)
     config = to_dflash_config(written)
     write_atomic(out_dir / "config.json", json.dumps(config, indent=2))
@@ -342,6 +376,6 @@ def resolve_drafter(target_dir: str | Path | None, target_config: ModelConfig, d
 
 
 __all__ = [
-    "ARCHITECTURE", "DFLASH_RULES", "DRAFTER_SUBDIR", "find_drafter_dir", "from_dflash_config",
-    "load_drafter", "resolve_drafter", "save_drafter", "to_dflash_config",
+    "ARCHITECTURE", "DFLASH_RULES", "DRAFTER_SUBDIR", "MASK_EMBEDDING_FILE", "find_drafter_dir",
+    "from_dflash_config", "load_drafter", "read_mask_embedding", "resolve_drafter", "save_drafter", "to_dflash_config",
 ]

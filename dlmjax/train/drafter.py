@@ -77,7 +77,7 @@ def drafter_hidden(drafter: Drafter, target: Transformer, blk_bnk, pos_bnk, feat
     group = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, k)).reshape(1, n * k)
     anchor = jnp.broadcast_to(pos_bnk[..., :1], (b, n, k)).reshape(b, n * k)
     ctx_vis, blk_vis = visibilities(drafter.config, q_pos, jnp.broadcast_to(group, (b, n * k)), ctx_pos, anchor, valid_bl)
-    h = drafter(target.embed_tokens(blk_bnk.reshape(b, n * k)), q_pos, ctx_kv, ctx_vis, blk_vis)
+    h = drafter(drafter.embed(target, blk_bnk.reshape(b, n * k)), q_pos, ctx_kv, ctx_vis, blk_vis)
     return h.reshape(b, n, k, -1)
 
 

@@ -1,0 +1,65 @@
+"""dlmjax.io.torch_file reads what torch.save writes and writes what torch.load reads, without torch."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from dlmjax.io.safetensors import CheckpointError
+from dlmjax.io.torch_file import read_pt, write_pt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reads_tensors_as_torch_saves_them(tmp_path, dtype):
+    """Views (a row of a table, a transpose) are saved with their whole storage, an offset and
+    strides; a scalar and an empty tensor too."""
+    table = torch.randn(5, 6).to(dtype)
+    cases = {"row": table[3], "transposed": table.T, "bare": table, "scalar": table[1, 2], "empty": table[:0]}
+    for name, tensor in cases.items():
+        torch.save({"mask_token_id": 7, "embedding": tensor}, tmp_path / f"{name}.pt")
+        got = read_pt(tmp_path / f"{name}.pt")
+        assert got["mask_token_id"] == 7
+        want = tensor.float().numpy()
+        assert got["embedding"].shape == want.shape, name
+        np.testing.assert_array_equal(got["embedding"].astype(np.float32), want, err_msg=name)
+
+
+def test_writes_what_torch_loads(tmp_path):
+    bf16 = np.random.RandomState(0).randn(3, 4).astype(ml_dtypes.bfloat16)
+    value = {"mask_token_id": 151669, "big": 2**40, "negative": -3, "name": "mask", "flag": True,
+             "embedding": bf16, "half": np.arange(5, dtype=np.float16), "single": np.float32([1.5])}
+    write_pt(tmp_path / "out.pt", value)
+    loaded = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert {k: loaded[k] for k in ("mask_token_id", "big", "negative", "name", "flag")} == {
+        "mask_token_id": 151669, "big": 2**40, "negative": -3, "name": "mask", "flag": True}
+    assert loaded["embedding"].dtype == torch.bfloat16 and loaded["half"].dtype == torch.float16
+    np.testing.assert_array_equal(loaded["embedding"].float().numpy(), bf16.astype(np.float32))
+    np.testing.assert_array_equal(loaded["half"].numpy(), value["half"])
+    np.testing.assert_array_equal(read_pt(tmp_path / "out.pt")["embedding"], bf16)
+    write_pt(tmp_path / "bare.pt", np.float32([[1, 2], [3, 4]]))
+    assert torch.equal(torch.load(tmp_path / "bare.pt", weights_only=True), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+
+
+def test_refuses_what_it_does_not_read_and_never_runs_code(tmp_path):
+    torch.save({"ids": torch.arange(3)}, tmp_path / "long.pt")
+    with pytest.raises(CheckpointError, match="torch.LongStorage, which dlmjax does not read"):
+        read_pt(tmp_path / "long.pt")
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "pwned"), "w"))
+
+    with zipfile.ZipFile(tmp_path / "evil.pt", "w") as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps(Exploit(), protocol=2))
+    with pytest.raises(CheckpointError, match=r"holds io.open, which dlmjax does not read"):
+        read_pt(tmp_path / "evil.pt")
+    assert not (tmp_path / "pwned").exists()
+
+    (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CheckpointError, match="is not a PyTorch zip file"):
+        read_pt(tmp_path / "legacy.pt")
