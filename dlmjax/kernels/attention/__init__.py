@@ -120,18 +120,39 @@ def attention(q_blhd, kv_parts, *, tile_q: int | None = None, tile_k: int | None
             return cudnn(q_blhd, k, v)
         kernels.fallback("attention/cudnn", error)
     if how == "kernel" and _on_tpu():
-        calls = tpu_calls(q_blhd, kv_parts, tile_q=TPU_TILE_Q, tile_k=TPU_TILE_K, interpret=False)
+        build = functools.partial(tpu_calls, tile_q=TPU_TILE_Q, tile_k=TPU_TILE_K, interpret=False)
     else:
-        calls = flash_calls(q_blhd, kv_parts, tile_q=tile_q, tile_k=tile_k, split_k=split_k,
-                            interpret=how == "interpret", triton=how == "kernel" and jax.default_backend() == "gpu",
-                            warps=warps, stages=stages)
+        build = functools.partial(flash_calls, tile_q=tile_q, tile_k=tile_k, split_k=split_k,
+                                  interpret=how == "interpret",
+                                  triton=how == "kernel" and jax.default_backend() == "gpu", warps=warps, stages=stages)
     if how == "kernel":
-        for call, args in calls:
+        for call, args in build(q_blhd, kv_parts):
             error = kernels.compile_error("attention", call, *args)
             if error is not None:
                 kernels.fallback("attention", error)
                 return reference(q_blhd, kv_parts)
-    return _run(q_blhd, calls)
+    return with_reference_gradient(lambda q, parts: _run(q, build(q, parts)))(q_blhd, kv_parts)
+
+
+def with_reference_gradient(kernel_fn):
+    """`kernel_fn(q, kv_parts)` made differentiable: its forward is the kernel's, its gradient the
+    reference einsum's (a Pallas call has no VJP of its own). Training takes it where a forward
+    with gradients runs the kernel (a next-token loss with per-row validity); the backward then
+    holds the reference's [B, H, L, S] scores, as a training step without kernels does."""
+
+    @jax.custom_vjp
+    def run(q, kv_parts):
+        return kernel_fn(q, kv_parts)
+
+    def forward(q, kv_parts):
+        return kernel_fn(q, kv_parts), (q, kv_parts)
+
+    def backward(saved, grad_out):
+        out, pullback = jax.vjp(reference, *saved)
+        return pullback(grad_out.astype(out.dtype))
+
+    run.defvjp(forward, backward)
+    return run
 
 
 def flash(q_blhd, kv_parts, *, tile_q: int, tile_k: int, split_k: int = SPLIT_K, interpret: bool):
