@@ -96,7 +96,10 @@ def first_error_onehot(scores: LabelScores, mask):
 def first_error_focal(scores: LabelScores, mask, focal_gamma: float):
     logp = scores.logp
     first = jax.lax.stop_gradient(first_error_onehot(scores, mask)).astype(jnp.float32)
-    focal = (1.0 - jnp.exp(logp)) ** focal_gamma * (-logp)
+    # p only at the first error (where it is below 1): (1 - p)^gamma with gamma < 1 has an infinite
+    # slope at p = 1, which a confidently right position elsewhere would turn into a NaN gradient
+    p = jnp.where(first > 0, jnp.exp(logp), 0.0)
+    focal = (1.0 - p) ** focal_gamma * (-logp)
     blocks = jnp.sum(first, axis=-1)  # 1 for a block with an error, else 0
     return jnp.sum(focal * first) / jnp.maximum(jnp.sum(blocks), 1.0)
 

@@ -4,6 +4,8 @@ exactly and exports a DFlash directory that decodes identically."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import json
 import math
 
@@ -82,8 +84,15 @@ def test_chain_loss_gradient_finite_at_extremes(label_logit):
     logits = jnp.zeros((1, 4, 5)).at[..., 0].set(label_logit)
     labels = jnp.zeros((1, 4), jnp.int32)
     mask = jnp.array([[False, True, True, True]])
-    for fn in (chain_loss, lambda scores, m: first_error_focal(scores, m, 2.0)):
+    focal = [partial(first_error_focal, focal_gamma=g) for g in (0.0, 0.5, 2.0)]
+    for fn in (chain_loss, *focal):
         grad = jax.grad(lambda x: fn(label_scores(x, labels), mask))(logits)
+        assert np.isfinite(np.asarray(grad)).all()
+    # a confidently right position before the first error (p == 1 in float32) leaves the focal
+    # gradient finite for gamma < 1 too, whose (1 - p)^gamma has an infinite slope at p = 1
+    right_then_wrong = logits.at[0, 1, 0].set(40.0).at[0, 2].set(jnp.array([0.0, 3.0, 0.0, 0.0, 0.0]))
+    for fn in focal:
+        grad = jax.grad(lambda x: fn(label_scores(x, labels), mask))(right_then_wrong)
         assert np.isfinite(np.asarray(grad)).all()
     value = float(chain_loss(label_scores(logits, labels), mask))
     assert value == pytest.approx(-3.0 if label_logit > 0 else 0.0, abs=1e-6)
@@ -95,6 +104,9 @@ def test_anchors_and_block_layout():
     gen = jnp.array([[0, 0, 1, 1, 1, 1, 0, 0]], bool)  # prompt 10 11, generated 12..15
     anchors, ok = sample_anchors(jax.random.key(0), valid, gen, 4)
     assert sorted(np.asarray(anchors)[0][np.asarray(ok)[0]].tolist()) == [2, 3, 4]  # 5 has no label after it
+    # more anchors than the batch is wide (its width follows its rows): the extra ones are not ok
+    wide, wide_ok = sample_anchors(jax.random.key(0), valid, gen, 12)
+    assert wide.shape == wide_ok.shape == (1, 12) and int(wide_ok.sum()) == 3
     blk, pos, labels, mask = block_inputs(tokens, valid, tokens, jnp.array([[4]]), jnp.array([[True]]), block=4,
                                           mask_id=2)
     assert blk.tolist() == [[[14, 2, 2, 2]]] and pos.tolist() == [[[4, 5, 6, 7]]]
@@ -130,6 +142,17 @@ def overrides(target_dir, steps):
 def straight(target_dir, tmp_path_factory):
     run = load_run_config(CONFIG, overrides(target_dir, 12))
     return run, train(run, tmp_path_factory.mktemp("straight") / "run", progress=False)
+
+
+def test_a_drafter_for_a_bf16_target_trains_in_float32(tmp_path):
+    """The drafter's weights are float32 on a bf16 target (exported in drafter.export_dtype)."""
+    from dlmjax.train.drafter import drafter_trainee
+    from test_mrp_train import _dtypes
+
+    bf16_target = tiny_backbone(tmp_path / "t", attention="causal", num_layers=4, dtype="bfloat16")
+    trainee = drafter_trainee(load_run_config(CONFIG, overrides(bf16_target, 2)), tmp_path / "run")
+    assert trainee.frozen.config.dtype == "bfloat16"
+    assert _dtypes(trainee.build()) == _dtypes(trainee.abstract) == {"float32"}
 
 
 def test_training_lowers_the_loss(straight):

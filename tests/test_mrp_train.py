@@ -251,6 +251,47 @@ def test_export_holds_the_frozen_backbone_and_the_trained_head(backbone, straigh
     assert np.abs(loaded["mrp_modules.0.norm.scale"]).max() > 0  # trained away from its init (init_norm_scale 0)
 
 
+def _dtypes(module) -> set[str]:
+    return {str(v.get_value().dtype) for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+
+
+def test_a_head_on_a_bf16_backbone_trains_in_float32(tmp_path):
+    """The head's weights (and so its Adam moments) are float32 whatever the backbone computes in:
+    in bf16 an update below 2^-9 of a weight near 1 rounds away (a norm scale never moved)."""
+    from dlmjax.train.loop import mrp_trainee
+
+    run = load_run_config(CONFIG, tiny_overrides(tiny_backbone(tmp_path / "b", dtype="bfloat16")))
+    trainee = mrp_trainee(run, tmp_path / "run")
+    assert trainee.frozen.config.dtype == "bfloat16"
+    assert _dtypes(trainee.build()) == _dtypes(trainee.abstract) == {"float32"}
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    (CONFIG, ["drafter.block_size=4"], "the `drafter` section belongs to objective drafter, not mrp"),
+    (CONFIG, ["tspd.hidden=8"], "the `tspd` section belongs to objective tspd, not mrp"),
+    ("configs/drafter/toy-ar.yaml", ["tspd.hidden=8"], "the `tspd` section belongs to objective tspd, not drafter"),
+    (CONFIG, ["train.loss_weighting=inverse_t"], "objective mrp does not read it"),
+    ("configs/drafter/toy-ar.yaml", ["train.eval_examples=8"], "evaluates on drafter.eval_prompts"),
+    ("configs/tspd/toy-sdar.yaml", ["data.seq_len=32"], "data.tasks and data.seq_len are not read"),
+    (CONFIG, ["mrp.num_modules=3", "mrp.chain_steps=1"], "modules 1..2 would never train"),
+    (CONFIG, ["mrp.residual_scale=0"], "mrp.residual_scale"),
+], ids=["mrp+drafter", "mrp+tspd", "drafter+tspd", "loss_weighting", "eval_examples", "tspd-data", "untrained-modules",
+        "no-residual"])
+def test_settings_that_would_be_ignored_or_train_nothing_are_refused(config, overrides, message):
+    with pytest.raises(RunConfigError, match=message):
+        load_run_config(config, overrides)
+
+
+@pytest.mark.parametrize("loss, gt_topk, chain_steps", [("kd_diff_sum", 4, 1), ("kd_diff", 2, 2)])
+def test_reveals_that_leave_nothing_masked_are_refused(tmp_path, backbone, loss, gt_topk, chain_steps):
+    """gt_topk reveals per chain step; on blocks of 4 these leave no position to supervise."""
+    run = load_run_config(CONFIG, tiny_overrides(backbone) + [f"mrp.loss={loss}", f"mrp.gt_topk={gt_topk}",
+                                                              f"mrp.chain_steps={chain_steps}"])
+    with pytest.raises(RunConfigError, match="reveals every position of the backbone's blocks of 4"):
+        train(run, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_config_errors_are_clear(tmp_path, backbone):
     run = load_run_config(CONFIG, ["mrp.num_layers=2", "mrp.loss=ce_sum"])
     assert run.mrp.num_layers == 2 and run.mrp.loss == "ce_sum" and run.backbone == "toy-sdar"

@@ -113,11 +113,29 @@ class MRPSection:
     temperature: float = 1.0  # KD temperature T (kd_diff losses)
     mask_rate: str = "per_row"  # per_row: one noise level per row (the reference) | per_block: one per (row, block)
     limits = {"num_layers": AT_LEAST_1, "num_modules": AT_LEAST_1, "gt_topk": AT_LEAST_1, "chain_steps": AT_LEAST_1,
-              "init_std": AT_LEAST_0, "init_norm_scale": AT_LEAST_0, "temperature": POSITIVE, "loss": OneOf(LOSSES),
-              "mask_rate": OneOf(MASK_RATES)}
+              "residual_scale": POSITIVE, "init_std": AT_LEAST_0, "init_norm_scale": AT_LEAST_0,
+              "temperature": POSITIVE, "loss": OneOf(LOSSES), "mask_rate": OneOf(MASK_RATES)}
 
     def __post_init__(self):
         check_fields(self, "mrp.", error=RunConfigError)
+        if self.num_modules > self.chain_steps:  # chain step k trains module k
+            raise RunConfigError(
+                f"mrp.num_modules={self.num_modules} with mrp.chain_steps={self.chain_steps}: modules "
+                f"{self.chain_steps}..{self.num_modules - 1} would never train, yet decoding would use them; set "
+                "mrp.chain_steps >= mrp.num_modules"
+            )
+
+    def check_supervises(self, block_size: int) -> None:
+        """Refuse reveals that leave no masked position of a block of `block_size` to supervise: the
+        loss reads the positions still masked after its chain steps' reveals (the first one's for
+        the *_sum losses), so such a run would train nothing."""
+        reveals = self.gt_topk if self.loss.endswith("_sum") else self.gt_topk * self.chain_steps
+        if reveals >= block_size:
+            what = "mrp.gt_topk" if self.loss.endswith("_sum") else "mrp.gt_topk x mrp.chain_steps"
+            raise RunConfigError(
+                f"{what} = {reveals} reveals every position of the backbone's blocks of {block_size}, so "
+                f"mrp.loss={self.loss} would supervise nothing; make it less than {block_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -229,6 +247,7 @@ class RunConfig:
 
     def __post_init__(self):
         check_fields(self, "", error=RunConfigError)
+        self._refuse_what_the_objective_does_not_read()
         if self.objective == "mrp":
             self._check_mrp()
             return
@@ -253,6 +272,27 @@ class RunConfig:
             raise RunConfigError("objective block_diffusion needs model.attention=block_causal")
         if self.objective == "next_token" and self.model.get("attention", "causal") != "causal":
             raise RunConfigError("objective next_token needs model.attention=causal")
+
+    def _refuse_what_the_objective_does_not_read(self):
+        """Settings another objective reads, set here, would be ignored without a word."""
+        heads = {"mrp": MRPSection(), "drafter": DrafterSection(), "tspd": TSPDSection()}
+        if self.objective in heads:  # (a backbone objective refuses them below, with its own fix)
+            for section, default in heads.items():
+                if section != self.objective and getattr(self, section) != default:
+                    raise RunConfigError(f"the `{section}` section belongs to objective {section}, not "
+                                         f"{self.objective}; remove it")
+        if self.train.loss_weighting != "none" and self.objective != "block_diffusion":
+            raise RunConfigError(f"train.loss_weighting weights the block-diffusion loss; objective {self.objective} "
+                                 "does not read it: remove it")
+        read_by = {"drafter": "drafter.eval_prompts (prompts per task)",
+                   "tspd": "its held-out traces (tspd.holdout)"}
+        if self.objective in read_by and self.train.eval_examples != OptimConfig.eval_examples:
+            raise RunConfigError(f"train.eval_examples is not read by objective {self.objective}, which evaluates on "
+                                 f"{read_by[self.objective]}: remove it")
+        if self.objective == "tspd" and (self.data.tasks, self.data.seq_len) != (DataConfig().tasks,
+                                                                                 DataConfig().seq_len):
+            raise RunConfigError("objective tspd trains on its traces: data.tasks and data.seq_len are not read "
+                                 "(data.seed splits and draws the traces); remove them")
 
     def _check_mrp(self):
         if self.model:

@@ -41,14 +41,16 @@ class DrafterTrainSpec:
 def sample_anchors(key, valid_bl, target_bl, n: int):
     """(anchors [B, n] int32, anchor_ok [B, n] bool): distinct random positions a with target[a]
     (a generated position) and valid[a + 1] (at least one label). Rows with fewer than n such
-    positions get their extra anchors marked not ok."""
+    positions get their extra anchors marked not ok, and so do the anchors past a batch narrower
+    than n (a batch's width follows its rows)."""
     b, l = valid_bl.shape
     next_valid = jnp.concatenate([valid_bl[:, 1:], jnp.zeros((b, 1), bool)], axis=1)
     allowed = target_bl & next_valid
     score = jnp.where(allowed, jax.random.uniform(key, (b, l)), -1.0)
-    _, anchors = jax.lax.top_k(score, n)
+    _, anchors = jax.lax.top_k(score, min(n, l))
     ok = jnp.take_along_axis(allowed, anchors, axis=1)
-    return anchors.astype(jnp.int32), ok
+    extra = ((0, 0), (0, n - anchors.shape[1]))
+    return jnp.pad(anchors.astype(jnp.int32), extra), jnp.pad(ok, extra)
 
 
 def block_inputs(tokens_bl, valid_bl, labels_bl, anchors_bn, ok_bn, *, block: int, mask_id: int):
@@ -161,6 +163,7 @@ def load_target(name: str):
 
 def drafter_config_for(run, target: Transformer, tokenizer):
     from dlmjax.heads.drafter import DrafterConfig
+    from dlmjax.train.loop import TRAINED_DTYPE
 
     d = run.drafter
     mask = d.mask_token_id
@@ -168,7 +171,7 @@ def drafter_config_for(run, target: Transformer, tokenizer):
         mask = target.config.mask_token_id if target.config.mask_token_id is not None else tokenizer.mask_id
     ids = tuple(d.target_layer_ids) if d.target_layer_ids else None
     return DrafterConfig.for_target(target.config, num_layers=d.num_layers, block_size=d.block_size,
-                                    target_layer_ids=ids, mask_token_id=mask)
+                                    target_layer_ids=ids, mask_token_id=mask, dtype=TRAINED_DTYPE)
 
 
 def mean_accepted_length(drafter: Drafter, target: Transformer, tokenizer, tasks, n: int) -> dict:

@@ -58,7 +58,8 @@ class TrainResult:
 
 def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`, after global-norm clipping.
-    Weight decay applies to matrices only (not norms)."""
+    Weight decay applies to matrices only (not norms). Step s (from 1) applies `schedule(s)`, the
+    rate it logs: the first step moves the weights, and the last one runs at the final rate."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
         decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.min_lr_ratio,
@@ -66,7 +67,7 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.adamw(lambda count: schedule(count + 1), b1=0.9, b2=0.99, weight_decay=cfg.weight_decay, mask=decay_mask),
     )
     return tx, schedule
 
@@ -75,6 +76,10 @@ def model_config(run: RunConfig, ids: dict) -> ModelConfig:
     return ModelConfig(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
                        pad_token_id=ids["pad"], **run.model)
 
+
+# What a trained head, drafter or controller holds, whatever its frozen model computes in: bf16
+# weights and Adam moments would round away updates below bf16's spacing (2^-9 near 1)
+TRAINED_DTYPE = "float32"
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings")
@@ -85,7 +90,7 @@ def initial_model(model_cfg: ModelConfig, cfg):
     adapted to block diffusion, as SDAR adapts Qwen3)."""
     if cfg.init_from is None:
         return init_model(model_cfg, seed=cfg.seed)
-    source = load_model(resolve_model(cfg.init_from, "train.init_from"))
+    source = load_model(resolve_model(cfg.init_from, "train.init_from"), dtype=model_cfg.dtype)  # as a restore has it
     differing = [f for f in SHAPE_FIELDS if getattr(source.config, f) != getattr(model_cfg, f)]
     if differing:
         detail = ", ".join(f"{f}: {getattr(source.config, f)} vs {getattr(model_cfg, f)}" for f in differing)
@@ -195,11 +200,13 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
     `mrp_loss` on fixed held-out batches (one per task)."""
     backbone_dir, backbone, tokenizer = load_backbone(run.backbone)
     cfg, m = backbone.config, run.mrp
+    m.check_supervises(cfg.block_size)
+    head_made_for = cfg.replace(dtype=TRAINED_DTYPE)  # float32 weights and Adam moments on a bf16 backbone too
     head_cfg = MRPConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_modules=m.num_modules,
                          num_layers=m.num_layers, residual_scale=m.residual_scale)
     loss = partial(mrp_loss, block=cfg.block_size, mask_id=cfg.mask_token_id, loss=m.loss, gt_topk=m.gt_topk,
                    chain_steps=m.chain_steps, temperature=m.temperature, mask_rate=m.mask_rate)
-    head_graphdef, _ = nnx.split(abstract_head(cfg, head_cfg))
+    head_graphdef, _ = nnx.split(abstract_head(head_made_for, head_cfg))
     backbone_graphdef, _ = nnx.split(backbone)
 
     @jax.jit
@@ -225,7 +232,7 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
         return run_dir / "model"
 
     def build():
-        head = init_head(cfg, num_layers=m.num_layers, num_modules=m.num_modules, residual_scale=m.residual_scale,
+        head = init_head(head_made_for, num_layers=m.num_layers, num_modules=m.num_modules, residual_scale=m.residual_scale,
                          init_std=m.init_std, seed=run.train.seed)
         for module in head.mrp_modules:  # the output norm sets the residual's size (init_std does not)
             module.norm.scale[...] = module.norm.scale[...] * m.init_norm_scale
@@ -233,7 +240,7 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
 
     return Trainee(
         build=build,
-        abstract=abstract_head(cfg, head_cfg), frozen=backbone, loss=loss, tokenizer=tokenizer,
+        abstract=abstract_head(head_made_for, head_cfg), frozen=backbone, loss=loss, tokenizer=tokenizer,
         block=cfg.block_size, pad_id=cfg.pad_token_id, evaluate=evaluate, export=export,
     )
 
@@ -430,9 +437,24 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         tokens_seen, window_start, logged = 0, time.perf_counter(), step
 
     def is_log_step(step):
-        return step % cfg.log_every == 0 or step == last
+        return step % cfg.log_every == 0 or step == cfg.steps
+
+    def is_eval_step(step):
+        return cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
+
+    def evaluate(step):
+        nonlocal window_start
+        eval_start = time.perf_counter()
+        local_params = _gathered(params, mesh)
+        if main:  # on process 0's devices, while the others go on to the next step's collectives
+            scores = trainee.evaluate(nnx.merge(graphdef, local_params), trainee.frozen)
+            log.write(step, scores)
+            bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+        window_start += time.perf_counter() - eval_start  # tokens/s measures training only
 
     try:
+        if start and is_eval_step(start) and _agreed(main and not log.has(start, "eval/")):
+            evaluate(start)  # the run was stopped during that step's evaluation
         for step in range(start + 1, last + 1):
             if trainee.batch_at is not None:
                 local = {k: np.asarray(v)[rows] for k, v in trainee.batch_at(step).items()}
@@ -451,14 +473,8 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
             bar.update(1)
             if is_log_step(step):
                 record(step, metrics)
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                eval_start = time.perf_counter()
-                local_params = _gathered(params, mesh)
-                if main:  # on process 0's devices, while the others go on to the next step's collectives
-                    scores = trainee.evaluate(nnx.merge(graphdef, local_params), trainee.frozen)
-                    log.write(step, scores)
-                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
-                window_start += time.perf_counter() - eval_start  # tokens/s measures training only
+            if is_eval_step(step):
+                evaluate(step)
             if step % cfg.checkpoint_every == 0:
                 manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
     finally:  # also on Ctrl-C: keep the last finished step, and its log row (the resumed run starts after it)
@@ -480,6 +496,15 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         sync("dlmjax-train-export")
         model_dir = model_dir or _export_dir(run_dir, run)
     return TrainResult(run_dir=run_dir, step=done, losses=losses, model_dir=model_dir)
+
+
+def _agreed(flag: bool) -> bool:
+    """Process 0's `flag`, on every process (they must take the same collectives)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
 
 
 def _export_dir(run_dir: Path, run: RunConfig) -> Path:

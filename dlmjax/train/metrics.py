@@ -9,22 +9,28 @@ from pathlib import Path
 class MetricsLog:
     """`metrics.jsonl` + `tb/` (TensorBoard scalars) under a run directory.
 
-    On resume from step s, lines after s are dropped so the log matches the restored state.
+    On resume from step s, lines after s are dropped so the log matches the restored state (and a
+    last line cut off by a kill mid-write, which belongs to a step after the checkpoint).
     """
 
     def __init__(self, run_dir: str | Path, resume_step: int = 0):
         from tensorboardX import SummaryWriter
 
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.rows: list[dict] = []
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            self.rows = [row for row in _read_rows(self.path) if row["step"] <= resume_step]
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
         self._jsonl = self.path.open("a")
         self._tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resume_step + 1 if resume_step else None)
 
+    def has(self, step: int, prefix: str) -> bool:
+        """Whether a row of `step` holds a metric named `prefix`... (e.g. "eval/")."""
+        return any(row["step"] == step and any(k.startswith(prefix) for k in row) for row in self.rows)
+
     def write(self, step: int, metrics: dict) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self.rows.append(record)
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         for name, value in record.items():
@@ -35,3 +41,18 @@ class MetricsLog:
     def close(self) -> None:
         self._jsonl.close()
         self._tb.close()
+
+
+def _read_rows(path: Path) -> list[dict]:
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # a kill mid-write: a step after the checkpoint, written again
+                break
+            from dlmjax.validation import InputError
+
+            raise InputError(f"{path} line {i + 1} is not JSON ({line[:60]!r}); delete that line to resume") from None
+    return rows
