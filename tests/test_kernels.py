@@ -606,6 +606,29 @@ def test_the_cudnn_call_equals_the_xla_einsum_where_it_serves():
                                atol=1e-5)
 
 
+def test_on_a_gpu_cudnn_serves_the_head_dims_the_pallas_kernel_does_not(monkeypatch):
+    """A plain bidirectional prefill with head dim 96 goes to cuDNN (which takes multiples of 8),
+    not past it to the einsum because the Pallas kernel wants a power of two; a window keeps it
+    from cuDNN (which would run without it)."""
+    import dlmjax.kernels.attention as dispatch
+
+    called = []
+    monkeypatch.setattr(dispatch, "dot_product_attention", lambda impl: lambda q, k, v: called.append(impl) or q)
+    monkeypatch.setattr(kernels, "compile_error", lambda *args: None)  # as if the device compiled it
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    pos, seg = jnp.broadcast_to(jnp.arange(8), (1, 8)), jnp.zeros((1, 8), jnp.int32)
+    plain = Visibility(pos, seg, pos, seg, jnp.ones((1, 8), bool), attention="bidirectional", block_size=None,
+                       plain=True)
+    for head_dim in (128, 96):
+        q = jnp.ones((1, 8, 2, head_dim), jnp.bfloat16)
+        called.clear()
+        with kernels.use("auto"):
+            dispatch.attention(q, [(q, q, plain)])
+        assert called == ["cudnn"], head_dim
+    assert not dispatch._cudnn_serves([(q, q, plain.replace(window=4))])
+    assert not dispatch._cudnn_serves([(q, q, plain.matrix())])
+
+
 def test_a_kernel_that_does_not_compile_falls_back_with_the_reason(caplog):
     """The compile probe: a kernel call the device refuses is reported, not raised."""
 
