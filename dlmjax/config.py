@@ -107,6 +107,10 @@ class ModelConfig:
             if self.moe_layers:
                 raise ConfigError(f"moe_layers={self.moe_layers} needs num_experts >= 1")
             return
+        if not self.moe_layers:
+            raise ConfigError(f"num_experts={self.num_experts} with no moe_layers would build a dense model; give "
+                              f"moe_layers, the indices of the layers with experts (e.g. all: [0, ..., "
+                              f"{self.num_layers - 1}])")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                               f"{self.num_experts}]: a token cannot pick more experts than there are")

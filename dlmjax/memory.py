@@ -20,6 +20,7 @@ is a small pure function of shapes, dtypes and shardings.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import jax
@@ -227,14 +228,21 @@ def check_fits(estimate: MemoryEstimate, capacity: int | None, *, fix: str) -> N
                      f"{format_bytes(capacity)} of device memory ({estimate.one_line()}); {fix}")
 
 
-def first_layer(tree, shardings):
-    """(layer 0's leaves, their shardings) of a backbone's state tree (paths `layers.0.*`), or ([], [])."""
+def largest_layer(tree, shardings):
+    """(leaves, shardings) of the backbone layer (paths `layers.{i}.*`) that takes the most bytes per
+    device, or ([], []): an MoE model's first layers may be dense and far smaller than its expert layers."""
     from dlmjax.sharding import _path_name
 
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     placements = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    picked = [(leaf, s) for (path, leaf), s in zip(leaves, placements) if _path_name(path).startswith("layers.0.")]
-    return [leaf for leaf, _ in picked], [s for _, s in picked]
+    by_layer: dict[str, tuple[list, list]] = {}
+    for (path, leaf), placed in zip(leaves, placements):
+        found = re.match(r"layers\.(\d+)\.", _path_name(path))
+        if found:
+            layer = by_layer.setdefault(found.group(1), ([], []))
+            layer[0].append(leaf)
+            layer[1].append(placed)
+    return max(by_layer.values(), key=lambda layer: tree_bytes(*layer), default=([], []))
 
 
 def training_estimate(run, cfg, mesh, *, frozen=None, frozen_shardings=None, trained, trained_shardings, opt,
@@ -255,7 +263,7 @@ def training_estimate(run, cfg, mesh, *, frozen=None, frozen_shardings=None, tra
             head_layers=head_layers, chain_steps=run.mrp.chain_steps, anchors=run.drafter.anchors_per_row,
             block=run.drafter.block_size, target_layers=target_layers)
     backbone = (frozen, frozen_shardings) if frozen is not None else (trained, trained_shardings)
-    gather = fsdp_gather_bytes(*first_layer(*backbone), sizes.get("fsdp", 1)) if cfg is not None else 0
+    gather = fsdp_gather_bytes(*largest_layer(*backbone), sizes.get("fsdp", 1)) if cfg is not None else 0
     return MemoryEstimate(
         frozen_params=tree_bytes(frozen, frozen_shardings) if frozen is not None else 0,
         trained_params=tree_bytes(trained, trained_shardings), optimizer=tree_bytes(opt, opt_shardings),

@@ -16,6 +16,8 @@ fsdp, or both, while a small trained head stays replicated (plain data paralleli
 
 from __future__ import annotations
 
+import logging
+
 import re
 from dataclasses import dataclass, fields
 
@@ -24,6 +26,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dlmjax.validation import InputError
+
+log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "expert", "model")
 
@@ -34,13 +38,21 @@ def make_mesh(model: int = 1, data: int | None = None, devices=None, expert: int
     splits the batch like 'data' and, in addition, every param's largest free dimension."""
     devices = list(devices if devices is not None else jax.devices())
     others = model * expert * fsdp
-    if model < 1 or expert < 1 or fsdp < 1 or len(devices) % others:
+    if model < 1 or expert < 1 or fsdp < 1 or (data is None and len(devices) % others):
         raise InputError(f"fsdp={fsdp} x expert={expert} x model={model} must divide the number of devices "
                          f"({len(devices)}); choose axis sizes whose product divides it")
     data = data or len(devices) // others
+    shape = f"data={data} x fsdp={fsdp} x expert={expert} x model={model}"
     if data * others > len(devices):
-        raise InputError(f"mesh data={data} x fsdp={fsdp} x expert={expert} x model={model} needs {data * others} "
-                         f"devices; only {len(devices)} available: make the product of the axes at most that")
+        raise InputError(f"mesh {shape} needs {data * others} devices; only {len(devices)} available: make the "
+                         "product of the axes at most that")
+    if data * others < len(devices):
+        if jax.process_count() > 1:  # the mesh would leave some process without a device: it would hang
+            raise InputError(f"mesh {shape} uses {data * others} of the {len(devices)} devices of "
+                             f"{jax.process_count()} processes; every process must hold part of it: make the axes "
+                             f"multiply to {len(devices)} (leave data out to fill the rest)")
+        log.warning("mesh %s uses %d of the %d devices (leave data out to use them all)", shape, data * others,
+                    len(devices))
     auto = jax.sharding.AxisType.Auto
     return jax.make_mesh((data, fsdp, expert, model), MESH_AXES, axis_types=(auto,) * 4,
                          devices=devices[: data * others])

@@ -34,7 +34,8 @@ def peaky_model(family: str, seed: int = 0, **overrides):
                  "dream": "bidirectional", "qwen3": "causal"}[family]
     cfg = dlmjax.ModelConfig(
         family=family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=8, attention=attention, block_size=4 if attention == "block_causal" else None,
+        num_kv_heads=2, head_dim=8, attention=attention,
+        block_size=overrides.pop("block_size", 4) if attention == "block_causal" else None,
         qk_norm=family in ("sdar", "qwen3"), shift_logits=family in ("dream", "fast_dllm_v2"), mask_token_id=MASK,
         eos_token_ids=(EOS,), pad_token_id=PAD, max_position_embeddings=128, **overrides,
     )

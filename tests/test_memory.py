@@ -86,6 +86,43 @@ def test_batch_splits_over_data_and_fsdp():
     assert batch_sharding(make_mesh(data=8), 2).spec == P("data", None)  # as before fsdp existed
 
 
+def test_the_fsdp_gather_is_the_largest_layers_and_moe_configs_name_their_expert_layers():
+    """An MoE model whose first layer is dense (LLaDA2's first_k_dense_replace) gathers its expert
+    layers, not layer 0; experts without moe_layers (a dense model in disguise) are refused, and a
+    run config's YAML list is the tuple ModelConfig takes."""
+    from dlmjax.config import ConfigError
+    from dlmjax.memory import largest_layer
+
+    mesh = make_mesh(fsdp=8)
+    cfg = MOE.replace(moe_layers=(1,), num_experts=16)
+    _, state = nnx.split(init_model(cfg, seed=0))
+    sh = placement(state, mesh, cfg)
+    per_layer = {i: tree_bytes(state["layers"][i], sh["layers"][i]) for i in range(cfg.num_layers)}
+    assert per_layer[1] > per_layer[0] and tree_bytes(*largest_layer(state, sh)) == per_layer[1]
+    with pytest.raises(ConfigError, match="num_experts=8 with no moe_layers would build a dense model"):
+        MOE.replace(moe_layers=())
+    from dlmjax.train.loop import model_config
+
+    run = load_run_config("configs/toy-sdar-scratch.yaml", [
+        "model.family=sdar_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
+        "model.moe_intermediate_size=16", "model.moe_layers=[1, 2]"])
+    assert model_config(run, {"vocab_size": 64, "mask": 3, "eos": 2, "pad": 0}).moe_layers == (1, 2)
+
+
+def test_a_mesh_on_part_of_the_devices_is_named_and_refused_across_processes(monkeypatch, caplog):
+    """One process: the mesh may take some of its devices (it says so). Several: every process must
+    hold part of the mesh, or one fails and the others wait in a collective for ever."""
+    with caplog.at_level("WARNING", logger="dlmjax.sharding"):
+        assert dict(parse_mesh("data=2,model=3").shape) == {"data": 2, "fsdp": 1, "expert": 1, "model": 3}
+    assert "uses 6 of the 8 devices" in caplog.text
+    with pytest.raises(InputError, match="must divide the number of devices"):
+        parse_mesh("model=3")  # data left out: it would fill the devices the others leave
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(InputError, match="uses 4 of the 8 devices of 2 processes; every process must hold part"):
+        parse_mesh("data=2,model=2")
+    assert dict(parse_mesh("data=4,model=2").shape)["data"] == 4
+
+
 def test_kv_cache_estimate_equals_the_cache():
     cache = KVCache.init(DENSE, 3, 40)
     assert kv_cache_bytes(DENSE, rows=3, length=40) == sum(a.nbytes for a in cache.k + cache.v)

@@ -217,7 +217,7 @@ def test_cli_expert_dispatch_on_an_expert_mesh_equals_one_device(tmp_path, monke
     for dispatch in ("all_to_all", "gather"):
         assert rows("--mesh", "expert=4,data=2", "--expert-dispatch", dispatch) == single
     assert main([*common, "--mesh", "expert=3,data=2", "--expert-dispatch", "all_to_all"]) == 2
-    assert "expert=3 x model=1 must divide the number of devices (8)" in capsys.readouterr().err
+    assert "needs the 8 experts to divide over the 3 devices of the 'expert' axis" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:  # argparse names the choices
         main([*common, "--expert-dispatch", "ragged"])
     assert exit_.value.code == 2

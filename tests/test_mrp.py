@@ -85,6 +85,21 @@ def test_spec_is_lossless_on_a_peaked_random_backbone():
     assert alone.rows[0].tokens == spec.rows[2].tokens and alone.rows[0].nfe == spec.rows[2].nfe
 
 
+@pytest.mark.parametrize("block, drafts", [(1, 1), (2, 2), (4, 3)])
+def test_spec_never_takes_more_forwards_than_static(block, drafts):
+    """Where a row's seed is exact (after the prefill and the forward that moved it to its block),
+    draft 0 is the backbone's own pick and is committed at once, as static commits it: a block whose
+    last mask it is moves on in that forward. Before, mrp-spec verified it, which at block 1 took
+    twice static's forwards."""
+    model = peaky_model("sdar", seed=4, block_size=block)
+    head = random_head(model, num_modules=1, num_layers=1, init_std=0.2, seed=1)
+    static = generate(model, PROMPTS, decoder="static", max_new_tokens=MAX_NEW)
+    spec = generate(model, PROMPTS, decoder=f"mrp-spec:drafts={drafts}", max_new_tokens=MAX_NEW, head=head)
+    assert [r.tokens for r in spec.rows] == [r.tokens for r in static.rows]
+    assert all(s.nfe <= t.nfe for s, t in zip(spec.rows, static.rows)), ([r.nfe for r in spec.rows],
+                                                                         [r.nfe for r in static.rows])
+
+
 def test_trained_head_makes_direct_decoding_accurate(toy):
     """The shipped head earns its keep: on toy-constraint, two commits per forward from the head's
     corrected logits stay accurate where the same commits from uncorrected logits (a zero head) fail."""

@@ -6,7 +6,8 @@ rows end in different blocks:
 - toy_sdar: the trained toy-sdar and its MRP head, 64 toy prompts, 24 new tokens, batch 64;
 - peaky_sdar: a random SDAR-shaped model scaled to be peaked (no near-ties) with a random
   2-module head, 24 prompts, 12 new tokens, batch 24.
-The row-asynchronous engine must give the same tokens and the same per-row NFE. Batch sizes
+The row-asynchronous engine must give the same tokens and the same per-row NFE (mrp-spec's NFE
+were re-recorded, lower, when it began to commit draft 0 at once where its seed is exact). Batch sizes
 other than the recorded one are checked on the peaked model only: toy-sdar's fp32 confidences
 saturate at 1.0, and XLA's CPU matmuls round differently below about 50 rows, so a tied pick
 there can move with the batch shape (in the old engine too).

@@ -182,14 +182,27 @@ class MRPSpec(MRPDecoder):
                 chain = head_step(fwd, step, copies[-1], chain, state.head_cache, state.block)
         return jnp.stack(copies, axis=1)
 
+    def init_carry(self, fwd: BlockForwards, batch: int):
+        """Per row, whether its seed is exact: the logits of its block as it stands (after the
+        prefill, and after the forward that moved it to its block), not of a copy that predates
+        a bonus commit."""
+        return {"exact": jnp.ones((batch,), bool)}
+
     def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
-        """Nothing is certain before the verification: the seed predates the last bonus commit."""
+        """A row whose seed is exact commits draft 0 now, as `static` would (so a block whose last
+        mask that is moves on in this forward), and verifies C(1..drafts) (the last slot repeats
+        C(drafts): it drafts nothing, so the walk stops before it). Other rows are sure of
+        nothing: their seed predates the last bonus commit, and they verify C(0..drafts)."""
         del masked_bk, keys_b
-        return Plan(tokens=tokens_bk, copies=self.draft(fwd, state, tokens_bk))
+        copies = self.draft(fwd, state, tokens_bk)
+        exact = state.carry["exact"]
+        shifted = jnp.concatenate([copies[:, 1:], copies[:, -1:]], axis=1)
+        copies = jnp.where(exact[:, None, None], shifted, copies)
+        return Plan(tokens=copies[:, 0], copies=copies, carry={"exact": jnp.ones_like(exact)})  # moved rows: exact
 
     def resolve(self, fwd: BlockForwards, state: DecodeState, plan: Plan, logits_bnkv, hidden_bnkd):
-        """The backbone's static pick on every copy, the per-row walk over the drafts, and the bonus
-        (the carry is the plan's: MRP spec keeps none)."""
+        """The backbone's static pick on every copy, the per-row walk over the drafts, and the bonus;
+        the next seed (the accepted copy's) is exact where no bonus was committed on it."""
         copies, mask_id = plan.copies, fwd.mask_id
         n = copies.shape[1]
         picks = [static_pick(fwd.block_scores(logits_bnkv[:, k], hidden_bnkd[:, k]),
@@ -208,7 +221,7 @@ class MRPSpec(MRPDecoder):
         bonus_commit = at_accepted(jnp.stack([c for c, _ in picks], axis=1))
         bonus_tokens = at_accepted(jnp.stack([t for _, t in picks], axis=1))
         tokens = jnp.where(bonus_commit, bonus_tokens, at_accepted(copies))
-        return tokens, at_accepted(logits_bnkv), at_accepted(hidden_bnkd), plan.carry
+        return tokens, at_accepted(logits_bnkv), at_accepted(hidden_bnkd), {"exact": ~jnp.any(bonus_commit, axis=-1)}
 
 
 @register_decoder

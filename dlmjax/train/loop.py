@@ -73,8 +73,9 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
 
 
 def model_config(run: RunConfig, ids: dict) -> ModelConfig:
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in run.model.items()}  # YAML has lists, not tuples
     return ModelConfig(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
-                       pad_token_id=ids["pad"], **run.model)
+                       pad_token_id=ids["pad"], **fields)
 
 
 # What a trained head, drafter or controller holds, whatever its frozen model computes in: bf16
