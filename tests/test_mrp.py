@@ -228,6 +228,18 @@ def test_head_for_another_backbone_is_refused(toy, tmp_path):
         generate(model, ["1+2="], tokenizer=tokenizer, decoder="mrp-remask")
     with pytest.raises(DecoderSpecError, match="greedy"):
         parse_decoder("mrp-spec:temperature=0.7")
+    for options in ("top_p=0.5", "sampled_scores=true"):  # options of sampling, which they never do
+        for decoder in ("mrp-spec", "mrp-direct"):
+            with pytest.raises(DecoderSpecError, match="top_p and sampled_scores shape sampling"):
+                parse_decoder(f"{decoder}:{options}")
+    # the default decoders of `dlmjax eval` fit any block (PSD's depth, the drafts, mrp-direct's steps)
+    from dlmjax.decoding.api import _block_size
+    from dlmjax.evaluation.runner import default_decoders
+
+    for small in (1, 2):
+        small_model = peaky_model("sdar", block_size=small)
+        for spec in default_decoders(small_model, head=random_head(small_model)):
+            assert _block_size(parse_decoder(spec), small_model) == small, spec
     with pytest.raises(DecoderSpecError, match="head_input='post'; choose one of others, pre"):
         parse_decoder("mrp-remask:head_input=post")
     block = model.config.block_size  # a forward's commits past the block only cost time

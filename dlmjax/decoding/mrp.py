@@ -128,6 +128,9 @@ class MRPDecoder(DiffusionDecoder):
     def _greedy_only(self):
         if self.temperature != 0.0:
             raise DecoderSpecError(f"{self.name} is greedy (temperature=0): it follows the static pick")
+        if self.top_p != 1.0 or self.sampled_scores:
+            raise DecoderSpecError(f"{self.name} is greedy: top_p and sampled_scores shape sampling, which it never "
+                                   "does; remove them")
 
 
 @register_decoder

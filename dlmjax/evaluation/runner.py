@@ -56,11 +56,12 @@ def default_decoders(model, head=None, drafter=None) -> list[str]:
         return ["ar"] + (["drafter"] if drafter is not None else [])
     if model.config.attention == "block_causal" and model.config.shift_logits:
         return ["fast-dllm-v2"]  # the only decoder for Fast-dLLM v2 (decoding/api._cache_mode)
-    block = model.config.block_size or 32
+    block = model.config.block_size or 32  # PSD's depth and the MRP drafts fit the block (api._block_size)
     decoders = ["static", f"static:k={block}", "threshold:tau=0.9", "threshold:tau=0.7",
-                "psd:policy=threshold,tau=0.9,depth=4"]
+                f"psd:policy=threshold,tau=0.9,depth={min(4, block)}"]
     if head is not None:
-        decoders += ["mrp-spec:drafts=3", "mrp-direct:mrp_steps=1", "threshold:tau=0.2", "mrp-remask:tau=0.2,delta=0.5"]
+        direct = ["mrp-direct:mrp_steps=1"] if block >= 2 else []
+        decoders += [f"mrp-spec:drafts={min(3, block)}", *direct, "threshold:tau=0.2", "mrp-remask:tau=0.2,delta=0.5"]
     return decoders
 
 
