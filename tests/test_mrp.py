@@ -254,6 +254,13 @@ def test_head_for_another_backbone_is_refused(toy, tmp_path):
         load_head(tmp_path / "other", model.config)
 
 
+def test_a_head_loads_from_a_preset_name_and_a_missing_directory_is_named(toy, tmp_path):
+    model, _, path = toy
+    assert load_head("toy-sdar", model.config).config == load_head(path, model.config).config
+    with pytest.raises(CheckpointError, match="is not a directory; pass a checkpoint directory or a preset name"):
+        load_head(tmp_path / "nowhere", model.config)
+
+
 def test_reference_names_round_trip_through_a_checkpoint_dir(toy, tmp_path):
     model, _, path = toy
     head = random_head(model, num_modules=2, num_layers=2, residual_scale=0.5, seed=9)

@@ -74,6 +74,22 @@ def layouts(model):
     }
 
 
+def test_DLMJAX_INVARIANT_is_a_switch_read_when_used(monkeypatch, capsys):
+    """1/true/on and 0/false/off/unset; anything else is refused where it is read (the CLI: one
+    line, exit 2), not taken as "on" (`false` used to turn the 7-10x slower mode on)."""
+    from dlmjax.cli import main
+
+    for value, on in (("false", False), ("0", False), ("", False), ("off", False), ("1", True), (" On ", True),
+                      ("true", True)):
+        monkeypatch.setenv("DLMJAX_INVARIANT", value)
+        assert arithmetic.current().invariant is on, value
+    monkeypatch.setenv("DLMJAX_INVARIANT", "maybe")
+    with pytest.raises(InputError, match="DLMJAX_INVARIANT='maybe' is not a switch; set it to 1 .on. or 0 .off."):
+        arithmetic.current()
+    assert main(["generate", "--model", "toy-sdar", "--prompt", "1+1"]) == 2
+    assert capsys.readouterr().err.startswith("dlmjax generate: error: DLMJAX_INVARIANT='maybe'")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_invariant_mode_gives_a_row_bitwise_the_same_logits_in_any_layout(dtype):
     model = plain_model(dtype)

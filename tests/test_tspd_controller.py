@@ -4,6 +4,7 @@ mismatch errors)."""
 
 import json
 import math
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +199,8 @@ def test_learn2pd_block_filter_trains_decodes_and_kinds_do_not_mix(trained, sdar
         parse_decoder(f"tspd:controller={result.model_dir}")
     with pytest.raises(DecoderSpecError, match="token controller"):
         parse_decoder(f"learn2pd:controller={token_run.model_dir}")
+    # without a controller: a block filter is named (toy-sdar's own controller is a token controller)
+    with pytest.raises(DecoderSpecError, match=r"learn2pd needs controller=PATH: a block filter .*learn2pd_filter"):
+        parse_decoder("learn2pd")
+    filter_in_the_checkout = Path(__file__).parents[1] / "benchmarks/results/tspd_toy/learn2pd_filter.safetensors"
+    assert load_controller(str(filter_in_the_checkout)).kind == "block"

@@ -281,6 +281,12 @@ class _ControllerOptions(DiffusionDecoder):
     def __post_init__(self):
         super().__post_init__()
         if not self.controller:
+            if self.name == "learn2pd":  # a block filter; the one toy-sdar ships is a token controller
+                raise DecoderSpecError(
+                    "learn2pd needs controller=PATH: a block filter (features block_confidence), e.g. the toy one "
+                    "in a checkout, controller=benchmarks/results/tspd_toy/learn2pd_filter.safetensors; train one "
+                    "with `dlmjax traces` then `dlmjax train configs/tspd/toy-sdar.yaml "
+                    "\"tspd.features=[block_confidence]\"`")
             raise DecoderSpecError(
                 f"{self.name} needs controller=PATH: a tspd_controller.safetensors (toy-sdar ships one: "
                 f"controller=toy-sdar); train one with `dlmjax traces` then `dlmjax train configs/tspd/toy-sdar.yaml`")

@@ -34,8 +34,8 @@ from flax import nnx
 
 from dlmjax.config import ModelConfig
 from dlmjax.io.hf import (
-    HF_RULES, INDEX_FILE, TRANSPOSE, FusedParams, KeyRule, expected_fields, load_config, open_shards, tensor_shape,
-    to_hf_tensors,
+    HF_RULES, INDEX_FILE, TRANSPOSE, FusedParams, KeyRule, checkpoint_path, expected_fields, load_config, open_shards,
+    tensor_shape, to_hf_tensors,
 )
 from dlmjax.io.files import write_atomic
 from dlmjax.io.safetensors import CheckpointError, save_file
@@ -255,8 +255,8 @@ def has_head(ckpt_dir: str | Path) -> bool:
 
 
 def load_head(ckpt_dir: str | Path, backbone: ModelConfig | None = None) -> MRPHead:
-    """The MRP head stored in a checkpoint directory (checked against `backbone` if given)."""
-    ckpt_dir = Path(ckpt_dir)
+    """The MRP head stored in a checkpoint directory or a preset's (checked against `backbone` if given)."""
+    ckpt_dir = checkpoint_path(ckpt_dir)
     shards = {n: s for n, s in open_shards(ckpt_dir).items() if is_head_tensor(n)}
     if not shards:
         raise CheckpointError(

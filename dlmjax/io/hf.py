@@ -271,6 +271,8 @@ SIDE_FILES = ("tspd_controller.safetensors",)  # stored beside a checkpoint, not
 def open_shards(ckpt_dir: str | Path) -> dict[str, SafetensorsFile]:
     """tensor name -> the shard holding it (via the index when there is one)."""
     ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir} is not a directory; pass a checkpoint directory or a preset name")
     index = ckpt_dir / INDEX_FILE
     if index.is_file():
         weight_map = _weight_map(index)

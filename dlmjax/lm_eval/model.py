@@ -367,7 +367,7 @@ class DlmjaxLM(TemplateLM):
         if room < 1:
             raise RequestError(f"max_gen_toks needs {budget} tokens{f' (+ {extra} for the drafter block)' if extra else ''}"
                                f" but the model holds {length}; lower max_gen_toks (gen_kwargs) or max_new_tokens "
-                               "(model_args)")
+                               "(model_args); in `dlmjax eval --backend lm-eval`: --max-new-tokens")
         if len(ids) > room:
             log.warning("a context of %d tokens is left-truncated to %d (model length %d, budget %d)",
                         len(ids), room, length, budget)
