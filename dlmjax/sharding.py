@@ -17,7 +17,6 @@ fsdp, or both, while a small trained head stays replicated (plain data paralleli
 from __future__ import annotations
 
 import logging
-
 import re
 from dataclasses import dataclass, fields
 

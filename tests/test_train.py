@@ -273,7 +273,7 @@ def test_each_step_applies_the_rate_it_logs_and_the_first_one_moves_the_weights(
         moved = optax.apply_updates(params, updates)["v"]
         bias = (1 - 0.9) / (1 - 0.9**step) / np.sqrt((1 - 0.99) / (1 - 0.99**step))  # AdamW's b1, b2
         np.testing.assert_allclose(np.abs(np.asarray(moved)), float(schedule(step)) * bias, rtol=1e-4)
-    assert float(schedule(cfg.steps)) == pytest.approx(cfg.lr * cfg.min_lr_ratio)  # the last step's rate is the final one
+    assert float(schedule(cfg.steps)) == pytest.approx(cfg.lr * cfg.min_lr_ratio)  # the last step: the final rate
 
 
 def test_resume_refuses_a_different_config(tmp_path):
@@ -295,7 +295,8 @@ def test_a_run_stopped_by_a_mistake_before_its_first_checkpoint_takes_the_correc
 
 
 def test_training_lowers_the_loss(tmp_path):
-    run = load_run_config("configs/toy-sdar.yaml", tiny_overrides(40) + ["train.lr=1e-2", "data.tasks={toy-constraint: 1}"])
+    run = load_run_config("configs/toy-sdar.yaml",
+                          tiny_overrides(40) + ["train.lr=1e-2", "data.tasks={toy-constraint: 1}"])
     losses = [loss for _, loss in sorted(train(run, tmp_path / "run", progress=False).losses.items())]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0  # 3.95 -> 1.88 when written
 

@@ -67,7 +67,8 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(lambda count: schedule(count + 1), b1=0.9, b2=0.99, weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.adamw(lambda count: schedule(count + 1), b1=0.9, b2=0.99, weight_decay=cfg.weight_decay,
+                    mask=decay_mask),
     )
     return tx, schedule
 
@@ -233,8 +234,8 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
         return run_dir / "model"
 
     def build():
-        head = init_head(head_made_for, num_layers=m.num_layers, num_modules=m.num_modules, residual_scale=m.residual_scale,
-                         init_std=m.init_std, seed=run.train.seed)
+        head = init_head(head_made_for, num_layers=m.num_layers, num_modules=m.num_modules,
+                         residual_scale=m.residual_scale, init_std=m.init_std, seed=run.train.seed)
         for module in head.mrp_modules:  # the output norm sets the residual's size (init_std does not)
             module.norm.scale[...] = module.norm.scale[...] * m.init_norm_scale
         return head
