@@ -204,8 +204,9 @@ class _Request:
                     mask_id=int(self.mask_id), pad_id=self.pad, eos_ids=self.eos, head_graphdef=self.head_split[0])
 
     def row(self, tokens, count: int, nfe: int, committed: int, accepted_length: float | None = None) -> RowResult:
-        """A row's result; a speculative decoder's accepted length defaults to its TPF (every one
-        of its forwards verifies)."""
+        """A row's result; a speculative decoder's accepted length defaults to its TPF (tokens per
+        forward, the prefill and the forwards that move the row to its next block included,
+        though those verify nothing; the drafter's own count leaves its prefill out)."""
         row_tokens = np.asarray(tokens)[:count].tolist()
         text = self.tokenizer.decode(row_tokens) if self.tokenizer is not None else None
         tpf = float(committed) / max(int(nfe), 1)
