@@ -62,8 +62,9 @@ _SWITCH = {"": False, "0": False, "false": False, "off": False, "no": False,
            "1": True, "true": True, "on": True, "yes": True}
 
 
-def _env_numerics() -> Numerics:
-    raw = os.environ.get("DLMJAX_INVARIANT", "")
+@functools.lru_cache(maxsize=8)
+def _numerics_for(raw: str) -> Numerics:
+    """DLMJAX_INVARIANT's value as numerics (cached: every jitted call reads it)."""
     if raw.strip().lower() not in _SWITCH:
         raise InputError(f"DLMJAX_INVARIANT={raw!r} is not a switch; set it to 1 (on) or 0 (off), or unset it")
     return Numerics(invariant=_SWITCH[raw.strip().lower()])
@@ -73,7 +74,7 @@ def current() -> Numerics:
     """The numerics in force: the innermost `numerics`, else DLMJAX_INVARIANT's (read when asked,
     so a bad value is an input error where it is used, not at import)."""
     setting = _CURRENT.get()
-    return _env_numerics() if setting is None else setting
+    return _numerics_for(os.environ.get("DLMJAX_INVARIANT", "")) if setting is None else setting
 
 
 @contextlib.contextmanager

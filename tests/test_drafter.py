@@ -300,6 +300,14 @@ def test_sliding_window_layers_export_as_transformers_reads_them(target, tmp_pat
 # parity with the PyTorch reference
 
 
+def _context_and_block(tm, layer_ids):
+    """The reference target's features at `layer_ids` over a fixed random context [1, 11], and the
+    block drafted after it: [its last token, MASK x 7]."""
+    tokens = np.random.RandomState(0).randint(0, 90, (1, 11))
+    _, feats = target_pass(tm, torch.from_numpy(tokens).long(), layer_ids)
+    return feats, np.array([[int(tokens[0, -1])] + [MASK_ID] * 7])
+
+
 def _dlmjax_draft_logits(drafter, target, feats_np, block_np):
     s, k = feats_np.shape[1], block_np.shape[1]
     ctx = drafter.context(jnp.asarray(feats_np))
@@ -328,9 +336,7 @@ def test_draft_logits_match_reference(target, tmp_path, layer_types, window, rop
     raw["rope_scaling"] = rope_scaling
     ref = write_reference_drafter(tmp_path, raw, seed=1)
     drafter = load_drafter(tmp_path, ours.config)
-    tokens = np.random.RandomState(0).randint(0, 90, (1, 11))
-    _, feats = target_pass(tm, torch.from_numpy(tokens).long(), ref.ids)
-    block = np.array([[int(tokens[0, -1])] + [MASK_ID] * 7])
+    feats, block = _context_and_block(tm, ref.ids)
     expected = draft_logits(ref, tm, feats, torch.from_numpy(block).long()).numpy()
     got = _dlmjax_draft_logits(drafter, ours, feats.numpy(), block)
     assert np.abs(got - expected).max() <= 1e-5
@@ -348,9 +354,7 @@ def test_a_shipped_mask_embedding_replaces_the_targets_row_as_vllm_reads_it(targ
     torch.save({"mask_token_id": MASK_ID, "embedding": table[2]}, tmp_path / "d" / "mask_embedding.pt")
     shipped = RefDrafter.load(tmp_path / "d")
     drafter = load_drafter(tmp_path / "d", ours.config)
-    tokens = np.random.RandomState(0).randint(0, 90, (1, 11))
-    _, feats = target_pass(tm, torch.from_numpy(tokens).long(), ref.ids)
-    block = np.array([[int(tokens[0, -1])] + [MASK_ID] * 7])
+    feats, block = _context_and_block(tm, ref.ids)
     expected = draft_logits(shipped, tm, feats, torch.from_numpy(block).long()).numpy()
     got = _dlmjax_draft_logits(drafter, ours, feats.numpy(), block)
     assert np.abs(got - expected).max() <= 1e-5

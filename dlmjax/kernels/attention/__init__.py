@@ -114,15 +114,18 @@ def attention(q_blhd, kv_parts, *, tile_q: int | None = None, tile_k: int | None
     times choices of them)."""
     tile_q, tile_k, warps, stages = tiles_for(q_blhd.shape[1], tile_q=tile_q, tile_k=tile_k, warps=warps,
                                               stages=stages).values()
-    if kernels.choose("attention") == "kernel" and jax.default_backend() == "gpu" and _cudnn_serves(kv_parts):
+    how = kernels.choose("attention")
+    if how == "kernel" and jax.default_backend() == "gpu" and _cudnn_serves(kv_parts):
         k, v, _ = kv_parts[0]  # cuDNN first: it takes head dims the Pallas kernel does not (96, 80, ...)
         cudnn = dot_product_attention("cudnn")
         error = kernels.compile_error("attention/cudnn", cudnn, q_blhd, k, v)
         if error is None:
             return cudnn(q_blhd, k, v)
         kernels.fallback("attention/cudnn", error)
-    how = kernels.choose("attention", _unsupported(q_blhd, kv_parts, kernels.current() == "interpret"))
-    if how is None:
+    unsupported = None if how is None else _unsupported(q_blhd, kv_parts, how == "interpret")
+    if unsupported is not None:
+        kernels.fallback("attention", unsupported)
+    if how is None or unsupported is not None:
         return reference(q_blhd, kv_parts)
     if how == "kernel" and _on_tpu():
         build = functools.partial(tpu_calls, tile_q=TPU_TILE_Q, tile_k=TPU_TILE_K, interpret=False)
