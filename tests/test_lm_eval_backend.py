@@ -144,6 +144,9 @@ def test_packaged_tasks_load_from_any_directory_and_build_lm_evals_prompts(tmp_p
     except ImportError:
         pass
     include = write_tasks(tmp_path / "tasks", wanted)
+    gsm8k_lines = (include / TASKS["gsm8k"][1]).read_text().splitlines()
+    assert any(line.startswith("# @DATA@ is replaced") for line in gsm8k_lines)  # the comment says what it was
+    assert not any("@" in line for line in gsm8k_lines if not line.startswith("#"))
     manager = TaskManager(include_path=str(include), include_defaults=False)
     loaded = manager.load([TASKS[t][0] for t in wanted])["tasks"]
     prompts = {}

@@ -1,6 +1,6 @@
 """An independent PyTorch reference of an exported MRP head, from the specification.
 
-Written from ../shared/spec/ALGORITHMS.md section 1 and the interop names, not from dlmjax's
+Written from docs/ALGORITHMS.md section 1 and the interop names, not from dlmjax's
 code: one module is
 
     x   = eh_proj([enorm(embed(tokens)) ; hnorm(h)])      (embedding half first)

@@ -55,10 +55,17 @@ def write_tasks(dest: str | Path, tasks=tuple(TASKS)) -> Path:
     if "humaneval" in tasks:
         fill["@HUMANEVAL@"] = _humaneval_data()
     for task in tasks:
-        text = (HERE / TASKS[task][1]).read_text()
-        for key, value in fill.items():
-            text = text.replace(key, value)
-        (dest / TASKS[task][1]).write_text(text)
+        lines = (HERE / TASKS[task][1]).read_text().splitlines(keepends=True)
+        (dest / TASKS[task][1]).write_text("".join(_filled(line, fill) for line in lines))
     (dest / "utils.py").write_text("from dlmjax.lm_eval.tasks.utils import *  # noqa: F401,F403\n")
     return dest
+
+
+def _filled(line: str, fill: dict[str, str]) -> str:
+    """`line` with its placeholders filled in; comments (which name the placeholders) kept as written."""
+    if line.lstrip().startswith("#"):
+        return line
+    for key, value in fill.items():
+        line = line.replace(key, value)
+    return line
 
