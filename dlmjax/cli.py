@@ -51,12 +51,13 @@ def _drafter_for(path, model, decoders, drafter_dir, dtype):
 CONTROLLER_DECODERS = ("tspd", "tspd+ce")  # decoders that read a per-token TSPD controller
 
 
-def _with_controller(specs, model_dir, controller):
+def _with_controller(specs, model, model_dir, controller):
     """Decoder specs with `controller=` filled in for the TSPD decoders that lack it: --tspd-controller,
-    else the controller stored in the model's directory (when there is one)."""
+    else the controller stored in the model's directory (when there is one), named as the user named
+    the model (`toy-sdar`, not its absolute path: the spec is the results' row label)."""
     from dlmjax.heads.controller import CONTROLLER_FILE
 
-    default = controller or (model_dir / CONTROLLER_FILE if (model_dir / CONTROLLER_FILE).is_file() else None)
+    default = controller or (model if (model_dir / CONTROLLER_FILE).is_file() else None)
     filled = []
     for spec in specs:
         name, _, options = spec.partition(":")
@@ -85,7 +86,7 @@ def cmd_generate(args) -> int:
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh,
                                                    expert_dispatch=args.expert_dispatch)
     decoder = args.decoder or default_decoders(model)[0]
-    decoder = _with_controller([decoder], path, args.tspd_controller)[0]
+    decoder = _with_controller([decoder], args.model, path, args.tspd_controller)[0]
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     prompts = args.prompt
     if args.chat:
@@ -192,14 +193,15 @@ def cmd_eval(args) -> int:
     decoders = args.decoder or default_decoders(model, head, drafter)
     if args.compare_to is not None and args.compare_to not in decoders:
         decoders = [args.compare_to] + decoders
-    decoders = _with_controller(decoders, path, args.tspd_controller)
+    decoders = _with_controller(decoders, args.model, path, args.tspd_controller)
     records, outputs = run_eval(
         model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
         mesh=mesh, seed=args.seed, chat=args.chat, progress=not args.no_progress, head=head,
         drafter=drafter,
     )
     if args.compare_to is not None:
-        records = compare_to(records, outputs, _with_controller([args.compare_to], path, args.tspd_controller)[0])
+        records = compare_to(records, outputs, _with_controller([args.compare_to], args.model, path,
+                                                                args.tspd_controller)[0])
     title = f"{args.model} ({path})"
     table = write_report(records, outputs if args.save_outputs else None, args.out, title=title,
                          skipped={s.task: s.skipped for s in eval_sets if s.skipped})

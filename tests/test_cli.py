@@ -202,6 +202,10 @@ def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path
     assert main([*args, "--decoder", "tspd+ce"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["tpf"] > 1.0 and row["tokens"]
+    assert main(["eval", "--model", "toy-sdar", "--task", "toy-arith", "--limit", "1", "--no-progress",
+                 "--decoder", "tspd", "--out", str(tmp_path / "eval")]) == 0
+    runs = json.loads((tmp_path / "eval" / "results.json").read_text())["runs"]
+    assert [r["decoder"] for r in runs] == ["tspd:controller=toy-sdar"]  # the label names it as the user did
     assert main(["export", "toy-sdar", str(tmp_path / "out")]) == 0
     assert "TSPD controller" in capsys.readouterr().out
     assert (tmp_path / "out" / "tspd_controller.safetensors").is_file()
