@@ -123,7 +123,7 @@ def cmd_export(args) -> int:
     model = load_model(src)
     extras = []
     with staged_dir(out, keep_existing=True) as stage:  # `out` appears only once everything is written
-        export_model(model, stage, tokenizer_from=src)
+        export_model(model, stage, files_from=src)
         if has_head(src):
             save_head(load_head(src, model.config), stage)
             extras.append("its MRP head")

@@ -73,7 +73,7 @@ def _block_causal(path, tokens):
 def test_export_reloads_in_transformers(saved, tmp_path):
     model, path = saved
     ours = dlmjax.load_model(path)
-    out = dlmjax.export_model(ours, tmp_path / "export", tokenizer_from=path)
+    out = dlmjax.export_model(ours, tmp_path / "export", files_from=path)
     index_or_file = list(out.glob("*.safetensors"))
     assert index_or_file, "export wrote no safetensors"
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
@@ -155,6 +155,50 @@ def test_sdar_layout_is_block_causal_qwen3(tmp_path):
     out = dlmjax.export_model(ours, tmp_path / "sdar-export")
     assert json.loads((out / "config.json").read_text())["block_size"] == 4
     assert max_diff(dlmjax.load_model(out)(jnp.asarray(tokens)).logits, expected) <= TOL
+
+
+# Remote code as the families' checkpoints carry it (config class + model class beside the weights,
+# named in config.json's auto_map). The classes here are transformers' own Qwen3/Qwen2 under the
+# family's model_type, standing in for SDAR's and Dream's files (not shipped offline): what the test
+# checks is that an export carries whatever code its source carried, and that transformers runs it.
+REMOTE_CODE = {
+    "sdar": ("qwen3", "Qwen3", "SDAR"),
+    "Dream": ("qwen2", "Qwen2", "Dream"),
+}
+
+
+def write_remote_code(path, model_type, base, name):
+    (path / f"configuration_{name.lower()}.py").write_text(
+        f"from transformers import {base}Config\n\n\nclass {name}Config({base}Config):\n"
+        f"    model_type = {model_type!r}\n")
+    (path / f"modeling_{name.lower()}.py").write_text(
+        f"from transformers import {base}ForCausalLM\n\nfrom .configuration_{name.lower()} import {name}Config\n\n\n"
+        f"class {name}ForCausalLM({base}ForCausalLM):\n    config_class = {name}Config\n")
+    return {"AutoConfig": f"configuration_{name.lower()}.{name}Config",
+            "AutoModelForCausalLM": f"modeling_{name.lower()}.{name}ForCausalLM"}
+
+
+@pytest.mark.parametrize("model_type", sorted(REMOTE_CODE))
+def test_export_carries_the_sources_remote_code(model_type, tmp_path):
+    """A remote-code family exported from its checkpoint loads back with trust_remote_code=True
+    (auto_map and the *.py files copied, model_type spelled as the source spells it)."""
+    kind, base, name = REMOTE_CODE[model_type]
+    src = tmp_path / "src"
+    src.mkdir()
+    auto_map = write_remote_code(src, model_type, base, name)
+    relabelled_checkpoint(torch_model(kind), src, model_type=model_type, auto_map=auto_map, block_size=4,
+                          mask_token_id=95)
+    source = transformers.AutoModelForCausalLM.from_pretrained(src, trust_remote_code=True).eval()
+    out = dlmjax.export_model(dlmjax.load_model(src), tmp_path / "export", files_from=src)
+    written = json.loads((out / "config.json").read_text())
+    assert written["auto_map"] == auto_map and written["model_type"] == model_type
+    assert {p.name for p in out.glob("*.py")} == {p.name for p in src.glob("*.py")}
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(reloaded).__name__ == f"{name}ForCausalLM"
+    tokens = random_tokens(2, 8)
+    assert max_diff(torch_logits(reloaded, tokens), torch_logits(source, tokens)) == 0.0
+    plain = dlmjax.export_model(dlmjax.load_model(src), tmp_path / "plain")  # no source: no code
+    assert "auto_map" not in json.loads((plain / "config.json").read_text()) and not list(plain.glob("*.py"))
 
 
 def test_bf16_load_is_as_accurate_as_pytorch_bf16(saved):

@@ -264,7 +264,7 @@ def test_a_head_loads_from_a_preset_name_and_a_missing_directory_is_named(toy, t
 def test_reference_names_round_trip_through_a_checkpoint_dir(toy, tmp_path):
     model, _, path = toy
     head = random_head(model, num_modules=2, num_layers=2, residual_scale=0.5, seed=9)
-    out = export_model(model, tmp_path / "ckpt", tokenizer_from=path)
+    out = export_model(model, tmp_path / "ckpt", files_from=path)
     assert not has_head(out)
     with pytest.raises(CheckpointError, match="no MRP head"):
         load_head(out)

@@ -9,8 +9,11 @@ names: one rule per part names the same param with the part's `FusedLayout`, whi
 parts on import and splits them on export (one definition of the layout, used both ways).
 
 Export: parameters -> safetensors shards (+ index) with metadata `format: pt`, a config.json
-from `to_hf_config`, and the tokenizer files of the source directory. Qwen3/Qwen2/Llama
-exports load in transformers' `from_pretrained`; every family loads back into dlmjax.
+from `to_hf_config`, and from the source directory its tokenizer files and its remote code (the
+`auto_map` of its config.json and the *.py files beside it, where the source is of the exported
+model_type). Qwen3/Qwen2/Llama exports load in transformers' `from_pretrained`; the remote-code
+families (LLaDA, Dream, SDAR, ...) load with `trust_remote_code=True` where their source carried
+the code; every family loads back into dlmjax.
 """
 
 from __future__ import annotations
@@ -410,17 +413,20 @@ def export_model(
     model: Transformer,
     out_dir: str | Path,
     *,
-    tokenizer_from: str | Path | None = None,
+    files_from: str | Path | None = None,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> Path:
     """Write `model` as a HF checkpoint directory in PyTorch format; returns `out_dir`.
+
+    `files_from` (the directory the model was loaded from) gives the export its tokenizer files and,
+    where it holds a model of the same model_type, its remote code (`auto_map` and *.py files).
 
     `out_dir` may hold other files (a tokenizer) but no checkpoint. The export is staged beside it
     and swapped in when complete (dlmjax.io.files): a killed export leaves `out_dir` as it was."""
     out_dir = Path(out_dir)
     check_export_target(out_dir)
     with staged_dir(out_dir, keep_existing=True) as stage:
-        _write_checkpoint(model, stage, tokenizer_from, max_shard_bytes)
+        _write_checkpoint(model, stage, files_from, max_shard_bytes)
     return out_dir
 
 
@@ -435,7 +441,7 @@ def check_export_target(out_dir: Path) -> None:
                               "or new directory")
 
 
-def _write_checkpoint(model: Transformer, out_dir: Path, tokenizer_from, max_shard_bytes: int) -> None:
+def _write_checkpoint(model: Transformer, out_dir: Path, files_from, max_shard_bytes: int) -> None:
     cfg = model.config
     key_map = key_rules(cfg)
     tensors: dict[str, np.ndarray] = {}
@@ -462,12 +468,34 @@ def _write_checkpoint(model: Transformer, out_dir: Path, tokenizer_from, max_sha
         total = sum(a.nbytes for a in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_atomic(out_dir / INDEX_FILE, json.dumps(index, indent=2))
-    write_atomic(out_dir / "config.json", json.dumps(to_hf_config(cfg), indent=2))
-    if tokenizer_from is not None:
+    hf_config = to_hf_config(cfg)
+    code = remote_code(Path(files_from), cfg.family) if files_from is not None else None
+    if code is not None:  # the source's spelling of model_type ("Dream"), which its code declares
+        hf_config["model_type"], hf_config["auto_map"], files = code
+        for src in files:
+            shutil.copy2(src, out_dir / src.name)
+    write_atomic(out_dir / "config.json", json.dumps(hf_config, indent=2))
+    if files_from is not None:
         for file in TOKENIZER_FILES:
-            src = Path(tokenizer_from) / file
+            src = Path(files_from) / file
             if src.is_file():
                 shutil.copy2(src, out_dir / file)
+
+
+def remote_code(src_dir: Path, family: str) -> tuple[str, dict, list[Path]] | None:
+    """(model_type, auto_map, *.py files) of the checkpoint in `src_dir` where it is a `family`
+    model that carries remote code (LLaDA's, Dream's, SDAR's modeling files), else None."""
+    if not (src_dir / "config.json").is_file():
+        return None
+    source = read_config(src_dir)
+    if not isinstance(source, dict) or not source.get("auto_map"):
+        return None
+    try:
+        if from_hf_config(source).family != family:
+            return None
+    except ConfigError:
+        return None
+    return source["model_type"], source["auto_map"], sorted(src_dir.glob("*.py"))
 
 
 __all__ = [

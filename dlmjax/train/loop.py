@@ -229,7 +229,7 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
 
     def export(head, run_dir):
         with staged_dir(run_dir / "model") as stage:  # replaces an earlier export only when complete
-            export_model(backbone, stage, tokenizer_from=backbone_dir)
+            export_model(backbone, stage, files_from=backbone_dir)
             save_head(head, stage)
         return run_dir / "model"
 
@@ -518,5 +518,5 @@ def export_run(model, run_dir: Path) -> Path:
     """Write the trained model as `run_dir/model` (HF layout, tokenizer included), replacing an old
     export only once the new one is complete (a killed export leaves the old one whole)."""
     with staged_dir(run_dir / "model") as stage:
-        export_model(model, stage, tokenizer_from=run_dir / "tokenizer")
+        export_model(model, stage, files_from=run_dir / "tokenizer")
     return run_dir / "model"
