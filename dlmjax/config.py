@@ -730,14 +730,14 @@ def _from_llada_moe(raw: dict, fam: Family) -> ModelConfig:
         raise ConfigError(f"config.json `moe_layer_freq` = {freq!r} must list one 0 (dense) or 1 (MoE) per layer "
                           f"({num_layers} layers)")
     num_experts = _moe_int(raw, "num_experts", 64)
-    attention_bias = _moe_bool(raw, "attention_bias", False)
+    attention_bias = _moe_bool(raw, "attention_bias", False)  # absent booleans read as modeling_lladamoe.py's
     return ModelConfig(
         family=fam.name, vocab_size=raw["vocab_size"], hidden_size=d,
         intermediate_size=_moe_int(raw, "dense_intermediate_size", 8192), num_layers=num_layers, num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(raw.get("rope_theta", 50000.0)),
         max_position_embeddings=raw.get("max_position_embeddings", 8192), attention=fam.attention,
-        qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=_moe_bool(raw, "qk_layernorm", True),
+        qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=_moe_bool(raw, "qk_layernorm", False),
         tie_word_embeddings=_moe_bool(raw, "tie_word_embeddings", False), rotary_dim=_rotary_dim(raw, head_dim),
         num_experts=num_experts, num_experts_per_tok=_moe_int(raw, "num_experts_per_tok", 8),
         moe_intermediate_size=_moe_int(raw, "expert_intermediate_size", 1024),

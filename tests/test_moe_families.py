@@ -142,6 +142,14 @@ def test_moe_config_bools_must_be_true_or_false():
             from_hf_config({**_moe_raw_configs()[family], key: 2})
 
 
+def test_llada_moe_absent_qk_layernorm_means_no_norm():
+    """modeling_lladamoe.py builds q/k norms only where the config sets qk_layernorm: a config.json
+    without the key has none."""
+    absent = {k: v for k, v in _moe_raw_configs()["llada_moe"].items() if k != "qk_layernorm"}
+    assert not from_hf_config(absent).qk_norm
+    assert from_hf_config({**absent, "qk_layernorm": True}).qk_norm
+
+
 def test_llada2_absent_group_keys_take_the_authors_defaults():
     """LLaDA2MoeConfig (inclusionAI's dInfer and dFactory) defaults to n_group 8 and topk_group 4: a
     config.json without them routes group-limited there, so it does here."""
