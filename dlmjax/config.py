@@ -148,7 +148,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class Family:
     name: str
-    model_types: tuple[str, ...]  # config.json `model_type` values that select this family
+    model_types: tuple[str, ...]  # config.json `model_type` values that select this family (the first: its
+    # published spelling, which export writes)
     layout: str  # weight-name layout: "hf" (Qwen/Llama names) or "llada"
     attention: str
     shift_logits: bool
@@ -165,7 +166,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", ("qwen2",), "hf", "causal", False, False, "Qwen2ForCausalLM"),
         Family("llama", ("llama",), "hf", "causal", False, False, "LlamaForCausalLM"),
         Family("sdar", ("sdar",), "hf", "block_causal", False, True, "SDARForCausalLM", 151669, ("<|MASK|>",)),
-        Family("dream", ("dream", "Dream"), "hf", "bidirectional", True, False, "DreamModel", 151666, ("<|mask|>",)),
+        Family("dream", ("Dream", "dream"), "hf", "bidirectional", True, False, "DreamModel", 151666, ("<|mask|>",)),
         Family("llada", ("llada", "LLaDA"), "llada", "bidirectional", False, False, "LLaDAModelLM", 126336, ("<|mdm_mask|>",)),
         Family("qwen3_moe", ("qwen3_moe",), "hf", "causal", False, True, "Qwen3MoeForCausalLM"),
         Family("sdar_moe", ("sdar_moe",), "hf", "block_causal", False, True, "SDARMoeForCausalLM", 151669,
@@ -429,7 +430,7 @@ _LLADA_KEYS = {
     "precision", "alibi_bias_max",
 }
 _LLADA_FIXED = {
-    "activation_type": _must_equal(("silu", "swiglu"), "only SiLU-gated MLPs are implemented"),
+    "activation_type": _must_equal(("silu",), "only the llama block's SiLU-gated MLP is implemented"),
     "block_type": _must_equal(("llama",), "only the llama block type is implemented"),
     "layer_norm_type": _must_equal(("rms",), "only RMSNorm is implemented"),
     "alibi": _must_equal((False,), "ALiBi is not implemented"),
@@ -517,8 +518,8 @@ def from_hf_config(raw: dict, family: str | None = None) -> ModelConfig:
 
 
 def _required_keys(fam: Family) -> tuple[str, ...]:
-    if fam.layout == "llada":
-        return ("d_model", "n_heads", "n_layers", "vocab_size")
+    if fam.layout == "llada":  # and the keys whose LLaDA default (LayerNorm, no RoPE, ...) dlmjax does not implement
+        return ("d_model", "n_heads", "n_layers", "vocab_size", "activation_type", "block_type", "layer_norm_type", "rope")
     if fam.name in _MOE_TRANSLATORS:
         return _MOE_REQUIRED + (("intermediate_size",) if fam.name != "llada_moe" else ())
     return ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -537,8 +538,30 @@ def _token_ids(cfg: ModelConfig) -> dict:
 
 
 def to_hf_config(cfg: ModelConfig) -> dict:
-    if cfg.family in _MOE_EXPORTERS:
-        return _MOE_EXPORTERS[cfg.family](cfg)
+    """The config.json of `cfg` in its family's published layout. Refused where that layout cannot
+    express `cfg` (the file would load as another model): its translation back must give `cfg`."""
+    out = _MOE_EXPORTERS[cfg.family](cfg) if cfg.family in _MOE_EXPORTERS else _to_dense(cfg)
+    back = from_hf_config(out)
+    # what the file need not carry: the dtype (the export's own), the mask token of a family whose
+    # config names none (its tokenizer does) or left at the family's, the block of a model without blocks
+    ignored = {"dtype"}
+    if cfg.mask_token_id is None or FAMILIES[cfg.family].default_mask_token_id is None:
+        ignored.add("mask_token_id")
+    if cfg.attention != "block_causal":
+        ignored.add("block_size")
+    lost = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+            if f.name not in ignored and getattr(back, f.name) != getattr(cfg, f.name)}
+    if lost:
+        fits = [name for name, f in FAMILIES.items() if (f.attention, f.shift_logits) == (cfg.attention, cfg.shift_logits)
+                and f.layout == FAMILIES[cfg.family].layout and name != cfg.family]
+        hint = (f"; a model with this attention exports as family {' or '.join(fits)}"
+                if fits and {"attention", "shift_logits"} & set(lost) else "")
+        raise ConfigError(f"family {cfg.family}'s config.json cannot express {lost} (it would load as "
+                          f"{ {k: getattr(back, k) for k in lost} }){hint}")
+    return out
+
+
+def _to_dense(cfg: ModelConfig) -> dict:
     fam = FAMILIES[cfg.family]
     if fam.layout == "llada":
         return {
@@ -821,7 +844,7 @@ def _check_exportable(cfg: ModelConfig, **expected) -> None:
 
 def _to_qwen3_moe(cfg: ModelConfig) -> dict:
     _check_exportable(cfg, router="softmax", rotary_dim=None, shared_expert_intermediate_size=0)
-    base = to_hf_config(cfg.replace(family="qwen3", num_experts=0, moe_layers=()))
+    base = _to_dense(cfg.replace(family="qwen3", num_experts=0, moe_layers=()))
     fam = FAMILIES[cfg.family]
     out = {**base, "architectures": [fam.architecture], "model_type": fam.model_types[0],
            "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,

@@ -266,3 +266,60 @@ def test_rope_scaling_in_the_older_config_key_and_unsupported_types(tmp_path):
     (tmp_path / "yarn" / "config.json").write_text(json.dumps(yarn))
     with pytest.raises(ConfigError, match="rope_type 'yarn' is not implemented.*linear and llama3"):
         load_config(tmp_path / "yarn")
+
+
+@pytest.mark.parametrize("family, changes, lost, hint", [
+    ("qwen3", dict(attention="block_causal", block_size=4), "'attention': 'block_causal'", "family sdar"),
+    ("llama", dict(shift_logits=True), "'shift_logits': True", None),
+    ("qwen3", dict(rotary_dim=4), "'rotary_dim': 4", None),
+    ("llada", dict(o_bias=True), "'o_bias': True", None),
+    ("llada", dict(qk_norm=True), "'qk_norm': True", None),
+    ("sdar", dict(attention="bidirectional", block_size=None), "'attention': 'bidirectional'", None),
+])
+def test_export_refuses_a_config_its_familys_checkpoint_cannot_hold(family, changes, lost, hint):
+    """A config.json that would load as another model (other attention, logits, norms or biases)
+    is refused on export, naming what is lost, and the family that holds it where one does."""
+    from dlmjax.config import ConfigError, ModelConfig, to_hf_config
+
+    fam = dlmjax.config.FAMILIES[family]
+    cfg = ModelConfig(vocab_size=96, **{**PRESETS["random-qwen3"], "family": family, "attention": fam.attention,
+                                        "shift_logits": fam.shift_logits, "qk_norm": fam.qk_norm,
+                                        "block_size": 4 if fam.attention == "block_causal" else None})
+    to_hf_config(cfg)  # the family's own settings export
+    cfg = cfg.replace(**changes)
+    with pytest.raises(ConfigError, match=f"family {family}'s config.json cannot express .*{lost}") as err:
+        to_hf_config(cfg)
+    if hint:
+        assert hint in str(err.value)
+
+
+def test_a_toy_backbone_its_family_cannot_export_is_refused_before_training(tmp_path):
+    from dlmjax.train.config import RunConfigError, load_run_config
+    from dlmjax.train.loop import make_trainee
+
+    run = load_run_config("configs/toy-sdar.yaml", ["model.family=qwen3", "train.init_from=null"])
+    with pytest.raises(RunConfigError, match="model: family qwen3's config.json cannot express .*family sdar"):
+        make_trainee(run, tmp_path)
+
+
+def test_legacy_inv_freq_buffers_are_ignored_as_transformers_ignores_them(tmp_path):
+    llama = torch_model("llama")
+    tensors = state_dict_numpy(llama)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    config = json.loads(llama.config.to_json_string())
+    path = write_checkpoint(tmp_path / "old", config, tensors)
+    tokens = random_tokens(1, 8)
+    assert max_diff(dlmjax.load_model(path)(jnp.asarray(tokens)).logits, torch_logits(llama, tokens)) <= TOL
+
+
+def test_llada_configs_must_name_what_llada_defaults_otherwise():
+    """LLaDA's own defaults are LayerNorm, no RoPE, the sequential block: a config.json without
+    those keys is not the model dlmjax implements."""
+    from dlmjax.config import ConfigError, from_hf_config
+
+    full = _llada_config(torch_model("llama").config)
+    for key in ("layer_norm_type", "rope", "block_type", "activation_type"):
+        with pytest.raises(ConfigError, match=f"lacks required keys \\['{key}'\\]"):
+            from_hf_config({k: v for k, v in full.items() if k != key})
+    with pytest.raises(ConfigError, match="activation_type"):
+        from_hf_config({**full, "activation_type": "swiglu"})

@@ -272,7 +272,7 @@ def test_a_head_on_a_bf16_backbone_trains_in_float32(tmp_path):
     ("configs/drafter/toy-ar.yaml", ["tspd.hidden=8"], "the `tspd` section belongs to objective tspd, not drafter"),
     (CONFIG, ["train.loss_weighting=inverse_t"], "objective mrp does not read it"),
     ("configs/drafter/toy-ar.yaml", ["train.eval_examples=8"], "evaluates on drafter.eval_prompts"),
-    ("configs/tspd/toy-sdar.yaml", ["data.seq_len=32"], "data.tasks and data.seq_len are not read"),
+    ("configs/tspd/toy-sdar.yaml", ["data.seq_len=32"], "data.tasks, data.files and data.seq_len are not read"),
     (CONFIG, ["mrp.num_modules=3", "mrp.chain_steps=1"], "modules 1..2 would never train"),
     (CONFIG, ["mrp.residual_scale=0"], "mrp.residual_scale"),
 ], ids=["mrp+drafter", "mrp+tspd", "drafter+tspd", "loss_weighting", "eval_examples", "tspd-data", "untrained-modules",

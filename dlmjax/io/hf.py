@@ -191,7 +191,10 @@ def param_rules(path: str, rules) -> list[KeyRule]:
 def to_hf_tensors(path: str, value, rules, cfg) -> dict[str, np.ndarray]:
     """Param `path`'s value -> its HF tensors in torch layout (a fused param split into its parts)."""
     out = {}
-    for rule in param_rules(path, rules):
+    claimed = param_rules(path, rules)
+    if not claimed:  # (to_hf_config refuses the configs whose params the family's layout lacks)
+        raise CheckpointError(f"param {path} has no {cfg.family} weight name: the family's checkpoints cannot hold it")
+    for rule in claimed:
         part = value if rule.layout is None else rule.layout.part(value, rule.part, cfg)
         out[rule.match_ours(path)] = np.ascontiguousarray(rule.transform.to_torch(np.asarray(part)))
     return out
@@ -368,6 +371,8 @@ def load_model(
     for name, file, read in moe_weights.canonical_tensors(cfg, open_shards(ckpt_dir)):
         if name.startswith("mrp_modules."):
             continue  # an MRP head stored beside the backbone: dlmjax.heads.mrp.load_head reads it
+        if name.endswith(".rotary_emb.inv_freq"):
+            continue  # a buffer derived from the config, saved by transformers < 4.31; transformers ignores it too
         rule = next((r for r in key_map if r.match_hf(name) is not None), None)
         if rule is None:
             raise CheckpointError(f"tensor {name!r} in {file} matches no {cfg.family} weight name")

@@ -3,6 +3,8 @@
     objective: block_diffusion        # or next_token
     model: {family: sdar, block_size: 8, hidden_size: 128, ...}   # ModelConfig fields
     data:  {tasks: {toy-arith: 0.5, toy-constraint: 0.5}, seq_len: 64, seed: 0}
+    data:  {files: {train.jsonl: 1}, prompt_field: question, response_field: answer, chat: true}
+                                      # (objectives mrp, drafter) a real model's data in place of tasks
     train: {steps: 4000, batch_size: 64, lr: 3.0e-3, ...}
 
 An MRP head (a residual head on a frozen backbone) names its backbone instead of a model section:
@@ -50,10 +52,22 @@ class RunConfigError(InputError):
     pass
 
 
+TOY_TASKS = {"toy-arith": 0.5, "toy-constraint": 0.5}
+
+
 @dataclass(frozen=True)
 class DataConfig:
+    """What a run trains on: the toy tasks (`tasks`), or for a head on a real model (objectives mrp
+    and drafter) JSONL files of its data (`files`: path -> weight; each line an object whose
+    `prompt_field` and `response_field` hold the prompt and the answer to learn; `chat`: the
+    prompt as a user turn of the model's chat template)."""
+
     limits = {"seq_len": AT_LEAST_1, "seed": AT_LEAST_0}
-    tasks: dict = field(default_factory=lambda: {"toy-arith": 0.5, "toy-constraint": 0.5})  # task -> weight
+    tasks: dict | None = None  # toy task -> weight (default TOY_TASKS where no files are given)
+    files: dict = field(default_factory=dict)  # JSONL file -> weight, in place of tasks
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    chat: bool = False
     seq_len: int = 64
     seed: int = 0
 
@@ -61,14 +75,33 @@ class DataConfig:
         from dlmjax.toy.tasks import TASKS
 
         check_fields(self, "data.", error=RunConfigError)
+        if self.files:
+            if self.tasks is not None:
+                raise RunConfigError("data.files takes the place of data.tasks: give one of them (data.tasks=null)")
+            for path, weight in self.files.items():
+                check_value("data.files", path, "str", error=RunConfigError)
+                check_value(f"data.files.{path}", weight, "float", POSITIVE, error=RunConfigError)
+        elif (self.prompt_field, self.response_field, self.chat) != ("prompt", "response", False):
+            raise RunConfigError("data.prompt_field, data.response_field and data.chat read the rows of data.files, "
+                                 "which is not given: name the JSONL files (data.files={train.jsonl: 1}) or remove them")
+        if self.files:
+            return
+        if self.tasks is None:
+            object.__setattr__(self, "tasks", dict(TOY_TASKS))
         if not self.tasks:
             raise RunConfigError(f"data.tasks is empty; give task weights, e.g. {{{next(iter(TASKS))}: 1.0}}")
         for name, weight in self.tasks.items():
             check_value("data.tasks", name, "str", OneOf(tuple(TASKS)), error=RunConfigError)
             check_value(f"data.tasks.{name}", weight, "float", POSITIVE, error=RunConfigError)
 
+    @property
+    def weights(self) -> dict[str, float]:
+        """The sources a run samples from, with their weights: the files, else the toy tasks."""
+        return self.files or self.tasks
+
     def __hash__(self):
-        return hash((tuple(self.tasks.items()), self.seq_len, self.seed))
+        return hash((tuple((self.tasks or {}).items()), tuple(self.files.items()), self.prompt_field, self.response_field,
+                     self.chat, self.seq_len, self.seed))
 
 
 @dataclass(frozen=True)
@@ -289,10 +322,12 @@ class RunConfig:
         if self.objective in read_by and self.train.eval_examples != OptimConfig.eval_examples:
             raise RunConfigError(f"train.eval_examples is not read by objective {self.objective}, which evaluates on "
                                  f"{read_by[self.objective]}: remove it")
-        if self.objective == "tspd" and (self.data.tasks, self.data.seq_len) != (DataConfig().tasks,
-                                                                                 DataConfig().seq_len):
-            raise RunConfigError("objective tspd trains on its traces: data.tasks and data.seq_len are not read "
-                                 "(data.seed splits and draws the traces); remove them")
+        if self.objective == "tspd" and dataclasses.replace(self.data, seed=0) != DataConfig():
+            raise RunConfigError("objective tspd trains on its traces: data.tasks, data.files and data.seq_len are "
+                                 "not read (data.seed splits and draws the traces); remove them")
+        if self.data.files and self.objective in ("block_diffusion", "next_token"):
+            raise RunConfigError(f"data.files trains a head on a real model's data (objectives mrp and drafter); "
+                                 f"objective {self.objective} trains a toy backbone on data.tasks")
 
     def _check_mrp(self):
         if self.model:

@@ -1,5 +1,5 @@
-"""Training batches from the toy tasks: a pure function of (seed, step), so a resumed run sees
-exactly the batches it would have seen.
+"""Training batches from the toy tasks or from JSONL files of a real model's data (`FileTask`): a
+pure function of (seed, step), so a resumed run sees exactly the batches it would have seen.
 
 Multi-process runs: each process encodes only the rows of the global batch that its devices hold
 (`process_rows`) and `global_batch` assembles the global [B, ...] arrays, split over the mesh's
@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dlmjax.sharding import batch_sharding
-from dlmjax.toy.tasks import get_task
+from dlmjax.toy.tasks import Example, get_task
 from dlmjax.validation import InputError
 
 
@@ -41,15 +41,83 @@ def _step_rng(seed: int, step: int) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
-def sample_examples(task_weights: dict[str, float], batch_size: int, seed: int, step: int):
-    """`batch_size` examples for `step`, all from one task drawn with `task_weights`.
+def sample_examples(task_weights: dict[str, float], batch_size: int, seed: int, step: int, tasks=None):
+    """`batch_size` examples for `step`, all from one task drawn with `task_weights`: a toy task by
+    name, or `tasks[name]` (a `FileTask`) where given.
 
     One task per step keeps a batch's rows of similar length, so short tasks are not padded to
     the longest task's length (see `make_batch`)."""
     rng = _step_rng(seed, step)
     names = sorted(task_weights)
-    task = get_task(rng.choices(names, [task_weights[n] for n in names])[0])
+    name = rng.choices(names, [task_weights[n] for n in names])[0]
+    task = tasks[name] if tasks is not None else get_task(name)
     return [task.sample(rng) for _ in range(batch_size)]
+
+
+@dataclass(frozen=True)
+class FileTask:
+    """Training rows of a real model's data (`data.files`): the examples of one JSONL file."""
+
+    name: str
+    examples: tuple[Example, ...]
+
+    def sample(self, rng: random.Random) -> Example:
+        return self.examples[rng.randrange(len(self.examples))]
+
+
+def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str, FileTask]:
+    """{path: FileTask} of `data.files` (a DataConfig): each line's `prompt_field` and
+    `response_field` (the prompt as a user turn of `tokenizer`'s chat template where `data.chat`).
+    Lines without both fields, and lines whose row (`encode_row` with `block`) is longer than
+    `data.seq_len`, are reported and skipped; a file without one good line is refused."""
+    from dlmjax.evaluation.tasks import DatasetError, read_rows
+
+    tasks = {}
+    for path in data.files:
+        try:
+            rows = read_rows(path, split="train")
+        except DatasetError as err:
+            raise DataError(f"data.files: {err}") from None
+        numbered, malformed = [], []
+        for number, row in rows:
+            fields = [row.get(f) if isinstance(row, dict) else None for f in (data.prompt_field, data.response_field)]
+            if all(isinstance(v, str) and v for v in fields):
+                numbered.append((number, Example(prompt=fields[0], target=fields[1])))
+            else:
+                malformed.append(number)
+        if not numbered:
+            raise DataError(f"data.files: {path} has no line with text fields {data.prompt_field!r} and "
+                            f"{data.response_field!r}; set data.prompt_field and data.response_field to its keys")
+        if data.chat:
+            prompts = tokenizer.user_turns([ex.prompt for _, ex in numbered])
+            numbered = [(n, Example(prompt=p, target=ex.target)) for p, (n, ex) in zip(prompts, numbered)]
+        fits = [_row_length(tokenizer, ex, block) <= data.seq_len for _, ex in numbered]
+        long = [n for (n, _), ok in zip(numbered, fits) if not ok]
+        examples = tuple(ex for (_, ex), ok in zip(numbered, fits) if ok)
+        if malformed:
+            report(f"{path}: skipped {_lines(malformed)} without text fields {data.prompt_field!r} and "
+                   f"{data.response_field!r} ({_numbers(malformed)})")
+        if long:
+            report(f"{path}: skipped {_lines(long)} longer than data.seq_len={data.seq_len} tokens ({_numbers(long)})")
+        if not examples:
+            raise DataError(f"data.files: no line of {path} fits in data.seq_len={data.seq_len} tokens; raise it")
+        tasks[path] = FileTask(name=path, examples=examples)
+    return tasks
+
+
+def _row_length(tokenizer, example: Example, block: int | None) -> int:
+    """The tokens `encode_row` gives `example`: prompt, answer, EOS, and EOS up to a block's end."""
+    n = len(tokenizer.encode_prompt(example.prompt)) + len(tokenizer.encode(example.target)) + 1
+    return -(-n // block) * block if block else n
+
+
+def _lines(numbers: list[int]) -> str:
+    return f"{len(numbers)} line{'s' if len(numbers) > 1 else ''}"
+
+
+def _numbers(numbers: list[int]) -> str:
+    shown = ", ".join(map(str, numbers[:5]))
+    return f"line{'s' if len(numbers) > 1 else ''} {shown}{' ...' if len(numbers) > 5 else ''}"
 
 
 def encode_row(prompt_ids, target_ids, *, eos_id: int, pad_id: int, seq_len: int, block: int | None):
@@ -74,7 +142,7 @@ def make_batch(examples, tokenizer, *, seq_len: int, block: int | None, pad_id: 
     shapes to compile, little padding. In a multi-process run, `pad_batch` then widens each
     process's rows to the global batch's width."""
     rows = [
-        encode_row(tokenizer.encode(ex.prompt), tokenizer.encode(ex.target), eos_id=tokenizer.eos_id,
+        encode_row(tokenizer.encode_prompt(ex.prompt), tokenizer.encode(ex.target), eos_id=tokenizer.eos_id,
                    pad_id=pad_id, seq_len=seq_len, block=block)
         for ex in examples
     ]

@@ -138,13 +138,14 @@ def spec_from_run(run) -> DrafterTrainSpec:
                             weights=weights)
 
 
-def load_target(name: str):
-    """(checkpoint dir, causal target, tokenizer) of a drafter run; the toy tasks need the toy tokenizer."""
+def load_target(name: str, *, toy_data: bool = True, mesh=None):
+    """(checkpoint dir, causal target on `mesh`, tokenizer) of a drafter run; the toy tasks
+    (`toy_data`) need the toy tokenizer."""
     from dlmjax.io.hf import load_config, load_model
     from dlmjax.io.tokenizer import load_tokenizer
     from dlmjax.presets import resolve_model
-    from dlmjax.toy.tokenizer import char_tokenizer
     from dlmjax.train.config import RunConfigError
+    from dlmjax.train.loop import is_toy_tokenizer
 
     try:
         ckpt_dir = resolve_model(name, "model")
@@ -155,10 +156,11 @@ def load_target(name: str):
         raise RunConfigError(f"backbone {name} has {cfg.attention} attention; a drafter speculates for a causal "
                              "(autoregressive) target such as toy-ar")
     tokenizer = load_tokenizer(ckpt_dir, cfg)
-    if tokenizer.backend.get_vocab(with_added_tokens=True) != char_tokenizer().get_vocab(with_added_tokens=True):
+    if toy_data and not is_toy_tokenizer(tokenizer):
         raise RunConfigError(f"backbone {name}'s tokenizer is not the toy character tokenizer that the toy tasks "
-                             "are written in; train toy drafters on toy-ar")
-    return ckpt_dir, load_model(ckpt_dir), tokenizer
+                             "are written in; train on its own data (data.files: JSONL prompt/response rows) or "
+                             "train toy drafters on toy-ar")
+    return ckpt_dir, load_model(ckpt_dir, mesh=mesh), tokenizer
 
 
 def drafter_config_for(run, target: Transformer, tokenizer):
@@ -169,40 +171,65 @@ def drafter_config_for(run, target: Transformer, tokenizer):
     mask = d.mask_token_id
     if mask is None:
         mask = target.config.mask_token_id if target.config.mask_token_id is not None else tokenizer.mask_id
+    if mask is None:
+        from dlmjax.train.config import RunConfigError
+
+        raise RunConfigError(f"the target ({target.config.family}) names no mask token: set drafter.mask_token_id "
+                             f"(a token id < {target.config.vocab_size} the target never emits, e.g. an unused special "
+                             "token)")
     ids = tuple(d.target_layer_ids) if d.target_layer_ids else None
     return DrafterConfig.for_target(target.config, num_layers=d.num_layers, block_size=d.block_size,
                                     target_layer_ids=ids, mask_token_id=mask, dtype=TRAINED_DTYPE)
 
 
-def mean_accepted_length(drafter: Drafter, target: Transformer, tokenizer, tasks, n: int) -> dict:
-    """{task: mean accepted length} of greedy speculative decoding on the first n eval prompts."""
-    from dlmjax.decoding.speculative import generate_with_drafter
+def eval_prompts(tasks, file_tasks, tokenizer, n: int) -> dict[str, tuple[list[list[int]], int]]:
+    """{task: (prompt ids, max_new_tokens)} that a drafter run evaluates on: the first n prompts of
+    each toy task's eval set, or of each file's rows (generating as many tokens as the longest of
+    their answers, and EOS)."""
     from dlmjax.evaluation.tasks import load_eval_set
 
     out = {}
     for task in sorted(tasks):
-        eval_set = load_eval_set(task, limit=n)
-        prompts = [tokenizer.encode(item.prompt) for item in eval_set.items]
-        res = generate_with_drafter(target, drafter, prompts, max_new_tokens=eval_set.max_new_tokens,
+        if file_tasks is None:
+            eval_set = load_eval_set(task, limit=n)
+            out[task] = [tokenizer.encode(item.prompt) for item in eval_set.items], eval_set.max_new_tokens
+        else:
+            examples = file_tasks[task].examples[:n]
+            out[task] = ([tokenizer.encode_prompt(ex.prompt) for ex in examples],
+                         max(len(tokenizer.encode(ex.target)) for ex in examples) + 1)
+    return out
+
+
+def mean_accepted_length(drafter: Drafter, target: Transformer, tokenizer, prompts: dict) -> dict:
+    """{task: mean accepted length} of greedy speculative decoding on `prompts` (`eval_prompts`)."""
+    from dlmjax.decoding.speculative import generate_with_drafter
+
+    out = {}
+    for task, (ids, max_new_tokens) in prompts.items():
+        res = generate_with_drafter(target, drafter, ids, max_new_tokens=max_new_tokens,
                                     eos_ids=(tokenizer.eos_id,), pad_id=target.config.pad_token_id or 0)
         out[task] = res.mean_accepted_length
     return out
 
 
-def drafter_trainee(run, run_dir):
+def drafter_trainee(run, run_dir, mesh=None):
+    """A drafter (`run.drafter`) for the frozen target `run.backbone` (loaded onto `frozen_mesh`);
+    eval logs its mean accepted length on the first `drafter.eval_prompts` prompts per task or file."""
     from functools import partial
 
     from dlmjax.heads.drafter import abstract_drafter, check_compatible, init_drafter
     from dlmjax.io.dflash import save_drafter
-    from dlmjax.train.loop import Trainee
+    from dlmjax.train.loop import Trainee, data_tasks, frozen_mesh, pad_id_of
 
-    _, target, tokenizer = load_target(run.backbone)
+    _, target, tokenizer = load_target(run.backbone, toy_data=not run.data.files, mesh=frozen_mesh(mesh))
+    tasks = data_tasks(run, tokenizer, None)
     dcfg = drafter_config_for(run, target, tokenizer)
     check_compatible(dcfg, target.config)
     loss = partial(drafter_train_loss, spec=spec_from_run(run))
+    prompts = eval_prompts(run.data.weights, tasks, tokenizer, run.drafter.eval_prompts)
 
     def evaluate(drafter, target):
-        scores = mean_accepted_length(drafter, target, tokenizer, run.data.tasks, run.drafter.eval_prompts)
+        scores = mean_accepted_length(drafter, target, tokenizer, prompts)
         return {f"eval/{task}/accept_len": v for task, v in scores.items()}
 
     def export(drafter, run_dir):
@@ -214,6 +241,6 @@ def drafter_trainee(run, run_dir):
 
     return Trainee(
         build=lambda: init_drafter(dcfg, seed=run.train.seed), abstract=abstract_drafter(dcfg), frozen=target,
-        loss=loss, tokenizer=tokenizer, block=None, pad_id=target.config.pad_token_id or 0, evaluate=evaluate,
-        export=export,
+        loss=loss, tokenizer=tokenizer, block=None, pad_id=pad_id_of(target.config, tokenizer), evaluate=evaluate,
+        export=export, tasks=tasks,
     )

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from dlmjax.config import ModelConfig
+from dlmjax.config import ConfigError, ModelConfig, to_hf_config
 from dlmjax.distributed import is_main, sync
 from dlmjax.evaluation.toy import toy_accuracy
 from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
@@ -42,7 +42,9 @@ from dlmjax.sharding import param_sharding, placement, put_array
 from dlmjax.toy.tokenizer import EOS, MASK, PAD, char_tokenizer, save_char_tokenizer
 from dlmjax.train import objectives, unfused
 from dlmjax.train.config import RunConfig, RunConfigError, from_dict, read_yaml
-from dlmjax.train.data import global_batch, global_width, make_batch, pad_batch, process_rows, sample_examples
+from dlmjax.train.data import (
+    file_tasks, global_batch, global_width, make_batch, pad_batch, process_rows, sample_examples,
+)
 from dlmjax.train.mrp import mrp_loss
 from dlmjax.train.metrics import MetricsLog
 from dlmjax.validation import InputError
@@ -74,9 +76,16 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
 
 
 def model_config(run: RunConfig, ids: dict) -> ModelConfig:
+    """The trained backbone's config; refused before training where its family's checkpoint
+    layout could not hold it (the export would load as another model)."""
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in run.model.items()}  # YAML has lists, not tuples
-    return ModelConfig(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
-                       pad_token_id=ids["pad"], **fields)
+    cfg = ModelConfig(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
+                      pad_token_id=ids["pad"], **fields)
+    try:
+        to_hf_config(cfg)
+    except ConfigError as err:
+        raise RunConfigError(f"model: {err}") from None
+    return cfg
 
 
 # What a trained head, drafter or controller holds, whatever its frozen model computes in: bf16
@@ -143,6 +152,27 @@ class Trainee:
     evaluate: Callable[[nnx.Module, nnx.Module | None], dict]  # (trainable, frozen) -> eval scores
     export: Callable[[nnx.Module, Path], Path]  # (trainable, run_dir) -> run_dir/model
     batch_at: Callable[[int], dict] | None = None  # step -> arrays, for trainees not trained on token rows (tspd)
+    tasks: dict | None = None  # data.files' tasks by path (None: data.tasks, the toy tasks)
+
+
+def data_tasks(run: RunConfig, tokenizer: Tokenizer, block: int | None) -> dict | None:
+    """The `FileTask`s of `data.files` (None: the run trains on the toy tasks); process 0 reports
+    the lines it skips."""
+    if not run.data.files:
+        return None
+    return file_tasks(run.data, tokenizer, block=block, report=lambda message: print(message) if is_main() else None)
+
+
+def frozen_mesh(mesh: Mesh | None) -> Mesh | None:
+    """Where a frozen backbone or target loads: straight onto `mesh` (sharded by its rules, no
+    whole copy on one device) in a one-process run. A multi-process run loads it whole on each
+    process's first device as well, since process 0 evaluates alone."""
+    return mesh if mesh is not None and jax.process_count() == 1 else None
+
+
+def pad_id_of(cfg: ModelConfig, tokenizer: Tokenizer) -> int:
+    """The padding of training rows: the model's pad token, else its EOS (real checkpoints may set none)."""
+    return cfg.pad_token_id if cfg.pad_token_id is not None else tokenizer.eos_id
 
 
 def backbone_trainee(run: RunConfig, run_dir: Path) -> Trainee:
@@ -170,8 +200,9 @@ def backbone_trainee(run: RunConfig, run_dir: Path) -> Trainee:
     )
 
 
-def load_backbone(name: str) -> tuple[Path, Transformer, Tokenizer]:
-    """(checkpoint dir, model, tokenizer) of an MRP run's backbone: block-causal, toy tokenizer."""
+def load_backbone(name: str, *, toy_data: bool = True, mesh: Mesh | None = None) -> tuple[Path, Transformer, Tokenizer]:
+    """(checkpoint dir, model on `mesh`, tokenizer) of an MRP run's backbone: block-causal; the toy
+    tokenizer where the run trains on the toy tasks (`toy_data`)."""
     try:
         ckpt_dir = resolve_model(name, "model")
     except FileNotFoundError as exc:
@@ -188,19 +219,28 @@ def load_backbone(name: str) -> tuple[Path, Transformer, Tokenizer]:
             "decode on backbones that score each position from itself, such as toy-sdar"
         )
     tokenizer = load_tokenizer(ckpt_dir, cfg)
-    if tokenizer.backend.get_vocab(with_added_tokens=True) != char_tokenizer().get_vocab(with_added_tokens=True):
+    if toy_data and not is_toy_tokenizer(tokenizer):
         raise RunConfigError(f"backbone {name}'s tokenizer is not the toy character tokenizer that the toy tasks "
-                             "are written in; train MRP heads on a toy backbone such as toy-sdar")
-    return ckpt_dir, load_model(ckpt_dir), tokenizer
+                             "are written in; train on its own data (data.files: JSONL prompt/response rows) or "
+                             "train MRP heads on a toy backbone such as toy-sdar")
+    return ckpt_dir, load_model(ckpt_dir, mesh=mesh), tokenizer
+
+
+def is_toy_tokenizer(tokenizer: Tokenizer) -> bool:
+    return tokenizer.backend.get_vocab(with_added_tokens=True) == char_tokenizer().get_vocab(with_added_tokens=True)
 
 
 EVAL_SEED = 1234  # held-out batches and noise of MRP eval (the toy tasks' eval sets use their own)
 
 
-def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
-    """An MRP head (`run.mrp`) on the frozen backbone `run.backbone`; eval logs the KL metrics of
-    `mrp_loss` on fixed held-out batches (one per task)."""
-    backbone_dir, backbone, tokenizer = load_backbone(run.backbone)
+def mrp_trainee(run: RunConfig, run_dir: Path, mesh: Mesh | None = None) -> Trainee:
+    """An MRP head (`run.mrp`) on the frozen backbone `run.backbone` (loaded onto `frozen_mesh`);
+    eval logs the KL metrics of `mrp_loss` on fixed batches drawn with EVAL_SEED (one per task or
+    file: held out for the toy tasks, which are generated; drawn from the training rows of a file)."""
+    backbone_dir, backbone, tokenizer = load_backbone(run.backbone, toy_data=not run.data.files,
+                                                      mesh=frozen_mesh(mesh))
+    tasks = data_tasks(run, tokenizer, backbone.config.block_size)
+    pad_id = pad_id_of(backbone.config, tokenizer)
     cfg, m = backbone.config, run.mrp
     m.check_supervises(cfg.block_size)
     head_made_for = cfg.replace(dtype=TRAINED_DTYPE)  # float32 weights and Adam moments on a bf16 backbone too
@@ -218,10 +258,9 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
 
     def evaluate(head, model):
         scores = {}
-        for task in sorted(run.data.tasks):
-            examples = sample_examples({task: 1}, run.train.eval_examples, EVAL_SEED, 0)
-            batch = make_batch(examples, tokenizer, seq_len=run.data.seq_len, block=cfg.block_size,
-                               pad_id=cfg.pad_token_id)
+        for task in sorted(run.data.weights):
+            examples = sample_examples({task: 1}, run.train.eval_examples, EVAL_SEED, 0, tasks)
+            batch = make_batch(examples, tokenizer, seq_len=run.data.seq_len, block=cfg.block_size, pad_id=pad_id)
             arrays = {k: jnp.asarray(v) for k, v in vars(batch).items()}
             metrics = jax.device_get(eval_metrics(nnx.state(head), nnx.state(model), arrays))
             scores.update({f"eval/{task}/{k}": metrics[k] for k in ("kl", "kl_baseline", "top1", "top1_baseline")})
@@ -243,7 +282,7 @@ def mrp_trainee(run: RunConfig, run_dir: Path) -> Trainee:
     return Trainee(
         build=build,
         abstract=abstract_head(head_made_for, head_cfg), frozen=backbone, loss=loss, tokenizer=tokenizer,
-        block=cfg.block_size, pad_id=cfg.pad_token_id, evaluate=evaluate, export=export,
+        block=cfg.block_size, pad_id=pad_id, evaluate=evaluate, export=export, tasks=tasks,
     )
 
 
@@ -323,16 +362,17 @@ def state_shardings(trainee: Trainee, tx, mesh: Mesh):
                       "opt_state": jax.tree.map(attach, opt_shapes, opt_sh)}
 
 
-def make_trainee(run: RunConfig, run_dir: Path) -> Trainee:
+def make_trainee(run: RunConfig, run_dir: Path, mesh: Mesh | None = None) -> Trainee:
+    """The run's Trainee; a frozen model (objectives mrp, drafter) loads onto `frozen_mesh(mesh)`."""
     if run.objective == "drafter":
         from dlmjax.train.drafter import drafter_trainee  # imports this module's Trainee
 
-        return drafter_trainee(run, run_dir)
+        return drafter_trainee(run, run_dir, mesh)
     if run.objective == "tspd":
         from dlmjax.train.tspd import tspd_trainee  # imports this module's Trainee
 
         return tspd_trainee(run, run_dir)
-    return mrp_trainee(run, run_dir) if run.objective == "mrp" else backbone_trainee(run, run_dir)
+    return mrp_trainee(run, run_dir, mesh) if run.objective == "mrp" else backbone_trainee(run, run_dir)
 
 
 def restore_checkpoint(run_dir: str | Path, mesh: Mesh, step: int | None = None):
@@ -350,7 +390,7 @@ def restore_checkpoint(run_dir: str | Path, mesh: Mesh, step: int | None = None)
             raise InputError(f"{run_dir} has no checkpoint{'' if step is None else f' of step {step}'}; its checkpoints: "
                              f"{sorted(manager.all_steps()) or 'none'}")
         tx, _ = make_optimizer(run.train)
-        trainee = make_trainee(run, run_dir)
+        trainee = make_trainee(run, run_dir, mesh)
         graphdef, abstract = state_shardings(trainee, tx, mesh)
         restored = unfused.restore(manager, step, abstract, trainee.abstract)  # a pre-fusion run converted
     finally:
@@ -360,8 +400,14 @@ def restore_checkpoint(run_dir: str | Path, mesh: Mesh, step: int | None = None)
 
 def _place(tree, shardings):
     """Host values (the same on every process) placed with `shardings`: each process copies only
-    its devices' slices (multi-process safe, unlike device_put of a process-local array)."""
-    return jax.tree.map(lambda x, sh: put_array(np.asarray(x), sh), tree, shardings)
+    its devices' slices (multi-process safe, unlike device_put of a process-local array). Arrays
+    already placed so (a frozen model loaded onto the mesh) stay as they are."""
+    def place(x, sh):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sh, x.ndim):
+            return x
+        return put_array(np.asarray(x), sh)
+
+    return jax.tree.map(place, tree, shardings)
 
 
 def _gathered(params, mesh: Mesh):
@@ -392,9 +438,8 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         _write_config(run_dir, run)
     sync("dlmjax-train-config")
     cfg = run.train
-    trainee = make_trainee(run, run_dir)
-
     mesh = mesh if mesh is not None else run.mesh.make()  # the config's mesh (default: all devices on data)
+    trainee = make_trainee(run, run_dir, mesh)
     rows = process_rows(mesh, cfg.batch_size)  # this process's rows of every global batch
 
     tx, schedule = make_optimizer(cfg)
@@ -461,7 +506,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
             if trainee.batch_at is not None:
                 local = {k: np.asarray(v)[rows] for k, v in trainee.batch_at(step).items()}
             else:
-                examples = sample_examples(run.data.tasks, cfg.batch_size, run.data.seed, step)
+                examples = sample_examples(run.data.weights, cfg.batch_size, run.data.seed, step, trainee.tasks)
                 batch = make_batch([examples[i] for i in rows], trainee.tokenizer, seq_len=run.data.seq_len,
                                    block=trainee.block, pad_id=trainee.pad_id)
                 batch = pad_batch(batch, global_width(batch.tokens.shape[1]), trainee.pad_id)

@@ -1,0 +1,137 @@
+"""Heads on a real model's data: MRP heads and drafters train on JSONL rows (`data.files`) in the
+model's own tokenizer and chat template, with the frozen model loaded onto the run's mesh.
+
+The models are tiny random checkpoints with a real BPE tokenizer (trained here, ChatML template);
+the rows are JSONL lines as a user's SFT data holds them."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dlmjax.config import ModelConfig
+from dlmjax.io.hf import export_model
+from dlmjax.io.tokenizer import load_tokenizer
+from dlmjax.models.transformer import init_model
+from dlmjax.sharding import make_mesh
+from dlmjax.train.config import RunConfigError, load_run_config
+from dlmjax.train.data import DataError, file_tasks, make_batch, sample_examples
+from dlmjax.train.loop import make_trainee, train
+from test_tokenizer import CHATML, chat_checkpoint
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+TINY = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+            max_position_embeddings=256, qk_norm=True)
+ROWS = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}. The answer is {a + b}."}
+        for a, b in [(3, 4), (12, 7), (5, 5), (20, 1), (9, 8), (6, 11)]]
+
+
+def real_checkpoint(path, *, attention: str):
+    """A random model under a BPE tokenizer with a ChatML template and a mask token."""
+    chat_checkpoint(path, CHATML, SPECIALS, {"bos_token": None, "eos_token": "<|im_end|>"})
+    vocab = json.loads((path / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
+    size = max(vocab["model"]["vocab"].values()) + 1
+    cfg = ModelConfig(vocab_size=-(-size // 16) * 16, mask_token_id=ids["<|mask|>"], eos_token_ids=(ids["<|im_end|>"],),
+                      family="sdar" if attention == "block_causal" else "qwen3", attention=attention, block_size=4,
+                      **TINY)
+    return export_model(init_model(cfg, seed=0), path)  # beside the tokenizer files
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    return real_checkpoint(tmp_path_factory.mktemp("ckpt") / "sdar", attention="block_causal")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return real_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3", attention="causal")
+
+
+@pytest.fixture
+def rows_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    lines = [json.dumps(r) for r in ROWS] + ['{"question": "no answer"}', "not json",
+                                              json.dumps({"question": "long", "answer": "x " * 200})]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def file_overrides(model_dir, rows_file, steps=2):
+    return [f"backbone={model_dir}", f"data.files={{{rows_file}: 1}}", "data.tasks=null", "data.prompt_field=question",
+            "data.response_field=answer", "data.chat=true", "data.seq_len=96", f"train.steps={steps}",
+            "train.batch_size=8", "train.log_every=1", "train.checkpoint_every=2", "train.warmup_steps=1",
+            "train.eval_every=2"]
+
+
+def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, rows_file, capsys):
+    run = load_run_config("configs/mrp/toy-sdar.yaml", file_overrides(sdar, rows_file))
+    tokenizer = load_tokenizer(sdar)
+    tasks = file_tasks(run.data, tokenizer, block=4)
+    report = capsys.readouterr().out
+    assert "skipped 2 lines without text fields 'question' and 'answer' (lines 7, 8)" in report
+    assert "skipped 1 line longer than data.seq_len=96 tokens (line 9)" in report
+    (task,) = tasks.values()
+    assert len(task.examples) == len(ROWS)
+    examples = sample_examples(run.data.weights, 4, run.data.seed, 1, tasks)
+    batch = make_batch(examples, tokenizer, seq_len=96, block=4, pad_id=tokenizer.eos_id)
+    first = tokenizer.decode(batch.tokens[0][batch.valid[0]], skip_special_tokens=False)
+    prompt = tokenizer.decode(batch.tokens[0][batch.valid[0] & ~batch.target[0]], skip_special_tokens=False)
+    question = next(r["question"] for r in ROWS if r["answer"] == examples[0].target)
+    assert prompt == examples[0].prompt == f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    assert first.startswith(prompt + examples[0].target + "<|im_end|>")  # then EOS up to the block's end
+
+    with pytest.raises(DataError, match="no line with text fields 'q' and 'answer'"):
+        file_tasks(load_run_config("configs/mrp/toy-sdar.yaml", file_overrides(sdar, rows_file)
+                                   + ["data.prompt_field=q"]).data, tokenizer, block=4)
+
+
+def test_an_mrp_head_trains_on_a_real_models_rows_and_resumes(sdar, rows_file, tmp_path):
+    run = load_run_config("configs/mrp/toy-sdar.yaml", file_overrides(sdar, rows_file, steps=3))
+    stopped = train(run, tmp_path / "run", stop_at=2, progress=False)
+    assert stopped.step == 2
+    done = train(run, tmp_path / "run", progress=False)
+    assert done.step == 3 and done.model_dir is not None
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = {k for row in rows for k in row if k.startswith("eval/")}
+    assert {f"eval/{rows_file}/kl", f"eval/{rows_file}/kl_baseline"} <= evals
+    assert all(np.isfinite(row["loss"]) for row in rows if "loss" in row)
+    straight = train(run, tmp_path / "straight", progress=False)
+    assert straight.losses[3] == done.losses[3]  # the resumed run saw the batches it would have seen
+
+
+def test_a_drafter_trains_on_a_real_targets_rows(qwen3, rows_file, tmp_path):
+    overrides = file_overrides(qwen3, rows_file) + ["drafter.target_layer_ids=[0, 1]", "drafter.block_size=4",
+                                                    "drafter.anchors_per_row=2", "drafter.eval_prompts=2"]
+    with pytest.raises(RunConfigError, match="names no mask token: set drafter.mask_token_id"):
+        make_trainee(load_run_config("configs/drafter/toy-ar.yaml", overrides), tmp_path)
+    mask = load_tokenizer(qwen3).backend.token_to_id("<|mask|>")
+    run = load_run_config("configs/drafter/toy-ar.yaml", overrides + [f"drafter.mask_token_id={mask}"])
+    result = train(run, tmp_path / "run", progress=False)
+    assert (result.model_dir / "config.json").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    accepted = [row[f"eval/{rows_file}/accept_len"] for row in rows if f"eval/{rows_file}/accept_len" in row]
+    assert accepted and all(a >= 1.0 for a in accepted)
+
+
+def test_a_real_model_without_files_and_files_for_a_backbone_are_refused(sdar, rows_file, tmp_path):
+    run = load_run_config("configs/mrp/toy-sdar.yaml", [f"backbone={sdar}"])
+    with pytest.raises(RunConfigError, match=r"train on its own data \(data.files"):
+        make_trainee(run, tmp_path)
+    with pytest.raises(RunConfigError, match="data.files trains a head on a real model's data"):
+        load_run_config("configs/toy-sdar.yaml", [f"data.files={{{rows_file}: 1}}", "data.tasks=null"])
+    with pytest.raises(RunConfigError, match="data.files takes the place of data.tasks"):
+        load_run_config("configs/mrp/toy-sdar.yaml", [f"backbone={sdar}", f"data.files={{{rows_file}: 1}}"])  # tasks too
+    with pytest.raises(RunConfigError, match="read the rows of data.files"):
+        load_run_config("configs/mrp/toy-sdar.yaml", ["data.chat=true"])
+
+
+def test_the_frozen_model_loads_onto_the_mesh_not_whole_on_one_device(sdar, rows_file, tmp_path):
+    mesh = make_mesh(model=2)
+    run = load_run_config("configs/mrp/toy-sdar.yaml", file_overrides(sdar, rows_file))
+    trainee = make_trainee(run, tmp_path, mesh)
+    shardings = {a.sharding for a in jax.tree.leaves(nnx.state(trainee.frozen))}
+    assert all(getattr(s, "mesh", None) == mesh for s in shardings)
+    assert any("model" in str(s.spec) for s in shardings)  # tensor-parallel weights, split over 'model'
