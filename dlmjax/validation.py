@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import numbers
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,7 @@ PROBABILITY = Range(0, 1)  # [0, 1]
 OPEN_UNIT = Range(0, 1, low_open=True)  # (0, 1]: thresholds where 0 would commit everything
 
 _KINDS = {
-    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),  # numpy's integers too
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
@@ -150,6 +151,14 @@ def count_arg(text: str) -> int:
 
 
 SEED_LIMIT = 2**32  # jax.random.key keeps the low 32 bits of a seed: larger seeds would repeat smaller ones
+
+
+SEED_RANGE = Range(0, SEED_LIMIT - 1)
+
+
+def check_seed(value, name: str = "seed") -> int:
+    """A seed given in Python: an integer in [0, 2**32) (see SEED_LIMIT)."""
+    return check_value(name, value, "int", SEED_RANGE)
 
 
 def seed_arg(text: str) -> int:

@@ -207,6 +207,10 @@ def test_its_decoder_is_the_default_for_the_family():
     assert default_decoders(model) == ["fast-dllm-v2"]
     out = generate(model, [PROMPTS[0]], decoder=default_decoders(model)[0], max_new_tokens=8).rows[0]
     assert out.tokens == reference_fast_dllm_v2(model, PROMPTS[0], block=8, sub_block=8, tau=0.9, max_new=8)
+    from dlmjax.decoding.spec import parse_decoder
+
+    # sampling: generate() compares tau with the sampled token's tempered top-p probability
+    assert parse_decoder("fast-dllm-v2:temperature=0.7").sampled_scores
 
 
 def test_the_random_preset_is_a_fast_dllm_v2_checkpoint_that_decodes(tmp_path, monkeypatch):

@@ -120,6 +120,23 @@ def test_prompts_are_checked():
         generate(model, [[1, 2.5]], max_new_tokens=4)
 
 
+def test_numpy_values_and_out_of_range_ids_seeds_and_stream_sizes():
+    """numpy's integers and [B, L] arrays are what they look like; ids and seeds outside their
+    range, and a Stream's refill or limit below 1, are InputErrors, not hangs or raw errors."""
+    model = dlmjax.load_model(dlmjax.presets.resolve_model("random-sdar"))
+    plain = generate(model, [[1, 2, 3], [4, 5, 6]], max_new_tokens=4)
+    same = generate(model, np.array([[1, 2, 3], [4, 5, 6]]), max_new_tokens=np.int64(4), seed=np.int32(0))
+    assert [r.tokens for r in same.rows] == [r.tokens for r in plain.rows]
+    for kwargs, message in [(dict(row_ids=[2**40, 1]), r"row_ids\[0\]=1099511627776 must be"),
+                            (dict(seed=2**70), "seed=1180591620717411303424 must be"),
+                            (dict(seed=1.5), "seed=1.5 must be an integer")]:
+        with pytest.raises(InputError, match=message):
+            generate(model, [[1, 2], [3, 4]], max_new_tokens=4, **kwargs)
+    for kwargs in (dict(refill=-1), dict(refill=2.5), dict(refill=0), dict(limit=0), dict(seed=-1)):
+        with pytest.raises(InputError, match=f"{next(iter(kwargs))}="):
+            Stream(model, [[1, 2], [3, 4]], batch_size=2, max_new_tokens=4, **kwargs)
+
+
 def test_any_max_new_tokens_is_decoded_and_cut(capsys):
     """5 tokens at block 4: two whole blocks are decoded and the first 5 kept, by generate, by
     the Stream (continuous batching) and by the CLI alike."""

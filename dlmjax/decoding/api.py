@@ -18,7 +18,7 @@ from dlmjax.heads.mrp import MRPHead, check_compatible
 from dlmjax.io.tokenizer import Tokenizer, decode_stop_ids
 from dlmjax.models.transformer import Transformer
 from dlmjax.sharding import shard_batch
-from dlmjax.validation import InputError, positive_int
+from dlmjax.validation import InputError, check_seed, positive_int
 
 DEFAULT_BIDIRECTIONAL_BLOCK = 32
 
@@ -65,6 +65,10 @@ def _encode(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> list[list[
     """Prompts (a list of texts, or of token-id lists) as token ids, each in [0, vocab_size)."""
     if isinstance(prompts, (str, bytes)):
         raise InputError("prompts must be a list (of texts or of token-id lists); pass one prompt as [prompt]")
+    if isinstance(prompts, np.ndarray):  # a [B, L] array of ids: B prompts of L tokens
+        prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()] if prompts.ndim == 1 else None
+        if prompts is None:
+            raise InputError("a numpy array of prompts must be [prompts, tokens]")
     if not prompts:
         raise InputError("no prompts given")
     if all(isinstance(p, str) for p in prompts):
@@ -264,6 +268,7 @@ def generate(
 
     Every prompt is one row of one batch; `Stream` runs more prompts than a batch holds.
     """
+    check_seed(seed)
     req = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
                    row_ids=row_ids, head=head)
     decoder = req.decoder
@@ -342,6 +347,10 @@ class Stream:
                  tokenizer: Tokenizer | None = None, decoder="static", max_new_tokens: int = 64, seed: int = 0,
                  row_ids=None, mesh=None, head: MRPHead | None = None, drafter=None, limit: int | None = None):
         positive_int("batch_size", batch_size)
+        for name, value in (("refill", refill), ("limit", limit)):
+            if value is not None:
+                positive_int(name, value)
+        check_seed(seed)
         self.request = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
                                 row_ids=row_ids, head=head)
         self.decoder = decoder_spec(self.request.decoder)

@@ -19,7 +19,9 @@ from dlmjax import arithmetic, kernels
 from dlmjax.decoding.policies import categorical_rows, hidden_scores, nucleus_filter, row_keys
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
-from dlmjax.validation import InputError
+from dlmjax.validation import InputError, Range, check_value
+
+ROW_ID_RANGE = Range(0, 2**31 - 1)  # sampling-stream ids are int32
 
 
 @struct.dataclass
@@ -45,6 +47,8 @@ def batch_row_ids(row_ids, batch: int) -> jax.Array:
         return jnp.arange(batch, dtype=jnp.int32)
     if len(row_ids) != batch:
         raise InputError(f"row_ids has {len(row_ids)} entries for {batch} prompts; give one per prompt")
+    for i, row_id in enumerate(row_ids):
+        check_value(f"row_ids[{i}]", row_id, "int", ROW_ID_RANGE)
     return jnp.asarray(row_ids, jnp.int32)
 
 

@@ -16,7 +16,9 @@ default): the spec `fast-dllm-v2` (`fast-dllm-v2:tau=0.9,sub_block=8`). Their be
 `fast-dllm-v2:tau=1`. Confidence excludes the mask token, as in
 every decoder here (generate()'s softmax keeps it). generate()'s stop-token check ends a block
 early once the stop token and everything before it are decoded; here the row finishes its block
-(the tokens up to the stop token are the same, the forwards can be more).
+(the tokens up to the stop token are the same, the forwards can be more). When sampling
+(temperature > 0), confidence is the probability of the sampled token under the tempered, top-p
+distribution it was drawn from, as generate()'s `sample_with_top_p` gives it (`sampled_scores`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class FastDLLMv2(DiffusionDecoder):
     limits = {"tau": OPEN_UNIT, "sub_block": AT_LEAST_1}
     tau: float = 0.9
     sub_block: int = 8
+    sampled_scores: bool = True  # sampling: generate() compares tau with the tempered top-p probability
 
     def select(self, scores, masked_bk):
         k = masked_bk.shape[1]

@@ -190,7 +190,11 @@ class Static(DiffusionDecoder):
 
 @dataclass(frozen=True)
 class Threshold(DiffusionDecoder):
-    """Commit every masked position with confidence > tau, and always the most confident one."""
+    """Commit every masked position with confidence > tau, and always the most confident one.
+
+    Strictly above tau, as ALGORITHMS.md and Fast-dLLM v2 have it; Fast-dLLM v1's LLaDA code
+    commits confidence >= tau, which differs only at an exact tie (with tau=1: positions whose
+    probability rounds to 1.0 commit together there, one a step here)."""
 
     name: ClassVar[str] = "threshold"
     eos_options: ClassVar[bool] = True
