@@ -48,6 +48,7 @@ from flax import nnx
 
 from dlmjax import arithmetic
 from dlmjax.decoding import engine, policies
+from dlmjax.decoding.api import DEFAULT_BIDIRECTIONAL_BLOCK, check_length
 from dlmjax.decoding.engine import BlockForwards, Plan
 from dlmjax.decoding.spec import DiffusionDecoder, Static
 from dlmjax.decoding.tspd import Trajectory, block_abs_pos, feature_matrix, observe
@@ -140,9 +141,9 @@ def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh
     cfg = model.config
     if rollout not in ROLLOUTS:
         raise TraceError(f"rollout {rollout!r}; choose one of {', '.join(ROLLOUTS)}")
-    if cfg.attention == "causal":
-        raise TraceError(f"{cfg.family} is a causal model; TSPD traces need a diffusion model (sdar, llada, dream)")
-    block = block or cfg.block_size or 32
+    block = trace_block(cfg, block)
+    for prompt in prompt_ids:  # as generate refuses them: traces of decodes no decoder runs would mislead
+        check_length(model, len(prompt), max_new_tokens)
     block_causal = cfg.attention == "block_causal"
     geometry, canvas, rows = engine.plan_layout(prompt_ids, block=block, max_new_tokens=max_new_tokens,
                                                 block_causal=block_causal, pad_id=cfg.pad_token_id,
@@ -183,6 +184,22 @@ def concat(parts: list[dict], offsets: list[int]) -> dict:
         arrays = [p[name] + (o if name == "prompt" else 0) for p, o in zip(parts, offsets)]
         out[name] = np.concatenate(arrays) if arrays else np.zeros((0, len(FEATURES)) if name == "features" else 0)
     return out
+
+
+def trace_block(cfg, block: int | None) -> int:
+    """The block a trace-aware decoder decodes `cfg`'s model in (`block`: --block); refuses the
+    models and blocks they refuse (dlmjax.decoding.api)."""
+    if cfg.attention == "causal":
+        raise TraceError(f"{cfg.family} is a causal model; TSPD traces need a diffusion model (sdar, llada, dream)")
+    if cfg.attention != "block_causal":
+        return block or DEFAULT_BIDIRECTIONAL_BLOCK
+    if cfg.shift_logits:
+        raise TraceError(f"{cfg.family}: the trace-aware decoders do not run on a block-causal shifted-logit model "
+                         "(it decodes with fast-dllm-v2), so its traces would train nothing they can use")
+    if block not in (None, cfg.block_size):
+        raise TraceError(f"--block {block}: a block-causal model decodes in its own block size {cfg.block_size}; "
+                         "drop --block")
+    return cfg.block_size
 
 
 def collect_traces(model, prompt_ids: list[list[int]], *, max_new_tokens: int, batch_size: int = 32, mesh=None,
@@ -279,7 +296,7 @@ def traces_for_prompts(model, tokenizer, prompts: list[str], *, name: str, max_n
     traces = collect_traces(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size, mesh=mesh, block=block,
                             cache=cache, rollout=rollout, eos_ids=decode_stop_ids(model.config, tokenizer))
     meta = {"model": model_fingerprint(model.config), "num_prompts": len(ids), "tasks": [name], "chat": bool(chat),
-            "block": block or model.config.block_size or 32, "max_new_tokens": {name: max_new_tokens},
+            "block": trace_block(model.config, block), "max_new_tokens": {name: max_new_tokens},
             "rollout": rollout}
     return traces, meta
 
@@ -301,7 +318,7 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
         offsets.append(total)
         total += len(ids)
     meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": tasks, "seed": seed,
-            "block": block or model.config.block_size or 32, "max_new_tokens": lengths, "rollout": rollout}
+            "block": trace_block(model.config, block), "max_new_tokens": lengths, "rollout": rollout}
     return concat(parts, offsets), meta
 
 

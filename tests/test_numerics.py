@@ -134,6 +134,31 @@ def test_fast_mode_is_not_bitwise_invariant_here_so_the_test_above_can_fail():
     assert max(np.abs(logits[name] - logits["alone"]).max() for name in differs) < 1e-3
 
 
+@pytest.mark.parametrize("family, cache", [("llada", "none"), ("dream", "none"), ("llada", "dual")])
+def test_invariant_mode_packed_copies_of_a_bidirectional_canvas_are_a_lone_copys_logits(family, cache):
+    """PSD's layout on LLaDA and Dream: copies of the whole canvas packed in one verification
+    forward. Without a cache each copy is a lone attention part; a one-part softmax compiled one ulp
+    apart from a many-part one until a hidden one-key part made them one program (found in review)."""
+    model = peaky_model(family, seed=2)
+    cfg = model.config
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(3, 36, size=n)) for n in (5, 9, 2)]
+    geometry, canvas, rows = engine.plan_layout(prompts, block=8, max_new_tokens=16, block_causal=False, pad_id=0,
+                                                mask_id=cfg.mask_token_id)
+    fwd = engine.BlockForwards(model, rows, geometry, cache, cfg.mask_token_id)
+    verify = jax.jit(fwd.verify)
+    with dlmjax.numerics(invariant=True):
+        state = engine.start(fwd, jnp.asarray(canvas))
+        block = np.array(fwd.block_tokens(state.canvas, state.block))
+        copies = np.stack([block] * 4, 1)
+        for d in range(4):
+            copies[:, d, : d + 1] = 7
+        packed, _ = verify(state.canvas, jnp.asarray(copies), state.cache, state.block)
+        for d in range(4):
+            alone, _ = verify(state.canvas, jnp.asarray(copies[:, d : d + 1]), state.cache, state.block)
+            np.testing.assert_array_equal(np.asarray(alone[:, 0]), np.asarray(packed[:, d]), err_msg=f"copy {d}")
+
+
 @pytest.mark.parametrize("decoder", ["psd:policy=topk,depth=4", "psd:policy=threshold,tau=0.3,depth=3"])
 def test_invariant_mode_psd_equals_its_policy_and_rows_equal_themselves_alone(decoder):
     model = plain_model("float32")

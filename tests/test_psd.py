@@ -101,6 +101,17 @@ def test_bad_psd_options():
         parse_decoder("psd:temperature=0.7")
     with pytest.raises(DecoderSpecError, match="depth=0"):
         parse_decoder("psd:depth=0")
+    # another policy's option would run the default policy under a label that names it
+    with pytest.raises(DecoderSpecError, match=r"k=8 is not an option of policy=threshold .* \(topk\)"):
+        parse_decoder("psd:k=8")
+    with pytest.raises(DecoderSpecError, match=r"tau=0.1 is not an option of policy=topk .* \(threshold, decay\)"):
+        parse_decoder("psd:policy=topk,tau=0.1")
+    for options in ("top_p=0.5", "sampled_scores=true"):  # sampling options of a greedy decoder
+        with pytest.raises(DecoderSpecError, match="top_p and sampled_scores shape sampling"):
+            parse_decoder(f"psd:{options}")
+        with pytest.raises(DecoderSpecError, match="depth=2 is PSD"):
+            parse_decoder(f"ce:depth=2,{options}")
+    assert parse_decoder("ce:top_p=0.5,temperature=0.5").top_p == 0.5  # one step per forward: it samples
 
 
 def test_a_depth_deeper_than_the_block_is_refused(sdar):

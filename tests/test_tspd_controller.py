@@ -14,6 +14,7 @@ from dlmjax.decoding.api import generate
 from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
 from dlmjax.heads.controller import (
     ControllerMismatchError, controller_module, export_controller, load_controller, mlp_logits, model_fingerprint,
+    save_controller,
 )
 from dlmjax.io.safetensors import SafetensorsFile
 from dlmjax.traces import TraceError, collect_traces, save_traces
@@ -36,8 +37,10 @@ def test_weighted_bce_on_a_hand_example():
 def test_calibration_picks_the_smallest_threshold_with_the_precision():
     probs = np.array([0.99, 0.95, 0.9, 0.8, 0.6, 0.3])
     labels = np.array([1, 1, 1, 0, 1, 0], bool)
-    assert calibrate_threshold(probs, labels, 1.0) == pytest.approx(0.8)  # p > 0.8: all right
-    assert calibrate_threshold(probs, labels, 0.8) == pytest.approx(0.3)  # p > 0.3: 4 of 5
+    assert calibrate_threshold(probs, labels, 1.0) == (pytest.approx(0.8), True)  # p > 0.8: all right
+    assert calibrate_threshold(probs, labels, 0.8) == (pytest.approx(0.3), True)  # p > 0.3: 4 of 5
+    wrong_at_the_top = np.array([False, True, True, False])
+    assert calibrate_threshold(np.array([0.3, 0.6, 0.97, 0.999]), wrong_at_the_top, 0.999) == (0.995, False)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +166,12 @@ def test_mismatches_are_clear_errors(trained, sdar, tmp_path):
     other = peaky_model("llada", seed=3)
     with pytest.raises(ControllerMismatchError, match="another model"):
         generate(other, PROMPTS[:2], decoder=f"tspd:controller={result.model_dir},block=4", max_new_tokens=MAX_NEW)
+    w = load_controller(str(result.model_dir))
+    assert w.block == 4  # the traces' block, stored with the controller
+    elsewhere = save_controller(w.params, tmp_path / "block8.safetensors", features=w.features, threshold=w.threshold,
+                                model=w.model, block=8)
+    with pytest.raises(ControllerMismatchError, match="traces decoded in blocks of 8; this decode uses block 4"):
+        generate(sdar, PROMPTS[:2], decoder=f"tspd:controller={elsewhere}", max_new_tokens=MAX_NEW)
     # training on traces of another model than `backbone`
     bad = load_run_config("configs/tspd/toy-sdar.yaml", [f"tspd.traces={root / 'traces'}", "train.steps=1"])
     with pytest.raises(TraceError, match="another model"):
@@ -192,7 +201,7 @@ def test_learn2pd_block_filter_trains_decodes_and_kinds_do_not_mix(trained, sdar
     w = load_controller(str(result.model_dir))
     assert w.kind == "block" and w.params["fc1_w"].shape[1] == 4 and w.params["fc2_w"].shape[0] == 4
     assert result.losses[20] < result.losses[10] * 1.5  # it trains (finite, not diverging)
-    spec = f"learn2pd:controller={result.model_dir},threshold=0.5"
+    spec = f"learn2pd:controller={result.model_dir},threshold=0.5,features=block_confidence"  # its one feature
     batch = generate(sdar, PROMPTS[:4], decoder=spec, max_new_tokens=MAX_NEW)
     assert all(1 <= r.nfe <= MAX_NEW + 2 for r in batch.rows)
     with pytest.raises(DecoderSpecError, match="block controller"):

@@ -141,3 +141,23 @@ def test_prompt_traces_stop_where_the_checkpoint_stops(tmp_path):
     stopped, _ = traces_for_prompts(model, load_tokenizer(model_dir, model.config), prompts, name="p",
                                     max_new_tokens=24)
     assert stopped["block"].max() < plain["block"].max()
+
+
+def test_traces_are_refused_where_no_trace_aware_decoder_would_run():
+    """Traces in a geometry the decoders refuse would train a controller nothing can use: another
+    block on a block-causal model, a shifted-logit block-causal family, a prompt past the model's
+    length."""
+    import dlmjax
+    from dlmjax.presets import resolve_model
+    from dlmjax.traces import TraceError, collect_traces
+    from dlmjax.validation import InputError
+
+    toy = dlmjax.load_model(resolve_model("toy-sdar"))
+    with pytest.raises(TraceError, match="--block 4: a block-causal model decodes in its own block size 8"):
+        collect_traces(toy, [[3, 4, 5]], max_new_tokens=8, block=4)
+    fast = dlmjax.load_model(resolve_model("random-fast-dllm-v2"))
+    with pytest.raises(TraceError, match="shifted-logit"):
+        collect_traces(fast, [[3, 4, 5]], max_new_tokens=8)
+    limit = toy.config.max_position_embeddings
+    with pytest.raises(InputError, match=f"exceeds the model's maximum length {limit}"):
+        collect_traces(toy, [[3, 4, 5], [3] * limit], max_new_tokens=8)

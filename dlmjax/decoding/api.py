@@ -173,7 +173,7 @@ def _head_for(decoder, model: Transformer, head: MRPHead | None):
     return nnx.split(head)
 
 
-def _check_length(model: Transformer, prompt_len: int, max_new_tokens: int):
+def check_length(model: Transformer, prompt_len: int, max_new_tokens: int):
     limit = model.config.max_position_embeddings
     if prompt_len + max_new_tokens > limit:
         raise InputError(
@@ -224,7 +224,7 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
     positive_int("max_new_tokens", max_new_tokens)
     decoder = _resolve_decoder(decoder)
     ids = _encode(prompts, tokenizer, model.config.vocab_size)
-    _check_length(model, max(len(p) for p in ids), max_new_tokens)
+    check_length(model, max(len(p) for p in ids), max_new_tokens)
     causal = model.config.attention == "causal"
     if isinstance(decoder, CAUSAL_DECODERS) != causal:
         kind = "causal" if causal else model.config.attention

@@ -49,7 +49,7 @@ from flax import struct
 
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import BlockForwards, DecodeState, Plan, copy_parts, copy_segments
-from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
+from dlmjax.decoding.spec import DiffusionDecoder, register_decoder
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, POSITIVE, OneOf
 from dlmjax.heads.mrp import apply_residual, head_output
 
@@ -125,12 +125,6 @@ class MRPDecoder(DiffusionDecoder):
 
     needs_head: ClassVar[bool] = True
 
-    def _greedy_only(self):
-        if self.temperature != 0.0:
-            raise DecoderSpecError(f"{self.name} is greedy (temperature=0): it follows the static pick")
-        if self.top_p != 1.0 or self.sampled_scores:
-            raise DecoderSpecError(f"{self.name} is greedy: top_p and sampled_scores shape sampling, which it never "
-                                   "does; remove them")
 
 
 @register_decoder
@@ -144,7 +138,7 @@ class MRPDirect(MRPDecoder):
 
     def __post_init__(self):
         super().__post_init__()
-        self._greedy_only()
+        self.refuse_sampling("it follows the static pick")
 
     def plan(self, fwd: BlockForwards, state: DecodeState, tokens_bk, masked_bk, keys_b) -> Plan:
         del keys_b
@@ -169,11 +163,7 @@ class MRPSpec(MRPDecoder):
 
     def __post_init__(self):
         super().__post_init__()
-        self._greedy_only()
-
-    @property
-    def num_copies(self) -> int:
-        return self.drafts + 1
+        self.refuse_sampling("it follows the static pick")
 
     def draft(self, fwd: BlockForwards, state: DecodeState, tokens_bk):
         """[B, drafts+1, K] copies C(0..drafts): C(0) the block as it is, C(k) after k drafted commits."""

@@ -9,7 +9,9 @@ would have committed exactly S_{d+1} with the same tokens; the deepest depth rea
 unbroken chain of acceptances is kept (per row), and its forward seeds the next round.
 
 Hence PSD's output equals running P one step per forward (`depth=1`), token for token, while
-each forward can commit several steps' worth of tokens. Greedy only: with sampling the drafts
+each forward can commit several steps' worth of tokens: bitwise in the invariant numerics mode
+(`dlmjax.numerics(invariant=True)`, where a packed copy's logits are bitwise a lone forward's);
+in the fast mode the two forwards' logits can differ by rounding and a near-tie can flip. Greedy only: with sampling the drafts
 would need the policy's future random draws.
 
 Policies with state (`DraftAndVerify`). The draft/verify walk runs over a policy step
@@ -37,6 +39,7 @@ from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_de
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT
 
 PSD_POLICIES = ("threshold", "topk", "decay", "margin")
+POLICY_OPTIONS = {"threshold": ("tau",), "topk": ("k",), "decay": ("tau", "decay"), "margin": ("margin",)}  # they read
 STATEFUL_POLICIES = ("tspd", "ce", "tspd+ce")  # PSD over them: their own `depth` option
 
 
@@ -91,10 +94,6 @@ class DraftAndVerify:
         """One step of the policy: (commit set [B, K] with the progress guard, next carry)."""
         raise NotImplementedError
 
-    @property
-    def num_copies(self) -> int:
-        return self.depth
-
     def _step(self, fwd, state):
         return lambda carry, scores, masked_bk: self.policy_step(fwd, state, carry, scores, masked_bk)
 
@@ -142,8 +141,14 @@ class PSD(DraftAndVerify, DiffusionDecoder):
         if self.policy not in PSD_POLICIES:
             raise DecoderSpecError(f"psd: policy={self.policy!r}; choose one of {', '.join(PSD_POLICIES)} "
                                    f"(PSD over {', '.join(STATEFUL_POLICIES)}: their depth option)")
-        if self.temperature != 0.0:
-            raise DecoderSpecError("psd is greedy (temperature=0): its drafts cannot know future samples")
+        self.refuse_sampling("its drafts cannot know future samples")
+        unread = [f"{name}={getattr(self, name)}" for name in ("tau", "k", "decay", "margin")
+                  if name not in POLICY_OPTIONS[self.policy] and getattr(self, name) != getattr(PSD, name)]
+        if unread:
+            raise DecoderSpecError(f"psd: {', '.join(unread)} is not an option of policy={self.policy} (it reads "
+                                   f"{', '.join(POLICY_OPTIONS[self.policy])}); set the policy that reads it "
+                                   f"({', '.join(p for p, o in POLICY_OPTIONS.items() if unread[0].split('=')[0] in o)}) "
+                                   "or drop it")
 
     def ranks_by_confidence(self) -> bool:
         return self.policy != "margin"

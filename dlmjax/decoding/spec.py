@@ -88,10 +88,13 @@ class DiffusionDecoder:
         chosen = self.remask(scores, self.select(scores, masked_bk), masked_bk)
         return policies.with_progress_guard(chosen, scores, masked_bk)
 
-    @property
-    def num_copies(self) -> int:
-        """Versions of the block each round's forward evaluates (drafts for PSD and MRP spec)."""
-        return 1
+    def refuse_sampling(self, why: str):
+        """A greedy-only decoder (`why` it is) refuses temperature, top_p and sampled_scores."""
+        if self.temperature != 0.0:
+            raise DecoderSpecError(f"{self.name} is greedy (temperature=0): {why}")
+        if self.top_p != 1.0 or self.sampled_scores:
+            raise DecoderSpecError(f"{self.name} is greedy ({why}): top_p and sampled_scores shape sampling, which "
+                                   "it never does; remove them")
 
     def scores_from_hidden(self, model) -> bool:
         """Whether this decoder's rounds need greedy scores only, never the logits (greedy), and

@@ -51,7 +51,9 @@ from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan
 from dlmjax.decoding.psd import DraftAndVerify
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
-from dlmjax.heads.controller import FEATURES, ControllerMismatchError, load_controller, mlp_logits, mlp_outputs
+from dlmjax.heads.controller import (
+    BLOCK_FEATURES, FEATURES, ControllerMismatchError, load_controller, mlp_logits, mlp_outputs,
+)
 from dlmjax.models.transformer import take_rows
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, PROBABILITY, Range
 
@@ -170,9 +172,8 @@ def kalman_update(state: Kalman, z, *, q: float, r: float, osc_eps: float = 0.0)
 def kalman_forecast(state: Kalman, horizon: int, *, q: float):
     """(mean [...], variance [...]) of the confidence `horizon` rounds ahead. Before two
     observations the velocity is unknown: variance is infinite."""
-    x, p = state.x, state.p
-    for _ in range(horizon):
-        x, p = kalman_predict(x, p, q)
+    # a loop, not `horizon` copies of the step: a long horizon would take minutes to compile
+    x, p = jax.lax.fori_loop(0, horizon, lambda _, xp: kalman_predict(*xp, q), (state.x, state.p))
     var = jnp.where(state.n >= 2, p[..., 0, 0], jnp.inf)
     return x[..., 0], var
 
@@ -182,9 +183,12 @@ def kalman_forecast(state: Kalman, horizon: int, *, q: float):
 
 def _parse_features(spec: str) -> tuple[str, ...]:
     names = tuple(filter(None, spec.split("+")))
+    if names == BLOCK_FEATURES:  # a block filter's one feature (learn2pd)
+        return names
     unknown = [n for n in names if n not in FEATURES]
     if unknown:
-        raise DecoderSpecError(f"features={spec!r}: unknown {unknown}; join names from {', '.join(FEATURES)} with '+'")
+        raise DecoderSpecError(f"features={spec!r}: unknown {unknown}; join names from {', '.join(FEATURES)} with '+' "
+                               f"(a block filter: {BLOCK_FEATURES[0]})")
     return names
 
 
@@ -201,9 +205,8 @@ class _TraceAware(DraftAndVerify, DiffusionDecoder):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.depth > 1 and self.temperature != 0.0:
-            raise DecoderSpecError(f"{self.name}: depth={self.depth} (PSD) is greedy (temperature=0): its drafts "
-                                   "cannot know future samples")
+        if self.depth > 1:
+            self.refuse_sampling(f"depth={self.depth} is PSD, whose drafts cannot know future samples")
 
     def init_carry(self, fwd, batch: int):
         k = fwd.geometry.block
@@ -212,6 +215,7 @@ class _TraceAware(DraftAndVerify, DiffusionDecoder):
             carry["kalman"] = Kalman.init((batch, k))
         if self.uses_controller:
             self.weights().check_model(fwd.model.config)
+            self.weights().check_block(k)
         return carry
 
     def base_commit(self, feats, scores, masked_bk):
@@ -364,8 +368,8 @@ class TSPDCE(_TraceAware, _ControllerOptions, _CEOptions):
 class Learn2PD(_ControllerOptions):
     """A Learn2PD-style filter (the benchmark's baseline): one MLP over the block's K confidences
     (1.0 at positions not masked) scores every position; commit the masked ones above threshold,
-    ORed with the static top-1 (as Learn2PD ORs its filter with the static pick). Stateless, so it
-    is also a policy PSD can draft with. Train one with `tspd.features=[block_confidence]`."""
+    ORed with the static top-1 (as Learn2PD ORs its filter with the static pick). Train one with
+    `tspd.features=[block_confidence]`."""
 
     name: ClassVar[str] = "learn2pd"
 

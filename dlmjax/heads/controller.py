@@ -10,7 +10,9 @@ The feature set is configurable: any ordered subset of `FEATURES` (dlmjax.traces
 them). The checkpoint is one safetensors file in PyTorch layout (`torch.nn.Linear` weights are
 [out, in]): `fc1.weight`, `fc1.bias`, `fc2.weight`, `fc2.bias`, `feature_mean`, `feature_std`,
 `feature_min`, `feature_max`; its metadata holds `format: pt`, the feature names, the calibrated
-threshold and the fingerprint of the model whose traces trained it. In PyTorch:
+threshold, the fingerprint of the model whose traces trained it and the block those traces were
+decoded in (a decode in another block is refused: `block_pos` would lie outside what it saw). In
+PyTorch:
 
     sd = safetensors.torch.load_file(path)
     x = (f.clamp(sd["feature_min"], sd["feature_max"]) - sd["feature_mean"]) / sd["feature_std"]
@@ -125,6 +127,7 @@ class ControllerWeights:
     threshold: float
     model: dict  # model_fingerprint of the traces' model
     path: str = ""
+    block: int | None = None  # the block its traces were decoded in (None: a file from before it was stored)
 
     @property
     def kind(self) -> str:
@@ -145,6 +148,13 @@ class ControllerWeights:
                 f"controller {self.path or ''} was trained on traces of another model (trained on vs this one: "
                 f"{diff}); collect traces with this model (`dlmjax traces`) and train a controller on them")
 
+    def check_block(self, block: int) -> None:
+        if self.block is not None and block != self.block:
+            raise ControllerMismatchError(
+                f"controller {self.path or ''} was trained on traces decoded in blocks of {self.block}; this decode "
+                f"uses block {block}: decode with block={self.block}, or collect traces at block {block} "
+                "(`dlmjax traces --block`) and train a controller on them")
+
     def check_features(self, features) -> None:
         if features and tuple(features) != self.features:
             raise ControllerMismatchError(
@@ -152,8 +162,10 @@ class ControllerWeights:
                 f"{'+'.join(features)}; drop the decoder's features= option or train a controller on that set")
 
 
-def save_controller(controller: Controller | dict, path: str | Path, *, features, threshold: float, model: dict) -> Path:
-    """Write the controller as one safetensors file in PyTorch layout (module docstring)."""
+def save_controller(controller: Controller | dict, path: str | Path, *, features, threshold: float, model: dict,
+                    block: int | None = None) -> Path:
+    """Write the controller as one safetensors file in PyTorch layout (module docstring); `block`:
+    the block its traces were decoded in."""
     params = controller.params() if isinstance(controller, Controller) else controller
     features = check_features(features)
     if features != BLOCK_FEATURES and params["fc1_w"].shape[1] != len(features):
@@ -165,7 +177,8 @@ def save_controller(controller: Controller | dict, path: str | Path, *, features
     tensors = {_TORCH_NAMES[k]: np.asarray(v, np.float32) for k, v in params.items()}
     save_file(tensors, path, metadata={"format": "pt", "dlmjax_controller": FORMAT_VERSION,
                                        "features": json.dumps(list(features)), "threshold": repr(float(threshold)),
-                                       "model": json.dumps(model, sort_keys=True)})
+                                       "model": json.dumps(model, sort_keys=True),
+                                       **({"block": str(int(block))} if block is not None else {})})
     return path
 
 
@@ -209,7 +222,8 @@ def load_controller(name: str) -> ControllerWeights:
         raise CheckpointError(f"{path}: fc1.weight {params['fc1_w'].shape} does not read the {len(features)} "
                               f"features named in its metadata")
     return ControllerWeights(params=params, features=features, threshold=float(meta["threshold"]),
-                             model=json.loads(meta["model"]), path=str(path))
+                             model=json.loads(meta["model"]), path=str(path),
+                             block=int(meta["block"]) if "block" in meta else None)
 
 
 def controller_module(weights: ControllerWeights) -> Controller:
@@ -224,4 +238,4 @@ def export_controller(source: str | Path, out: str | Path) -> Path:
     """`dlmjax export`: copy a controller (file, directory or preset) to `out` (a .safetensors
     path or a directory), re-validated, in PyTorch layout."""
     w = load_controller(str(source))
-    return save_controller(w.params, out, features=w.features, threshold=w.threshold, model=w.model)
+    return save_controller(w.params, out, features=w.features, threshold=w.threshold, model=w.model, block=w.block)

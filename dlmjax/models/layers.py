@@ -155,10 +155,22 @@ def attention(q_blhd, kv_parts, query_group: int | None = None):
     setting = arithmetic.current()
     if setting.invariant:
         parts = [(k, v, visible_matrix(vis)) for k, v, vis in kv_parts]
+        if len(parts) == 1:  # see `_hidden_key`
+            parts.append(_hidden_key(*parts[0]))
         return _attention_tiled(q_blhd, parts, query_group or setting.query_tile, setting.sequence_tile)
     from dlmjax.kernels.attention import attention as dispatch
 
     return dispatch(q_blhd, kv_parts)
+
+
+def _hidden_key(k_bshd, v_bshd, visible_bls):
+    """A part of one key no query sees. XLA compiles a softmax over one key part into another
+    program than over several (one ulp apart on XLA:CPU), so a forward of one copy alone (one part,
+    no cache) would not be bitwise a packed copy's (one part per copy); with this part added it is
+    the same program: the part adds exact zeros."""
+    b, l = visible_bls.shape[:2]
+    zeros = jnp.zeros((b, 1, *k_bshd.shape[2:]), k_bshd.dtype)
+    return zeros, zeros.astype(v_bshd.dtype), jnp.zeros((b, l, 1), bool)
 
 
 def _attention_tiled(q_blhd, kv_parts, tile: int, sequences: int):

@@ -72,14 +72,15 @@ def block_examples(arrays, meta):
     return x, y, m, (keys // 1_000_000).astype(np.int32)
 
 
-def calibrate_threshold(probs, labels, target_precision: float) -> float:
-    """Smallest grid threshold whose precision on (probs, labels) reaches target_precision."""
+def calibrate_threshold(probs, labels, target_precision: float) -> tuple[float, bool]:
+    """(threshold, reached): the smallest grid threshold whose precision on (probs, labels)
+    reaches target_precision; where none does, the grid's last (most precise) one and False."""
     probs, labels = np.asarray(probs), np.asarray(labels, bool)
     for t in THRESHOLD_GRID:
         chosen = probs > t
         if chosen.any() and labels[chosen].mean() >= target_precision:
-            return float(t)
-    return float(THRESHOLD_GRID[-1])
+            return float(t), True
+    return float(THRESHOLD_GRID[-1]), False
 
 
 def split_prompts(prompt_ids, holdout: float, seed: int):
@@ -159,21 +160,27 @@ def tspd_trainee(run, run_dir: Path):
         logits = np.log(np.clip(p, 1e-7, 1)) - np.log(np.clip(1 - p, 1e-7, 1))
         bce = float(weighted_bce(jnp.asarray(logits), jnp.asarray(y_held), w1, w0))
         chosen = p > 0.5
-        threshold = calibrate_threshold(p, y_held, t.target_precision)
+        threshold, reached = calibrate_threshold(p, y_held, t.target_precision)
         at = p > threshold
         return {"eval/bce": bce, "eval/accuracy": float(np.mean(chosen == y_held)),
                 "eval/precision@0.5": float(y_held[chosen].mean()) if chosen.any() else 0.0,
                 "eval/recall@0.5": float(chosen[y_held].mean()) if y_held.any() else 0.0,
-                "eval/threshold": threshold, "eval/recall@threshold": float(at[y_held].mean()) if y_held.any() else 0.0}
+                "eval/threshold": threshold, "eval/recall@threshold": float(at[y_held].mean()) if y_held.any() else 0.0,
+                "eval/precision@threshold": float(y_held[at].mean()) if at.any() else 0.0,
+                "eval/target_met": float(reached)}
 
     def export(controller, run_dir: Path) -> Path:
         scores = evaluate(controller, None)
+        if not scores["eval/target_met"]:
+            print(f"warning: no threshold reaches tspd.target_precision={t.target_precision} on the held-out traces "
+                  f"(at {scores['eval/threshold']}: precision {scores['eval/precision@threshold']:.3f}); the "
+                  "controller commits tokens that change later: train longer, on more traces, or lower the target")
         summary = {**scores, "w1": w1, "w0": w0, "train_examples": int(m_train.sum()),
                    "heldout_examples": int(m_held.sum()), "traces": str(t.traces), "features": list(features),
                    "target_precision": t.target_precision}
         with staged_dir(run_dir / "model") as stage:  # replaces an earlier export only when complete
             save_controller(controller, stage, features=features, threshold=scores["eval/threshold"],
-                            model=meta["model"])
+                            model=meta["model"], block=meta.get("block"))
             (stage / "tspd_calibration.json").write_text(json.dumps(summary, indent=2))
         return run_dir / "model"
 
