@@ -519,7 +519,8 @@ def from_hf_config(raw: dict, family: str | None = None) -> ModelConfig:
 
 def _required_keys(fam: Family) -> tuple[str, ...]:
     if fam.layout == "llada":  # and the keys whose LLaDA default (LayerNorm, no RoPE, ...) dlmjax does not implement
-        return ("d_model", "n_heads", "n_layers", "vocab_size", "activation_type", "block_type", "layer_norm_type", "rope")
+        return ("d_model", "n_heads", "n_layers", "vocab_size", "activation_type", "block_type", "layer_norm_type",
+                "rope")
     if fam.name in _MOE_TRANSLATORS:
         return _MOE_REQUIRED + (("intermediate_size",) if fam.name != "llada_moe" else ())
     return ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -552,8 +553,8 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     lost = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
             if f.name not in ignored and getattr(back, f.name) != getattr(cfg, f.name)}
     if lost:
-        fits = [name for name, f in FAMILIES.items() if (f.attention, f.shift_logits) == (cfg.attention, cfg.shift_logits)
-                and f.layout == FAMILIES[cfg.family].layout and name != cfg.family]
+        fits = [name for name, f in FAMILIES.items() if name != cfg.family and f.layout == FAMILIES[cfg.family].layout
+                and (f.attention, f.shift_logits) == (cfg.attention, cfg.shift_logits)]
         hint = (f"; a model with this attention exports as family {' or '.join(fits)}"
                 if fits and {"attention", "shift_logits"} & set(lost) else "")
         raise ConfigError(f"family {cfg.family}'s config.json cannot express {lost} (it would load as "

@@ -11,8 +11,8 @@ unbroken chain of acceptances is kept (per row), and its forward seeds the next 
 Hence PSD's output equals running P one step per forward (`depth=1`), token for token, while
 each forward can commit several steps' worth of tokens: bitwise in the invariant numerics mode
 (`dlmjax.numerics(invariant=True)`, where a packed copy's logits are bitwise a lone forward's);
-in the fast mode the two forwards' logits can differ by rounding and a near-tie can flip. Greedy only: with sampling the drafts
-would need the policy's future random draws.
+in the fast mode the two forwards' logits can differ by rounding and a near-tie can flip. Greedy
+only: with sampling the drafts would need the policy's future random draws.
 
 Policies with state (`DraftAndVerify`). The draft/verify walk runs over a policy step
 `(carry, scores, masked) -> (commit set, next carry)`; the stateless policies here pass their
@@ -145,10 +145,10 @@ class PSD(DraftAndVerify, DiffusionDecoder):
         unread = [f"{name}={getattr(self, name)}" for name in ("tau", "k", "decay", "margin")
                   if name not in POLICY_OPTIONS[self.policy] and getattr(self, name) != getattr(PSD, name)]
         if unread:
+            readers = [p for p, options in POLICY_OPTIONS.items() if unread[0].split("=")[0] in options]
             raise DecoderSpecError(f"psd: {', '.join(unread)} is not an option of policy={self.policy} (it reads "
                                    f"{', '.join(POLICY_OPTIONS[self.policy])}); set the policy that reads it "
-                                   f"({', '.join(p for p, o in POLICY_OPTIONS.items() if unread[0].split('=')[0] in o)}) "
-                                   "or drop it")
+                                   f"({', '.join(readers)}) or drop it")
 
     def ranks_by_confidence(self) -> bool:
         return self.policy != "margin"

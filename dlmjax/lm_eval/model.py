@@ -249,7 +249,7 @@ class DlmjaxLM(TemplateLM):
 
         args, model = self.args, self.model
         spec = str(decoder or default_decoders(model)[0]).replace(";", ",")
-        spec = _with_controller([spec], self.path, args["tspd_controller"])[0]
+        spec = _with_controller([spec], args["pretrained"], self.path, args["tspd_controller"])[0]
         parsed = parse_decoder(spec)
         if isinstance(parsed, CAUSAL_DECODERS) != self.causal:
             raise ModelArgsError(f"decoder={spec!r} does not fit this {model.config.attention} {model.config.family} "

@@ -83,7 +83,8 @@ class DataConfig:
                 check_value(f"data.files.{path}", weight, "float", POSITIVE, error=RunConfigError)
         elif (self.prompt_field, self.response_field, self.chat) != ("prompt", "response", False):
             raise RunConfigError("data.prompt_field, data.response_field and data.chat read the rows of data.files, "
-                                 "which is not given: name the JSONL files (data.files={train.jsonl: 1}) or remove them")
+                                 "which is not given: name the JSONL files (data.files={train.jsonl: 1}) or remove "
+                                 "them")
         if self.files:
             return
         if self.tasks is None:
@@ -100,8 +101,8 @@ class DataConfig:
         return self.files or self.tasks
 
     def __hash__(self):
-        return hash((tuple((self.tasks or {}).items()), tuple(self.files.items()), self.prompt_field, self.response_field,
-                     self.chat, self.seq_len, self.seed))
+        return hash((tuple((self.tasks or {}).items()), tuple(self.files.items()), self.prompt_field,
+                     self.response_field, self.chat, self.seq_len, self.seed))
 
 
 @dataclass(frozen=True)

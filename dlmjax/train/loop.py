@@ -200,7 +200,8 @@ def backbone_trainee(run: RunConfig, run_dir: Path) -> Trainee:
     )
 
 
-def load_backbone(name: str, *, toy_data: bool = True, mesh: Mesh | None = None) -> tuple[Path, Transformer, Tokenizer]:
+def load_backbone(name: str, *, toy_data: bool = True,
+                  mesh: Mesh | None = None) -> tuple[Path, Transformer, Tokenizer]:
     """(checkpoint dir, model on `mesh`, tokenizer) of an MRP run's backbone: block-causal; the toy
     tokenizer where the run trains on the toy tasks (`toy_data`)."""
     try:
