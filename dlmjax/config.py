@@ -382,6 +382,10 @@ QWEN2_BIAS_FAMILIES = ("qwen2", "dream", "fast_dllm_v2")  # q/k/v biases always,
 
 
 def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
+    windows_start = raw.get("max_window_layers")
+    if raw.get("use_sliding_window") is True and isinstance(windows_start, int) and \
+            windows_start >= raw["num_hidden_layers"]:  # transformers windows only layers >= max_window_layers:
+        raw = {**raw, "use_sliding_window": False}     # none here, every layer attends in full
     unknown = set(raw) - _HF_KEYS - _METADATA_KEYS - set(_HF_FIXED) - _FAMILY_KEYS.get(fam.name, set())
     problems = _check_fixed(raw, _HF_FIXED, fam.name)
     if fam.name == "fast_dllm_v2" and "block_size" in raw:  # its block is `bd_size`; a second key would be ambiguous

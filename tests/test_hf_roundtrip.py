@@ -323,3 +323,13 @@ def test_llada_configs_must_name_what_llada_defaults_otherwise():
             from_hf_config({k: v for k, v in full.items() if k != key})
     with pytest.raises(ConfigError, match="activation_type"):
         from_hf_config({**full, "activation_type": "swiglu"})
+
+
+def test_a_sliding_window_no_layer_uses_loads_as_full_attention(tmp_path):
+    """Qwen2 windows only the layers from `max_window_layers` on: with it at the layer count,
+    `use_sliding_window: true` leaves every layer in full attention (transformers' layer_types)."""
+    qwen2 = torch_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    assert set(qwen2.config.layer_types) == {"full_attention"}
+    qwen2.save_pretrained(tmp_path / "q")
+    tokens = random_tokens(2, 12)
+    assert max_diff(dlmjax.load_model(tmp_path / "q")(jnp.asarray(tokens)).logits, torch_logits(qwen2, tokens)) <= TOL
