@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import numbers
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +76,7 @@ PROBABILITY = Range(0, 1)  # [0, 1]
 OPEN_UNIT = Range(0, 1, low_open=True)  # (0, 1]: thresholds where 0 would commit everything
 
 _KINDS = {
-    "int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),  # numpy's integers too
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
@@ -130,9 +129,18 @@ def check_fields(obj, prefix: str, *, error=InputError) -> None:
         check_value(f"{prefix}{f.name}", getattr(obj, f.name), f.type, limits.get(f.name), error=error)
 
 
+def python_int(value):
+    """`value` as a Python int where it is another kind of integer scalar (numpy's, a 0-d jax
+    array); anything else as it is, for the type check to refuse."""
+    if isinstance(value, int):  # (a bool too: the check refuses it)
+        return value
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    return int(value) if kind in ("i", "u") and getattr(value, "ndim", None) == 0 else value
+
+
 def positive_int(name: str, value, *, error=InputError) -> int:
-    """A count the user gives (tokens, prompts, rows): an integer >= 1."""
-    return check_value(name, value, "int", AT_LEAST_1, error=error)
+    """A count the user gives in Python (tokens, prompts, rows): an integer >= 1, as a Python int."""
+    return check_value(name, python_int(value), "int", AT_LEAST_1, error=error)
 
 
 def _int_arg(text: str) -> int:
@@ -157,8 +165,8 @@ SEED_RANGE = Range(0, SEED_LIMIT - 1)
 
 
 def check_seed(value, name: str = "seed") -> int:
-    """A seed given in Python: an integer in [0, 2**32) (see SEED_LIMIT)."""
-    return check_value(name, value, "int", SEED_RANGE)
+    """A seed given in Python: an integer in [0, 2**32) (see SEED_LIMIT), as a Python int."""
+    return check_value(name, python_int(value), "int", SEED_RANGE)
 
 
 def seed_arg(text: str) -> int:

@@ -5,6 +5,7 @@ The models are tiny random checkpoints with a real BPE tokenizer (trained here, 
 the rows are JSONL lines as a user's SFT data holds them."""
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -15,12 +16,15 @@ from dlmjax.config import ModelConfig
 from dlmjax.io.hf import export_model
 from dlmjax.io.tokenizer import load_tokenizer
 from dlmjax.models.transformer import init_model
+from dlmjax.presets import resolve_model
 from dlmjax.sharding import make_mesh
 from dlmjax.train.config import RunConfigError, load_run_config
 from dlmjax.train.data import DataError, file_tasks, make_batch, sample_examples
 from dlmjax.train.loop import make_trainee, train
 from test_tokenizer import CHATML, chat_checkpoint
 
+REPO = Path(__file__).resolve().parent.parent
+MRP_CONFIG = REPO / "configs/mrp/toy-sdar.yaml"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 TINY = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
             max_position_embeddings=256, qk_norm=True)
@@ -66,8 +70,11 @@ def file_overrides(model_dir, rows_file, steps=2):
             "train.eval_every=2"]
 
 
-def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, rows_file, capsys):
-    run = load_run_config("configs/mrp/toy-sdar.yaml", file_overrides(sdar, rows_file))
+def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, rows_file, capsys, monkeypatch):
+    monkeypatch.chdir(rows_file.parent)
+    relative = load_run_config(MRP_CONFIG, file_overrides(sdar, "train.jsonl"))
+    assert list(relative.data.files) == [str(rows_file)]  # recorded absolute: a resume may run elsewhere
+    run = load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file))
     tokenizer = load_tokenizer(sdar)
     tasks = file_tasks(run.data, tokenizer, block=4)
     report = capsys.readouterr().out
@@ -84,8 +91,11 @@ def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, ro
     assert first.startswith(prompt + examples[0].target + "<|im_end|>")  # then EOS up to the block's end
 
     with pytest.raises(DataError, match="no line with text fields 'q' and 'answer'"):
-        file_tasks(load_run_config("configs/mrp/toy-sdar.yaml", file_overrides(sdar, rows_file)
-                                   + ["data.prompt_field=q"]).data, tokenizer, block=4)
+        file_tasks(load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file) + ["data.prompt_field=q"]).data,
+                   tokenizer, block=4)
+    toy = load_tokenizer(resolve_model("toy-sdar"))  # no chat template
+    with pytest.raises(DataError, match="data.chat: .*set data.chat=false"):
+        file_tasks(run.data, toy, block=4)
 
 
 def test_an_mrp_head_trains_on_a_real_models_rows_and_resumes(sdar, rows_file, tmp_path):
@@ -96,7 +106,7 @@ def test_an_mrp_head_trains_on_a_real_models_rows_and_resumes(sdar, rows_file, t
     assert done.step == 3 and done.model_dir is not None
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = {k for row in rows for k in row if k.startswith("eval/")}
-    assert {f"eval/{rows_file}/kl", f"eval/{rows_file}/kl_baseline"} <= evals
+    assert {"eval/train.jsonl/kl", "eval/train.jsonl/kl_baseline"} <= evals  # the file named by its name
     assert all(np.isfinite(row["loss"]) for row in rows if "loss" in row)
     straight = train(run, tmp_path / "straight", progress=False)
     assert straight.losses[3] == done.losses[3]  # the resumed run saw the batches it would have seen
@@ -112,7 +122,7 @@ def test_a_drafter_trains_on_a_real_targets_rows(qwen3, rows_file, tmp_path):
     result = train(run, tmp_path / "run", progress=False)
     assert (result.model_dir / "config.json").is_file()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    accepted = [row[f"eval/{rows_file}/accept_len"] for row in rows if f"eval/{rows_file}/accept_len" in row]
+    accepted = [row["eval/train.jsonl/accept_len"] for row in rows if "eval/train.jsonl/accept_len" in row]
     assert accepted and all(a >= 1.0 for a in accepted)
 
 

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -127,7 +128,13 @@ def test_numpy_values_and_out_of_range_ids_seeds_and_stream_sizes():
     plain = generate(model, [[1, 2, 3], [4, 5, 6]], max_new_tokens=4)
     same = generate(model, np.array([[1, 2, 3], [4, 5, 6]]), max_new_tokens=np.int64(4), seed=np.int32(0))
     assert [r.tokens for r in same.rows] == [r.tokens for r in plain.rows]
-    for kwargs, message in [(dict(row_ids=[2**40, 1]), r"row_ids\[0\]=1099511627776 must be"),
+    texts = generate(model, np.array(["12+3=", "4+5="]), tokenizer=load_tokenizer(
+        dlmjax.presets.resolve_model("random-sdar")), max_new_tokens=2)  # numpy's strings are texts
+    assert len(texts.rows) == 2
+    as_jax = generate(model, [[1, 2], [3, 4]], max_new_tokens=4, row_ids=jax.numpy.arange(2), seed=jax.numpy.int32(0))
+    assert [r.tokens for r in as_jax.rows] == [r.tokens for r in generate(model, [[1, 2], [3, 4]], max_new_tokens=4).rows]
+    for kwargs, message in [(dict(row_ids=[2**40, 1]), r"row_ids must lie in \[0, 2147483647\]"),
+                            (dict(row_ids=[0.5, 1]), "row_ids must be one integer per prompt"),
                             (dict(seed=2**70), "seed=1180591620717411303424 must be"),
                             (dict(seed=1.5), "seed=1.5 must be an integer")]:
         with pytest.raises(InputError, match=message):

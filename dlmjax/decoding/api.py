@@ -65,10 +65,12 @@ def _encode(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> list[list[
     """Prompts (a list of texts, or of token-id lists) as token ids, each in [0, vocab_size)."""
     if isinstance(prompts, (str, bytes)):
         raise InputError("prompts must be a list (of texts or of token-id lists); pass one prompt as [prompt]")
-    if isinstance(prompts, np.ndarray):  # a [B, L] array of ids: B prompts of L tokens
-        prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()] if prompts.ndim == 1 else None
-        if prompts is None:
-            raise InputError("a numpy array of prompts must be [prompts, tokens]")
+    if isinstance(prompts, np.ndarray):  # texts [B], or ids [B, L]: B prompts of L tokens
+        if prompts.dtype.kind in "US" and prompts.ndim == 1 or prompts.dtype.kind in "iu" and prompts.ndim == 2:
+            prompts = prompts.tolist()
+        else:
+            raise InputError(f"a numpy array of prompts is [prompts] of texts or [prompts, tokens] of ids, not "
+                             f"{prompts.ndim}-d {prompts.dtype}")
     if not prompts:
         raise InputError("no prompts given")
     if all(isinstance(p, str) for p in prompts):
@@ -221,7 +223,7 @@ class _Request:
 
 
 def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, head) -> _Request:
-    positive_int("max_new_tokens", max_new_tokens)
+    max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
     decoder = _resolve_decoder(decoder)
     ids = _encode(prompts, tokenizer, model.config.vocab_size)
     check_length(model, max(len(p) for p in ids), max_new_tokens)
@@ -268,7 +270,7 @@ def generate(
 
     Every prompt is one row of one batch; `Stream` runs more prompts than a batch holds.
     """
-    check_seed(seed)
+    seed = check_seed(seed)
     req = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
                    row_ids=row_ids, head=head)
     decoder = req.decoder
@@ -346,11 +348,10 @@ class Stream:
     def __init__(self, model: Transformer, prompts, *, batch_size: int = 64, refill: int | None = None,
                  tokenizer: Tokenizer | None = None, decoder="static", max_new_tokens: int = 64, seed: int = 0,
                  row_ids=None, mesh=None, head: MRPHead | None = None, drafter=None, limit: int | None = None):
-        positive_int("batch_size", batch_size)
-        for name, value in (("refill", refill), ("limit", limit)):
-            if value is not None:
-                positive_int(name, value)
-        check_seed(seed)
+        batch_size = positive_int("batch_size", batch_size)
+        refill, limit = (None if value is None else positive_int(name, value)
+                         for name, value in (("refill", refill), ("limit", limit)))
+        seed = check_seed(seed)
         self.request = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
                                 row_ids=row_ids, head=head)
         self.decoder = decoder_spec(self.request.decoder)

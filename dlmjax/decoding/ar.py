@@ -13,13 +13,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from dlmjax import arithmetic, kernels
 from dlmjax.decoding.policies import categorical_rows, hidden_scores, nucleus_filter, row_keys
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
-from dlmjax.validation import InputError, Range, check_value
+from dlmjax.validation import InputError, Range
 
 ROW_ID_RANGE = Range(0, 2**31 - 1)  # sampling-stream ids are int32
 
@@ -47,9 +48,13 @@ def batch_row_ids(row_ids, batch: int) -> jax.Array:
         return jnp.arange(batch, dtype=jnp.int32)
     if len(row_ids) != batch:
         raise InputError(f"row_ids has {len(row_ids)} entries for {batch} prompts; give one per prompt")
-    for i, row_id in enumerate(row_ids):
-        check_value(f"row_ids[{i}]", row_id, "int", ROW_ID_RANGE)
-    return jnp.asarray(row_ids, jnp.int32)
+    ids = np.asarray(row_ids)
+    if ids.dtype.kind not in "iu" or ids.ndim != 1:
+        raise InputError(f"row_ids must be one integer per prompt (got a {ids.ndim}-d {ids.dtype} array)")
+    if len(ids) and not (ROW_ID_RANGE.low <= ids.min() and ids.max() <= ROW_ID_RANGE.high):
+        raise InputError(f"row_ids must lie in [0, {ROW_ID_RANGE.high}] (they are int32 sampling-stream ids); got "
+                         f"{ids.min()} .. {ids.max()}")
+    return jnp.asarray(ids, jnp.int32)
 
 
 def special_ids(cfg, eos_ids=None, pad_id=None) -> tuple[tuple[int, ...], int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -420,14 +421,19 @@ def export_model(
     *,
     files_from: str | Path | None = None,
     max_shard_bytes: int = 2 * 1024**3,
+    tokenizer_from: str | Path | None = None,
 ) -> Path:
     """Write `model` as a HF checkpoint directory in PyTorch format; returns `out_dir`.
 
     `files_from` (the directory the model was loaded from) gives the export its tokenizer files and,
     where it holds a model of the same model_type, its remote code (`auto_map` and *.py files).
+    `tokenizer_from` is its former name (deprecated).
 
     `out_dir` may hold other files (a tokenizer) but no checkpoint. The export is staged beside it
     and swapped in when complete (dlmjax.io.files): a killed export leaves `out_dir` as it was."""
+    if tokenizer_from is not None:
+        warnings.warn("export_model(tokenizer_from=) is now files_from=", DeprecationWarning, stacklevel=2)
+        files_from = files_from if files_from is not None else tokenizer_from
     out_dir = Path(out_dir)
     check_export_target(out_dir)
     with staged_dir(out_dir, keep_existing=True) as stage:

@@ -55,12 +55,19 @@ class RunConfigError(InputError):
 TOY_TASKS = {"toy-arith": 0.5, "toy-constraint": 0.5}
 
 
+def _local_path(source):
+    """A data file's absolute path where it exists here; anything else (a Hugging Face dataset
+    name, or a mistake the data reader will name) as given."""
+    return str(Path(source).resolve()) if isinstance(source, str) and Path(source).is_file() else source
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """What a run trains on: the toy tasks (`tasks`), or for a head on a real model (objectives mrp
     and drafter) JSONL files of its data (`files`: path -> weight; each line an object whose
     `prompt_field` and `response_field` hold the prompt and the answer to learn; `chat`: the
-    prompt as a user turn of the model's chat template)."""
+    prompt as a user turn of the model's chat template). A file that exists is recorded by its
+    absolute path, so a run resumes from any working directory."""
 
     limits = {"seq_len": AT_LEAST_1, "seed": AT_LEAST_0}
     tasks: dict | None = None  # toy task -> weight (default TOY_TASKS where no files are given)
@@ -76,6 +83,7 @@ class DataConfig:
 
         check_fields(self, "data.", error=RunConfigError)
         if self.files:
+            object.__setattr__(self, "files", {_local_path(p): w for p, w in self.files.items()})
             if self.tasks is not None:
                 raise RunConfigError("data.files takes the place of data.tasks: give one of them (data.tasks=null)")
             for path, weight in self.files.items():

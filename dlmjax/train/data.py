@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -56,7 +57,8 @@ def sample_examples(task_weights: dict[str, float], batch_size: int, seed: int, 
 
 @dataclass(frozen=True)
 class FileTask:
-    """Training rows of a real model's data (`data.files`): the examples of one JSONL file."""
+    """Training rows of a real model's data (`data.files`): the examples of one JSONL file, named
+    in metrics by `name`."""
 
     name: str
     examples: tuple[Example, ...]
@@ -89,7 +91,10 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
             raise DataError(f"data.files: {path} has no line with text fields {data.prompt_field!r} and "
                             f"{data.response_field!r}; set data.prompt_field and data.response_field to its keys")
         if data.chat:
-            prompts = tokenizer.user_turns([ex.prompt for _, ex in numbered])
+            try:
+                prompts = tokenizer.user_turns([ex.prompt for _, ex in numbered])
+            except InputError as err:
+                raise DataError(f"data.chat: {err}; set data.chat=false to train on the prompts as they are") from None
             numbered = [(n, Example(prompt=p, target=ex.target)) for p, (n, ex) in zip(prompts, numbered)]
         fits = [_row_length(tokenizer, ex, block) <= data.seq_len for _, ex in numbered]
         long = [n for (n, _), ok in zip(numbered, fits) if not ok]
@@ -102,6 +107,9 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
         if not examples:
             raise DataError(f"data.files: no line of {path} fits in data.seq_len={data.seq_len} tokens; raise it")
         tasks[path] = FileTask(name=path, examples=examples)
+    names = [Path(path).name for path in tasks]
+    if len(set(names)) == len(names):  # metric names: the file's name where that tells the files apart
+        tasks = {path: FileTask(name=name, examples=task.examples) for (path, task), name in zip(tasks.items(), names)}
     return tasks
 
 

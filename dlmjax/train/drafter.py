@@ -183,9 +183,9 @@ def drafter_config_for(run, target: Transformer, tokenizer):
 
 
 def eval_prompts(tasks, file_tasks, tokenizer, n: int) -> dict[str, tuple[list[list[int]], int]]:
-    """{task: (prompt ids, max_new_tokens)} that a drafter run evaluates on: the first n prompts of
-    each toy task's eval set, or of each file's rows (generating as many tokens as the longest of
-    their answers, and EOS)."""
+    """{task or file's name: (prompt ids, max_new_tokens)} that a drafter run evaluates on: the
+    first n prompts of each toy task's eval set, or of each file's rows (generating as many tokens
+    as the longest of their answers, and EOS)."""
     from dlmjax.evaluation.tasks import load_eval_set
 
     out = {}
@@ -195,8 +195,8 @@ def eval_prompts(tasks, file_tasks, tokenizer, n: int) -> dict[str, tuple[list[l
             out[task] = [tokenizer.encode(item.prompt) for item in eval_set.items], eval_set.max_new_tokens
         else:
             examples = file_tasks[task].examples[:n]
-            out[task] = ([tokenizer.encode_prompt(ex.prompt) for ex in examples],
-                         max(len(tokenizer.encode(ex.target)) for ex in examples) + 1)
+            out[file_tasks[task].name] = ([tokenizer.encode_prompt(ex.prompt) for ex in examples],
+                                          max(len(tokenizer.encode(ex.target)) for ex in examples) + 1)
     return out
 
 

@@ -264,7 +264,8 @@ def mrp_trainee(run: RunConfig, run_dir: Path, mesh: Mesh | None = None) -> Trai
             batch = make_batch(examples, tokenizer, seq_len=run.data.seq_len, block=cfg.block_size, pad_id=pad_id)
             arrays = {k: jnp.asarray(v) for k, v in vars(batch).items()}
             metrics = jax.device_get(eval_metrics(nnx.state(head), nnx.state(model), arrays))
-            scores.update({f"eval/{task}/{k}": metrics[k] for k in ("kl", "kl_baseline", "top1", "top1_baseline")})
+            label = task if tasks is None else tasks[task].name
+            scores.update({f"eval/{label}/{k}": metrics[k] for k in ("kl", "kl_baseline", "top1", "top1_baseline")})
         return scores
 
     def export(head, run_dir):
