@@ -58,7 +58,7 @@ TOY_TASKS = {"toy-arith": 0.5, "toy-constraint": 0.5}
 def _local_path(source):
     """A data file's absolute path where it exists here; anything else (a Hugging Face dataset
     name, or a mistake the data reader will name) as given."""
-    return str(Path(source).resolve()) if isinstance(source, str) and Path(source).is_file() else source
+    return str(Path(source).resolve()) if Path(source).is_file() else source
 
 
 @dataclass(frozen=True)
@@ -83,18 +83,17 @@ class DataConfig:
 
         check_fields(self, "data.", error=RunConfigError)
         if self.files:
-            object.__setattr__(self, "files", {_local_path(p): w for p, w in self.files.items()})
             if self.tasks is not None:
                 raise RunConfigError("data.files takes the place of data.tasks: give one of them (data.tasks=null)")
             for path, weight in self.files.items():
                 check_value("data.files", path, "str", error=RunConfigError)
                 check_value(f"data.files.{path}", weight, "float", POSITIVE, error=RunConfigError)
-        elif (self.prompt_field, self.response_field, self.chat) != ("prompt", "response", False):
+            object.__setattr__(self, "files", {_local_path(p): w for p, w in self.files.items()})
+            return
+        if (self.prompt_field, self.response_field, self.chat) != ("prompt", "response", False):
             raise RunConfigError("data.prompt_field, data.response_field and data.chat read the rows of data.files, "
                                  "which is not given: name the JSONL files (data.files={train.jsonl: 1}) or remove "
                                  "them")
-        if self.files:
-            return
         if self.tasks is None:
             object.__setattr__(self, "tasks", dict(TOY_TASKS))
         if not self.tasks:

@@ -74,8 +74,10 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
     `data.seq_len`, are reported and skipped; a file without one good line is refused."""
     from dlmjax.evaluation.tasks import DatasetError, read_rows
 
+    names = [Path(path).name for path in data.files]  # in metrics: the file's name where it tells them apart
+    names = names if len(set(names)) == len(names) else list(data.files)
     tasks = {}
-    for path in data.files:
+    for path, name in zip(data.files, names):
         try:
             rows = read_rows(path, split="train")
         except DatasetError as err:
@@ -106,10 +108,7 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
             report(f"{path}: skipped {_lines(long)} longer than data.seq_len={data.seq_len} tokens ({_numbers(long)})")
         if not examples:
             raise DataError(f"data.files: no line of {path} fits in data.seq_len={data.seq_len} tokens; raise it")
-        tasks[path] = FileTask(name=path, examples=examples)
-    names = [Path(path).name for path in tasks]
-    if len(set(names)) == len(names):  # metric names: the file's name where that tells the files apart
-        tasks = {path: FileTask(name=name, examples=task.examples) for (path, task), name in zip(tasks.items(), names)}
+        tasks[path] = FileTask(name=name, examples=examples)
     return tasks
 
 
