@@ -11,7 +11,7 @@ parts on import and splits them on export (one definition of the layout, used bo
 Export: parameters -> safetensors shards (+ index) with metadata `format: pt`, a config.json
 from `to_hf_config`, and from the source directory its tokenizer files and its remote code (the
 `auto_map` of its config.json and the *.py files beside it, where the source is of the exported
-model_type). Qwen3/Qwen2/Llama exports load in transformers' `from_pretrained`; the remote-code
+model's family). Qwen3/Qwen2/Llama exports load in transformers' `from_pretrained`; the remote-code
 families (LLaDA, Dream, SDAR, ...) load with `trust_remote_code=True` where their source carried
 the code; every family loads back into dlmjax.
 """
@@ -426,7 +426,7 @@ def export_model(
     """Write `model` as a HF checkpoint directory in PyTorch format; returns `out_dir`.
 
     `files_from` (the directory the model was loaded from) gives the export its tokenizer files and,
-    where it holds a model of the same model_type, its remote code (`auto_map` and *.py files).
+    where it holds a model of the same family, its remote code (`auto_map` and *.py files).
     `tokenizer_from` is its former name (deprecated).
 
     `out_dir` may hold other files (a tokenizer) but no checkpoint. The export is staged beside it
@@ -454,6 +454,7 @@ def check_export_target(out_dir: Path) -> None:
 
 def _write_checkpoint(model: Transformer, out_dir: Path, files_from, max_shard_bytes: int) -> None:
     cfg = model.config
+    hf_config = to_hf_config(cfg)  # first: it refuses a config the family's checkpoints cannot hold
     key_map = key_rules(cfg)
     tensors: dict[str, np.ndarray] = {}
     for path, var in sorted(_flat_params(model).items()):
@@ -479,7 +480,6 @@ def _write_checkpoint(model: Transformer, out_dir: Path, files_from, max_shard_b
         total = sum(a.nbytes for a in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_atomic(out_dir / INDEX_FILE, json.dumps(index, indent=2))
-    hf_config = to_hf_config(cfg)
     code = remote_code(Path(files_from), cfg.family) if files_from is not None else None
     if code is not None:  # the source's spelling of model_type ("Dream"), which its code declares
         hf_config["model_type"], hf_config["auto_map"], files = code
