@@ -104,8 +104,9 @@ def test_published_7b_config_translates():
     assert to_hf_config(cfg)["bd_size"] == 32
     with pytest.raises(ConfigError, match="names its block `bd_size`"):
         from_hf_config({**raw, "block_size": 32})
-    with pytest.raises(ConfigError, match="sliding-window"):
-        from_hf_config({**raw, "use_sliding_window": True})
+    with pytest.raises(ConfigError, match="sliding-window"):  # layers 20..27 windowed
+        from_hf_config({**raw, "use_sliding_window": True, "max_window_layers": 20})
+    assert from_hf_config({**raw, "use_sliding_window": True}) == cfg  # windows from layer 28 on: none
     with pytest.raises(ConfigError, match=r"unknown config keys \['dual_cache'\]"):
         from_hf_config({**raw, "dual_cache": True})
     with pytest.raises(ConfigError, match="bd_size"):
