@@ -21,6 +21,7 @@ from dlmjax.sharding import make_mesh
 from dlmjax.train.config import RunConfigError, load_run_config
 from dlmjax.train.data import DataError, file_tasks, make_batch, sample_examples
 from dlmjax.train.loop import make_trainee, train
+from dlmjax.validation import InputError
 from test_tokenizer import CHATML, chat_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,6 +111,12 @@ def test_an_mrp_head_trains_on_a_real_models_rows_and_resumes(sdar, rows_file, t
     assert all(np.isfinite(row["loss"]) for row in rows if "loss" in row)
     straight = train(run, tmp_path / "straight", progress=False)
     assert straight.losses[3] == done.losses[3]  # the resumed run saw the batches it would have seen
+    # a resume on edited data would see other rows: refused
+    run6 = load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file, steps=6))
+    train(run6, tmp_path / "edited", stop_at=2, progress=False)
+    rows_file.write_text(rows_file.read_text() + json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(InputError, match="has changed since this run began"):
+        train(run6, tmp_path / "edited", progress=False)
 
 
 def test_a_drafter_trains_on_a_real_targets_rows(qwen3, rows_file, tmp_path):

@@ -12,6 +12,8 @@ uninterrupted run would have taken.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -32,7 +34,7 @@ from dlmjax.config import ConfigError, ModelConfig, to_hf_config
 from dlmjax.distributed import is_main, sync
 from dlmjax.evaluation.toy import toy_accuracy
 from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
-from dlmjax.io.files import is_staging_name, staged_dir
+from dlmjax.io.files import is_staging_name, staged_dir, write_atomic
 from dlmjax.io.hf import export_model, load_config, load_model
 from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.models.transformer import Transformer, abstract_model, init_model
@@ -288,13 +290,40 @@ def mrp_trainee(run: RunConfig, run_dir: Path, mesh: Mesh | None = None) -> Trai
     )
 
 
+DATA_RECORD = "data.json"  # the sha256 of each local data.files file, as the run began
+
+
+def check_data_files(run: RunConfig, run_dir: Path, *, resuming: bool, main: bool) -> None:
+    """A resumed run sees the batches it would have seen only if its data files are the ones it
+    began with: the first run records their sha256 (process 0), a resumed one refuses a change."""
+    digests = {path: _sha256(path) for path in run.data.files if Path(path).is_file()}  # (HF names: not hashed)
+    record = run_dir / DATA_RECORD
+    if resuming and record.is_file():
+        began = json.loads(record.read_text())
+        changed = sorted(p for p in set(began) | set(digests) if began.get(p) != digests.get(p))
+        if changed:
+            raise InputError(f"data file {changed[0]} has changed since this run began (sha256 recorded in {record}); "
+                             "restore it, or start a new run (another --out) on the new data")
+    elif main and digests:
+        write_atomic(record, json.dumps(digests, indent=2))
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _checkpoint_manager(run_dir: Path, cfg) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_checkpoints, enable_async_checkpointing=False)
     return ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options,
                                  item_handlers=ocp.StandardCheckpointHandler())  # item_metadata: dlmjax.train.unfused
 
 
-RUN_ENTRIES = ("config.yaml", "checkpoints", "metrics.jsonl", "tb", "model", "tokenizer", "drafter")  # what a run writes
+RUN_ENTRIES = ("config.yaml", "checkpoints", "metrics.jsonl", "tb", "model", "tokenizer", "drafter",  # what a run writes
+               DATA_RECORD)
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -447,6 +476,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     tx, schedule = make_optimizer(cfg)
     manager = _checkpoint_manager(run_dir, cfg)
     start = manager.latest_step() or 0
+    check_data_files(run, run_dir, resuming=bool(start), main=main)
     graphdef, abstract = state_shardings(trainee, tx, mesh)
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
     frozen_graphdef, frozen, frozen_sh = None, None, None
