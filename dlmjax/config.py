@@ -840,15 +840,7 @@ _MOE_TRANSLATORS = {"qwen3_moe": _from_qwen3_moe, "sdar_moe": _from_qwen3_moe, "
 _MOE_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
-def _check_exportable(cfg: ModelConfig, **expected) -> None:
-    wrong = {k: getattr(cfg, k) for k, v in expected.items() if getattr(cfg, k) != v}
-    if wrong:
-        raise ConfigError(f"family {cfg.family} cannot express {wrong} in its config.json (it fixes "
-                          f"{ {k: expected[k] for k in wrong} })")
-
-
 def _to_qwen3_moe(cfg: ModelConfig) -> dict:
-    _check_exportable(cfg, router="softmax", rotary_dim=None, shared_expert_intermediate_size=0)
     base = _to_dense(cfg.replace(family="qwen3", num_experts=0, moe_layers=()))
     fam = FAMILIES[cfg.family]
     out = {**base, "architectures": [fam.architecture], "model_type": fam.model_types[0],
@@ -862,8 +854,6 @@ def _to_qwen3_moe(cfg: ModelConfig) -> dict:
 
 
 def _to_llada_moe(cfg: ModelConfig) -> dict:
-    _check_exportable(cfg, router="softmax", norm_topk_prob=False, head_dim=cfg.hidden_size // cfg.num_heads,
-                      o_bias=cfg.qkv_bias)
     return {
         "architectures": [FAMILIES["llada_moe"].architecture], "model_type": "llada",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
@@ -884,9 +874,6 @@ def _to_llada_moe(cfg: ModelConfig) -> dict:
 def _to_llada2(cfg: ModelConfig) -> dict:
     first_dense = min(cfg.moe_layers) if cfg.moe_layers else cfg.num_layers
     shared, width = cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size
-    _check_exportable(cfg, router="sigmoid", qk_norm=True, router_expert_bias=bool(cfg.num_experts),
-                      norm_topk_prob=cfg.num_experts_per_tok > 1,
-                      moe_layers=tuple(range(first_dense, cfg.num_layers)) if cfg.num_experts else ())
     if width and shared % width:
         raise ConfigError(f"llada2_moe's shared expert is num_shared_experts x moe_intermediate_size wide; "
                           f"{shared} is not a multiple of {width}")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dlmjax
-from dlmjax.config import ConfigError, from_hf_config, to_hf_config
+from dlmjax.config import ConfigError, ModelConfig, from_hf_config, to_hf_config
 from dlmjax.decoding.api import generate
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile
 from tiny_models import random_tokens, randomize, state_dict_numpy, torch_logits, write_checkpoint
@@ -158,6 +158,21 @@ def test_llada2_absent_group_keys_take_the_authors_defaults():
     cfg = from_hf_config(absent)
     assert (cfg.router_groups, cfg.router_topk_groups) == (8, 4)
     assert from_hf_config(to_hf_config(cfg)) == cfg
+
+
+@pytest.mark.parametrize("preset, change", [
+    ("random-qwen3-moe", dict(router="sigmoid")), ("random-qwen3-moe", dict(rotary_dim=8)),
+    ("random-qwen3-moe", dict(shared_expert_intermediate_size=32)), ("random-llada-moe", dict(norm_topk_prob=True)),
+    ("random-llada-moe", dict(o_bias=True)), ("random-llada2-moe", dict(router_expert_bias=False)),
+    ("random-llada2-moe", dict(qk_norm=False)), ("random-llada2-moe", dict(moe_layers=(0,))),
+])
+def test_moe_export_refuses_what_the_familys_config_cannot_hold(preset, change):
+    from dlmjax.presets import PRESETS
+
+    cfg = ModelConfig(vocab_size=96, **PRESETS[preset])
+    to_hf_config(cfg)  # the family's own settings export
+    with pytest.raises(ConfigError, match=f"cannot express .*{next(iter(change))}"):
+        to_hf_config(cfg.replace(**change))
 
 
 @pytest.mark.parametrize("family", ["llada_moe", "llada2_moe"])
