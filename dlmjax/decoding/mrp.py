@@ -126,7 +126,6 @@ class MRPDecoder(DiffusionDecoder):
     needs_head: ClassVar[bool] = True
 
 
-
 @register_decoder
 @dataclass(frozen=True)
 class MRPDirect(MRPDecoder):

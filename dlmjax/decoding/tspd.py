@@ -214,8 +214,9 @@ class _TraceAware(DraftAndVerify, DiffusionDecoder):
         if self.uses_ce:
             carry["kalman"] = Kalman.init((batch, k))
         if self.uses_controller:
-            self.weights().check_model(fwd.model.config)
-            self.weights().check_block(k)
+            weights = self.weights()
+            weights.check_model(fwd.model.config)
+            weights.check_block(k)
         return carry
 
     def base_commit(self, feats, scores, masked_bk):
