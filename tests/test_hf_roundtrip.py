@@ -141,6 +141,7 @@ def test_dream_layout_matches_qwen2_with_shifted_logits(tmp_path):
     shifted = np.concatenate([raw[:, :1], raw[:, :-1]], axis=1)
     assert max_diff(ours(jnp.asarray(tokens)).logits, shifted) <= TOL
     out = dlmjax.export_model(ours, tmp_path / "dream-export")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "Dream"  # the published spelling
     assert max_diff(dlmjax.load_model(out)(jnp.asarray(tokens)).logits, shifted) <= TOL
 
 
@@ -199,6 +200,9 @@ def test_export_carries_the_sources_remote_code(model_type, tmp_path):
     assert max_diff(torch_logits(reloaded, tokens), torch_logits(source, tokens)) == 0.0
     plain = dlmjax.export_model(dlmjax.load_model(src), tmp_path / "plain")  # no source: no code
     assert "auto_map" not in json.loads((plain / "config.json").read_text()) and not list(plain.glob("*.py"))
+    with pytest.warns(DeprecationWarning, match="files_from"):  # the former name still works
+        old_name = dlmjax.export_model(dlmjax.load_model(src), tmp_path / "old-name", tokenizer_from=src)
+    assert json.loads((old_name / "config.json").read_text())["auto_map"] == auto_map
 
 
 def test_bf16_load_is_as_accurate_as_pytorch_bf16(saved):

@@ -79,6 +79,9 @@ def test_training_lowers_the_loss_and_resumes_exactly(trained, tmp_path):
     b = load_controller(str(resumed.model_dir)).params
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7)
+    summary = json.loads((full.model_dir / "tspd_calibration.json").read_text())
+    met = summary["eval/precision@threshold"] >= summary["target_precision"]  # says whether the target was reached
+    assert summary["eval/target_met"] == float(met)
 
 
 def test_export_round_trip_in_pytorch_layout(trained, sdar, tmp_path):
