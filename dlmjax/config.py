@@ -266,9 +266,12 @@ def rope_fields(raw: dict) -> dict:
     if not isinstance(kind, str) or kind not in _ROPE_KEYS:
         raise ConfigError(f"config key `{key}` = {scaling!r}: rope_type {kind!r} is not implemented (default, "
                           "linear and llama3 are)")
-    allowed = _ROPE_KEYS[kind] | {"rope_type", "type", "rope_theta"}
-    unknown = set(scaling) - allowed - ({"partial_rotary_factor"} if scaling.get("partial_rotary_factor", 1.0) == 1.0
-                                        else set())
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"config key `{key}` = {scaling!r}: partial_rotary_factor="
+                          f"{scaling['partial_rotary_factor']!r} inside `{key}` is not implemented (rotary over the "
+                          "whole head only); the MoE families read a top-level partial_rotary_factor")
+    allowed = _ROPE_KEYS[kind] | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    unknown = set(scaling) - allowed
     missing = _ROPE_KEYS[kind] - set(scaling)
     if unknown or missing:
         raise ConfigError(f"config key `{key}` = {scaling!r}: rope_type {kind!r} takes {sorted(_ROPE_KEYS[kind])}; "

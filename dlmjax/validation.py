@@ -172,8 +172,8 @@ def check_seed(value, name: str = "seed") -> int:
 def seed_arg(text: str) -> int:
     """argparse type for --seed: an integer in [0, 2**32) (argparse reports anything else, exit 2)."""
     value = _int_arg(text)
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"{value} must be in [0, {SEED_LIMIT - 1}] (jax keeps a seed's low 32 bits, so "
+    if value not in SEED_RANGE:
+        raise argparse.ArgumentTypeError(f"{value} must be {SEED_RANGE} (jax keeps a seed's low 32 bits, so "
                                          "a larger one would repeat a smaller one's samples)")
     return value
 

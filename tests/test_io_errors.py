@@ -75,6 +75,8 @@ def test_the_python_api_takes_preset_names_as_the_cli_does():
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}},
          r"rope_type 'llama3' takes .*missing \['high_freq_factor', 'low_freq_factor', "
          r"'original_max_position_embeddings'\]"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+         r"partial_rotary_factor=0.5 inside `rope_parameters` is not implemented \(rotary over the whole head"),
         # transformers 5's spelling beside 4's, saying something else: which would a reader take?
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e6,
           "rope_scaling": {"rope_type": "linear", "factor": 2.0}},

@@ -107,6 +107,19 @@ def test_export_round_trip_in_pytorch_layout(trained, sdar, tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_a_controller_rewritten_in_place_is_read_again(trained, tmp_path):
+    """load_controller caches per file version: a controller re-trained into the same path in one
+    process (a notebook, a sweep) is not served from the cache."""
+    _, _, result = trained
+    w = load_controller(str(result.model_dir))
+    out = save_controller(w.params, tmp_path / "c.safetensors", features=w.features, threshold=w.threshold,
+                          model=w.model, block=w.block)
+    assert load_controller(str(out)).threshold == w.threshold
+    save_controller(w.params, out, features=w.features, threshold=0.5 if w.threshold != 0.5 else 0.25,
+                    model=w.model, block=w.block)
+    assert load_controller(str(out)).threshold != w.threshold
+
+
 def test_features_are_clamped_to_the_range_of_the_training_traces(trained, tmp_path):
     """An MLP past its training range extrapolates: the toy controller gave P(final) ~ 1 to any
     token past position 200 (trained on positions 6-47). The stored range clamps each feature: a

@@ -28,6 +28,7 @@ token past position 200, whatever its confidence). A file without `feature_min`/
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,10 +201,17 @@ def resolve_controller_path(name: str | Path) -> Path:
     return path
 
 
-@functools.lru_cache(maxsize=16)
 def load_controller(name: str) -> ControllerWeights:
-    """The controller stored at `name` (see `resolve_controller_path`)."""
-    path = resolve_controller_path(name)
+    """The controller stored at `name` (see `resolve_controller_path`), parsed once per content of
+    the file (a controller re-trained into the same path in this process is read again)."""
+    path = resolve_controller_path(name).resolve()
+    return _read_controller(str(path), hashlib.sha256(path.read_bytes()).hexdigest())  # a few KB
+
+
+@functools.lru_cache(maxsize=16)
+def _read_controller(path: str, sha256: str) -> ControllerWeights:
+    del sha256  # the cache key: a rewritten file is read again
+    path = Path(path)
     f = SafetensorsFile(path)
     meta = f.metadata
     if meta.get("dlmjax_controller") is None:
