@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dlmjax.decoding.api import generate
-from dlmjax.decoding.spec import DecoderSpecError, parse_decoder
+from dlmjax.decoding.spec import DecoderSpecError, decoder_spec, parse_decoder
 from dlmjax.heads.controller import (
     ControllerMismatchError, controller_module, export_controller, load_controller, mlp_logits, model_fingerprint,
     save_controller,
@@ -115,9 +115,16 @@ def test_a_controller_rewritten_in_place_is_read_again(trained, tmp_path):
     out = save_controller(w.params, tmp_path / "c.safetensors", features=w.features, threshold=w.threshold,
                           model=w.model, block=w.block)
     assert load_controller(str(out)).threshold == w.threshold
+    before = parse_decoder(f"tspd:controller={out}")
     save_controller(w.params, out, features=w.features, threshold=0.5 if w.threshold != 0.5 else 0.25,
                     model=w.model, block=w.block)
     assert load_controller(str(out)).threshold != w.threshold
+    # the decoder's identity (its compiled programs' key) names the file's version
+    after = parse_decoder(f"tspd:controller={out}")
+    assert after != before and hash(after) != hash(before) and decoder_spec(after) == decoder_spec(before)
+    assert after.weights().threshold != w.threshold
+    with pytest.raises(DecoderSpecError, match="was rewritten after this decoder was built; build the decoder again"):
+        before.weights()
 
 
 def test_features_are_clamped_to_the_range_of_the_training_traces(trained, tmp_path):

@@ -266,7 +266,7 @@ def decoder_spec(decoder) -> str:
     changed = [
         f"{f.name}={getattr(decoder, f.name)}"
         for f in dataclasses.fields(decoder)
-        if getattr(decoder, f.name) != f.default
+        if f.init and getattr(decoder, f.name) != f.default
     ]
     return decoder.name + (":" + ",".join(changed) if changed else "")
 
@@ -310,7 +310,7 @@ def parse_decoder(spec: str):
     if name not in DECODERS:
         raise DecoderSpecError(f"unknown decoder {name!r}; valid decoders: {', '.join(decoder_names())}")
     cls = DECODERS[name]
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for item in filter(None, (o.strip() for o in options.split(","))):
         key, eq, value = item.partition("=")

@@ -40,7 +40,7 @@ depth=1 token for token with at most its forwards. Greedy only (temperature=0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import jax
@@ -282,6 +282,9 @@ class _ControllerOptions(DiffusionDecoder):
     controller: str = ""
     threshold: float | None = None
     features: str = ""
+    # the controller file's sha256 when the decoder was built: part of the decoder's identity (the
+    # key of its compiled programs, which hold the weights), so a rewritten file compiles anew
+    controller_sha256: str = field(default="", init=False, repr=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -297,12 +300,18 @@ class _ControllerOptions(DiffusionDecoder):
                 f"controller=toy-sdar); train one with `dlmjax traces` then `dlmjax train configs/tspd/toy-sdar.yaml`")
         names = _parse_features(self.features)
         try:
-            self.weights().check_features(names)
+            weights = load_controller(self.controller)
+            weights.check_features(names)
         except (OSError, ValueError) as exc:  # a missing or unreadable controller, or one of other features
             raise DecoderSpecError(f"{self.name}: {exc}") from None
+        object.__setattr__(self, "controller_sha256", weights.sha256)
 
     def weights(self):
-        return load_controller(self.controller)
+        weights = load_controller(self.controller)
+        if weights.sha256 != self.controller_sha256:
+            raise DecoderSpecError(f"{self.name}: controller {weights.path} was rewritten after this decoder was "
+                                   "built; build the decoder again (e.g. parse_decoder of its spec)")
+        return weights
 
     def check_kind(self, kind: str):
         w = self.weights()

@@ -129,6 +129,7 @@ class ControllerWeights:
     model: dict  # model_fingerprint of the traces' model
     path: str = ""
     block: int | None = None  # the block its traces were decoded in (None: a file from before it was stored)
+    sha256: str = ""  # of the file's bytes: which version of the file these are
 
     @property
     def kind(self) -> str:
@@ -210,7 +211,6 @@ def load_controller(name: str) -> ControllerWeights:
 
 @functools.lru_cache(maxsize=16)
 def _read_controller(path: str, sha256: str) -> ControllerWeights:
-    del sha256  # the cache key: a rewritten file is read again
     path = Path(path)
     f = SafetensorsFile(path)
     meta = f.metadata
@@ -231,7 +231,7 @@ def _read_controller(path: str, sha256: str) -> ControllerWeights:
                               f"features named in its metadata")
     return ControllerWeights(params=params, features=features, threshold=float(meta["threshold"]),
                              model=json.loads(meta["model"]), path=str(path),
-                             block=int(meta["block"]) if "block" in meta else None)
+                             block=int(meta["block"]) if "block" in meta else None, sha256=sha256)
 
 
 def controller_module(weights: ControllerWeights) -> Controller:
