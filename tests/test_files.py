@@ -60,6 +60,24 @@ def test_keep_existing_links_the_files_the_block_does_not_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_a_symlinked_target_keeps_its_link_and_the_files_land_where_it_points(tmp_path):
+    """`out -> big_disk/models` (the usual way to put checkpoints on another disk): the link used
+    to be renamed away and replaced by a directory on the link's own disk, and the stray link left
+    beside it broke the next write."""
+    (tmp_path / "big_disk" / "models").mkdir(parents=True)
+    (tmp_path / "home").mkdir()
+    link = tmp_path / "home" / "out"
+    link.symlink_to(tmp_path / "big_disk" / "models")
+    for version in ("1", "2"):
+        with staged_dir(link, keep_existing=True) as stage:
+            (stage / f"v{version}.txt").write_text(version)
+        assert link.is_symlink()
+        assert sorted(p.name for p in (tmp_path / "big_disk" / "models").iterdir()) == [
+            f"v{v}.txt" for v in "12"[:int(version)]]
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["out"]
+    assert sorted(p.name for p in (tmp_path / "big_disk").iterdir()) == ["models"]
+
+
 def test_only_this_hosts_dead_staging_is_removed(tmp_path):
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()

@@ -117,6 +117,38 @@ def test_truncated_shard(checkpoint):
         dlmjax.load_model(checkpoint)
 
 
+def _raw_safetensors(path, header: object, data: bytes = b"\0" * 8):
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+    return path
+
+
+@pytest.mark.parametrize("header,problem", [
+    ([1, 2], r"a JSON list, not an object"),
+    ({"a": {"dtype": "F32", "shape": [1]}}, r"tensor 'a' has data_offsets None"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, r"data_offsets \[-4, 0\], not \[begin, end\]"),
+    ({"a": {"dtype": "F32", "shape": [-1, -1], "data_offsets": [0, 4]}}, r"shape \[-1, -1\], not a list"),
+    ({"a": "F32"}, r"tensor 'a' is 'F32', not an object"),
+])
+def test_a_corrupt_safetensors_header_is_named(tmp_path, header, problem):
+    """Each header entry is checked before anything is read: a negative offset used to read the
+    header's own bytes as a weight."""
+    path = _raw_safetensors(tmp_path / "bad.safetensors", header)
+    with pytest.raises(CheckpointError, match=f"bad.safetensors: corrupt safetensors header.*{problem}"):
+        SafetensorsFile(path)
+
+
+def test_a_scalar_tensor_reads_and_writes_as_a_scalar(tmp_path):
+    """A 0-d tensor holds one value (the official library's reading): it used to read as 0 and
+    be written as shape [1]."""
+    path = _raw_safetensors(tmp_path / "scalar.safetensors", {"s": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}},
+                            np.float32(3.5).tobytes())
+    assert SafetensorsFile(path).get("s").shape == () and float(SafetensorsFile(path).get("s")) == 3.5
+    dlmjax.io.safetensors.save_file({"s": np.float32(2.5), "v": np.zeros(2, np.float32)}, tmp_path / "out.safetensors")
+    back = SafetensorsFile(tmp_path / "out.safetensors")
+    assert back.get("s").shape == () and float(back.get("s")) == 2.5 and back.get("v").shape == (2,)
+
+
 def test_missing_tensor(checkpoint):
     shard = SafetensorsFile(checkpoint / "model.safetensors")
     tensors = {k: np.array(shard.get(k)) for k in shard.keys() if k != "model.layers.0.mlp.up_proj.weight"}

@@ -204,3 +204,75 @@ def test_truncated_file_is_refused(tmp_path):
     path.write_bytes(b"GGUF" + struct.pack("<I", 3))
     with pytest.raises(GGUFError, match="not a readable GGUF file"):
         convert_gguf(path, tmp_path / "out")
+
+
+def _tiny_llama_gguf(path, *, tokenizer=True, dtype=np.float32):
+    """A one-layer llama GGUF of 32 tokens: a byte-level (gpt2-type) vocabulary without
+    `<|endoftext|>`, as Llama-3-style vocabularies are."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    vocab, dim, ffn, heads = 32, 16, 32, 2
+    writer.add_embedding_length(dim)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_context_length(64)
+    writer.add_rope_dimension_count(dim // heads)
+    if tokenizer:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(["<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)] + ["ab", "bc", "cd", "de"])
+        writer.add_token_types([3, 3] + [1] * 30)
+        writer.add_token_merges(["a b", "b c", "c d", "d e"])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, dim), "output_norm.weight": (dim,), "output.weight": (vocab, dim),
+              "blk.0.attn_q.weight": (dim, dim), "blk.0.attn_k.weight": (dim // heads, dim),
+              "blk.0.attn_v.weight": (dim // heads, dim), "blk.0.attn_output.weight": (dim, dim),
+              "blk.0.ffn_gate.weight": (ffn, dim), "blk.0.ffn_up.weight": (ffn, dim),
+              "blk.0.ffn_down.weight": (dim, ffn), "blk.0.attn_norm.weight": (dim,), "blk.0.ffn_norm.weight": (dim,)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(dtype if len(shape) == 2 else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_tokenizer_comes_from_the_gguf_alone(tmp_path):
+    """A tokenizer.json lying beside the GGUF used to be taken instead of the GGUF's vocabulary;
+    and a byte-level vocabulary without `<|endoftext|>` got that token invented one id past the
+    model (a tokenizer load_tokenizer refused)."""
+    pytest.importorskip("transformers")
+    import dlmjax
+    from dlmjax.io.tokenizer import load_tokenizer
+
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    path = _tiny_llama_gguf(folder / "tiny.gguf")
+    (folder / "tokenizer.json").write_text('{"not": "this one"}')
+    out = convert_gguf(path, tmp_path / "out")
+    cfg = dlmjax.load_config(out)
+    tok = load_tokenizer(out, cfg)
+    assert cfg.vocab_size == 32 and tok.encode("abcde") == [28, 30, 6]  # "ab" "cd" "e": the GGUF's merges
+    assert tok.eos_id == 1
+
+
+def test_a_failed_conversion_leaves_nothing_that_loads(tmp_path):
+    path = _tiny_llama_gguf(tmp_path / "no_tokenizer.gguf", tokenizer=False)
+    with pytest.raises(Exception, match="tokenizer"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text("{}")
+    with pytest.raises(Exception, match="already holds a checkpoint"):
+        convert_gguf(_tiny_llama_gguf(tmp_path / "ok.gguf"), tmp_path / "old")
+
+
+def test_a_tensor_type_gguf_cannot_dequantise_is_named(tmp_path):
+    path = _tiny_llama_gguf(tmp_path / "f64.gguf", dtype=np.float64)
+    with pytest.raises(GGUFError, match="tensor 'token_embd.weight' has type F64.*re-quantise the file"):
+        convert_gguf(path, tmp_path / "out")

@@ -228,3 +228,31 @@ def test_special_tokens_from_special_tokens_map_json(chat_pair, tmp_path):
     assert again.apply_chat_template(messages, date_string="1 Jan 2026").startswith("<|begin_of_text|>")
     assert again.apply_chat_template(messages, date_string="1 Jan 2026") == ours.apply_chat_template(
         messages, date_string="1 Jan 2026")
+
+
+@pytest.mark.parametrize("declared_in", ["added_tokens.json", "added_tokens_decoder"])
+def test_tokens_declared_beside_tokenizer_json_are_added_as_transformers_adds_them(tmp_path, declared_in):
+    """The usual hand edit, a mask token added in added_tokens.json or tokenizer_config.json's
+    added_tokens_decoder but not in tokenizer.json: transformers adds it, so dlmjax does too (it
+    used to encode it as characters and find no mask)."""
+    transformers = pytest.importorskip("transformers")
+    save_char_tokenizer(tmp_path)
+    size = load_tokenizer(tmp_path).vocab_size
+    token_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    if declared_in == "added_tokens.json":
+        (tmp_path / "added_tokens.json").write_text(json.dumps({"<|new_mask|>": size}))
+    else:
+        token_config["added_tokens_decoder"] = {
+            **token_config.get("added_tokens_decoder", {}),
+            str(size): {"content": "<|new_mask|>", "special": True, "lstrip": False, "rstrip": False,
+                        "normalized": False, "single_word": False}}
+    token_config["mask_token"] = "<|new_mask|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(token_config))
+    ours = load_tokenizer(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "1+<|new_mask|>=3"
+    assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"]
+    assert ours.mask_id == size and ours.vocab_size == len(theirs) == size + 1
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|other|>": size + 5}))
+    with pytest.raises(TokenizerError, match=r"'<\|other\|>' is declared with id .*re-save the tokenizer"):
+        load_tokenizer(tmp_path)

@@ -63,3 +63,36 @@ def test_refuses_what_it_does_not_read_and_never_runs_code(tmp_path):
     (tmp_path / "legacy.pt").write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(CheckpointError, match="is not a PyTorch zip file"):
         read_pt(tmp_path / "legacy.pt")
+
+
+def _one_tensor_file(path, *, offset, size, stride, numel=4):
+    """A .pt file whose one tensor is `_rebuild_tensor_v2(storage of numel floats, offset, size,
+    stride)` as written by hand: what a crafted file can say."""
+    from dlmjax.io.torch_file import _global, _int, _int_tuple, _str
+
+    storage = (pickle.MARK + _str("storage") + _global("torch", "FloatStorage") + _str("0") + _str("cpu")
+               + _int(numel) + pickle.TUPLE + pickle.BINPERSID)
+    hooks = _global("collections", "OrderedDict") + pickle.EMPTY_TUPLE + pickle.REDUCE
+    args = (pickle.MARK + storage + _int(offset) + _int_tuple(size) + _int_tuple(stride) + pickle.NEWFALSE + hooks
+            + pickle.TUPLE)
+    data = (pickle.PROTO + bytes([2]) + _global("torch._utils", "_rebuild_tensor_v2") + args + pickle.REDUCE
+            + pickle.STOP)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", data)
+        archive.writestr("archive/byteorder", "little")
+        archive.writestr("archive/data/0", np.arange(numel, dtype=np.float32).tobytes())
+
+
+@pytest.mark.parametrize("offset,size,stride", [
+    (0, (4,), (-1,)),  # before the storage: read heap memory into the tensor
+    (0, (2,), (-(1 << 44),)),  # far before it: a segfault
+    (-1, (4,), (1,)),  # a negative offset: past the end
+    (0, (2, 2), (1,)),  # sizes and strides of different lengths
+    (2, (4,), (1,)),  # runs past the storage
+])
+def test_a_crafted_layout_is_refused_and_never_reads_outside_its_storage(tmp_path, offset, size, stride):
+    _one_tensor_file(tmp_path / "crafted.pt", offset=offset, size=size, stride=stride)
+    with pytest.raises(CheckpointError, match="is not a valid layout|runs past its storage"):
+        read_pt(tmp_path / "crafted.pt")
+    _one_tensor_file(tmp_path / "fine.pt", offset=1, size=(3,), stride=(1,))
+    np.testing.assert_array_equal(read_pt(tmp_path / "fine.pt"), [1.0, 2.0, 3.0])

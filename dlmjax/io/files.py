@@ -144,6 +144,14 @@ def _carry_over(old: Path, new: Path) -> None:
             _link_or_copy(entry, dest)
 
 
+def _remove(path: Path) -> None:
+    """Remove `path` whatever it is (a directory, a file, a symlink), if it exists."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @contextmanager
 def staged_dir(target: str | os.PathLike, *, keep_existing: bool = False):
     """Yield a fresh, empty staging directory beside `target`; when the block ends without an
@@ -159,7 +167,7 @@ def staged_dir(target: str | os.PathLike, *, keep_existing: bool = False):
     if Path(os.path.abspath(target)) in _ACTIVE:
         yield Path(os.path.abspath(target))  # the enclosing staged_dir swaps it in
         return
-    target = _check_target(target)
+    target = Path(os.path.realpath(_check_target(target)))  # a symlink's directory is replaced, the link kept
     target.parent.mkdir(parents=True, exist_ok=True)
     restore_interrupted(target)
     _remove_stale(target.parent)
@@ -172,11 +180,11 @@ def staged_dir(target: str | os.PathLike, *, keep_existing: bool = False):
         yield staging
         if keep_existing and target.is_dir():
             _carry_over(target, staging)
-        shutil.rmtree(previous, ignore_errors=True)
+        _remove(previous)
         if target.exists():
             os.rename(target, previous)
         os.rename(staging, target)
-        shutil.rmtree(previous, ignore_errors=True)
+        _remove(previous)
     finally:
         _ACTIVE.discard(staging)
         shutil.rmtree(staging, ignore_errors=True)

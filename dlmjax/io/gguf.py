@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from dlmjax.io.files import staged_dir, write_atomic
 from dlmjax.io.safetensors import CheckpointError, save_file
 
 TORCH_EXTRA_HINT = "install the torch extra: pip install 'dlmjax[torch]'"
@@ -148,7 +150,11 @@ def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def dequantize(gguf, tensor) -> np.ndarray:
     """A GGUF tensor as float32 in torch layout (GGUF lists dims innermost first)."""
-    w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    try:
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise GGUFError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the gguf package cannot "
+                        f"dequantise ({e}); re-quantise the file to F32, F16 or Q8_0 (llama.cpp's llama-quantize)") from e
     expected = tuple(int(d) for d in reversed(tensor.shape))
     if w.shape != expected:
         raise GGUFError(f"GGUF tensor {tensor.name!r}: dequantised to shape {w.shape}, expected {expected}")
@@ -186,16 +192,53 @@ def _check_complete(tensors: dict, config: dict, path: Path) -> None:
 # Tokenizer
 
 
-def save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    """Rebuild the fast tokenizer from the GGUF vocabulary (via transformers) and save it."""
+def save_tokenizer(gguf_path: Path, out_dir: Path, vocab_size: int) -> None:
+    """Rebuild the fast tokenizer from the GGUF vocabulary (via transformers) and save it.
+
+    transformers is given a directory holding the GGUF alone: from the GGUF's own folder it would
+    take any tokenizer.json lying there instead of the GGUF's vocabulary. A byte-level vocabulary
+    without `<|endoftext|>` gets that token invented as a default (one id past the model's
+    vocabulary); such tokens are dropped, and a tokenizer that still does not match the model's
+    vocabulary is refused."""
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
         raise ImportError(f"converting a GGUF tokenizer needs transformers; {TORCH_EXTRA_HINT}") from e
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    # save_jinja_files=False keeps the chat template inside tokenizer_config.json.
-    tok.save_pretrained(str(out_dir), save_jinja_files=False)
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(tok.special_tokens_map, indent=2) + "\n")
+    with tempfile.TemporaryDirectory() as alone:
+        (Path(alone) / gguf_path.name).symlink_to(gguf_path.resolve())
+        tok = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_path.name)
+        # save_jinja_files=False keeps the chat template inside tokenizer_config.json.
+        tok.save_pretrained(str(out_dir), save_jinja_files=False)
+    invented = _drop_tokens_past(out_dir, vocab_size, in_use=_special_strings(tok.special_tokens_map))
+    if len(tok) - len(invented) != vocab_size:
+        raise GGUFError(f"{gguf_path.name}: its tokenizer has {len(tok) - len(invented)} tokens but token_embd has "
+                        f"{vocab_size} rows; the file's vocabulary does not match its model")
+    write_atomic(out_dir / "special_tokens_map.json", json.dumps(tok.special_tokens_map, indent=2) + "\n")
+
+
+def _special_strings(special_tokens_map: dict) -> set:
+    values = special_tokens_map.values()
+    return {t for v in values for t in (v if isinstance(v, list) else [v]) if isinstance(t, str)}
+
+
+def _drop_tokens_past(out_dir: Path, vocab_size: int, in_use: set) -> list[str]:
+    """Remove the added tokens with ids >= `vocab_size` from the saved tokenizer files; returns
+    their contents. One that a special token (bos, eos, ...) names is refused instead."""
+    tokenizer = json.loads((out_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    invented = [t["content"] for t in tokenizer.get("added_tokens", []) if t["id"] >= vocab_size]
+    if not invented:
+        return []
+    if set(invented) & in_use:
+        raise GGUFError(f"the GGUF's special tokens name {sorted(set(invented) & in_use)}, which its vocabulary of "
+                        f"{vocab_size} does not hold")
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] < vocab_size]
+    write_atomic(out_dir / "tokenizer.json", json.dumps(tokenizer, ensure_ascii=False, indent=2) + "\n")
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["added_tokens_decoder"] = {i: t for i, t in config.get("added_tokens_decoder", {}).items()
+                                      if int(i) < vocab_size}
+    write_atomic(config_path, json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    return invented
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,8 +264,11 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     tensors = llama_tensors(gguf, reader, config)
     _check_complete(tensors, config, gguf_path)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    save_tokenizer(gguf_path, out_dir)
+    from dlmjax.io.hf import check_export_target
+
+    check_export_target(out_dir)
+    with staged_dir(out_dir, keep_existing=True) as stage:  # a failed conversion leaves nothing that loads
+        write_atomic(stage / "config.json", json.dumps(config, indent=2) + "\n")
+        save_file(tensors, stage / "model.safetensors", metadata={"format": "pt"})
+        save_tokenizer(gguf_path, stage, config["vocab_size"])
     return out_dir

@@ -55,7 +55,15 @@ class SafetensorsFile:
                 header = json.loads(f.read(header_len))
             except json.JSONDecodeError as e:
                 raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from e
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (a JSON {type(header).__name__}, not an "
+                                  "object); re-download or re-export this file")
         self.metadata = header.pop("__metadata__", {}) or {}
+        for name, entry in header.items():
+            problem = _entry_problem(entry)
+            if problem:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header: tensor {name!r} {problem}; "
+                                      "re-download or re-export this file")
         self._entries = header
         self._data_start = 8 + header_len
         end = max((e["data_offsets"][1] for e in header.values()), default=0)
@@ -81,9 +89,30 @@ class SafetensorsFile:
         shape = tuple(entry["shape"])
         if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
             raise CheckpointError(f"{self.path}: tensor {name!r}: byte range does not match shape {shape} {code}")
-        if not shape or 0 in shape:
+        if 0 in shape:
             return np.zeros(shape, dtype)
-        return np.memmap(self.path, dtype=dtype, mode="r", offset=self._data_start + begin, shape=shape)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=self._data_start + begin,
+                         shape=shape or (1,)).reshape(shape)  # a memmap cannot be 0-d: a scalar reads as [1]
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(entry) -> str | None:
+    """What is wrong with one tensor's header entry (None: nothing). Offsets are checked to be
+    ordered here; that the ranges fit the file, `SafetensorsFile` checks."""
+    if not isinstance(entry, dict):
+        return f"is {entry!r}, not an object"
+    if not isinstance(entry.get("dtype"), str):
+        return f"has no dtype string ({entry.get('dtype')!r})"
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(map(_is_count, shape))):
+        return f"has shape {shape!r}, not a list of non-negative integers"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+            and offsets[0] <= offsets[1]):
+        return f"has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end"
+    return None
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata: dict | None = None) -> None:
@@ -92,7 +121,7 @@ def save_file(tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata:
     header, offset = {}, 0
     arrays = {}
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # ascontiguousarray makes a scalar [1]
         if arr.dtype not in _CODES:
             raise CheckpointError(f"cannot save {name!r} with dtype {arr.dtype}; supported: {list(_CODES)}")
         arrays[name] = arr

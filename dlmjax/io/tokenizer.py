@@ -149,11 +149,53 @@ def _special_token_content(value) -> str | None:
 def _chat_template(ckpt_dir: Path, tok_cfg: dict) -> str | None:
     jinja_file = ckpt_dir / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text()
+        return jinja_file.read_text(encoding="utf-8")
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return template
+
+
+def _declared_tokens(ckpt_dir: Path, tok_cfg: dict) -> dict[int, dict]:
+    """{id: AddedToken fields} of the tokens tokenizer_config.json's `added_tokens_decoder` and
+    added_tokens.json declare (transformers adds those tokenizer.json lacks)."""
+    declared = {}
+    decoder = tok_cfg.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise TokenizerError(f"{ckpt_dir / 'tokenizer_config.json'}: added_tokens_decoder must map ids to tokens")
+    for i, token in decoder.items():
+        token = token if isinstance(token, dict) else {"content": token}
+        if not (str(i).isdigit() and isinstance(token.get("content"), str)):
+            raise TokenizerError(f"{ckpt_dir / 'tokenizer_config.json'}: added_tokens_decoder entry {i!r}: {token!r} "
+                                 "is not an id and a token")
+        declared[int(i)] = token
+    path = ckpt_dir / "added_tokens.json"
+    extra = read_json_file(path, error=TokenizerError) if path.is_file() else {}
+    if not (isinstance(extra, dict) and all(isinstance(i, int) and not isinstance(i, bool) for i in extra.values())):
+        raise TokenizerError(f"{path} must map tokens to ids")
+    for content, i in extra.items():
+        declared.setdefault(i, {"content": content})
+    return declared
+
+
+def _add_declared_tokens(backend: _Backend, ckpt_dir: Path, tok_cfg: dict) -> None:
+    """Add the declared tokens (`_declared_tokens`) that tokenizer.json lacks, each on its declared
+    id, as transformers does; one whose id is taken or leaves a gap is refused."""
+    from tokenizers import AddedToken
+
+    for i, token in sorted(_declared_tokens(ckpt_dir, tok_cfg).items()):
+        if backend.token_to_id(token["content"]) is not None:
+            continue
+        size = backend.get_vocab_size(with_added_tokens=True)
+        if i != size:
+            raise TokenizerError(
+                f"{ckpt_dir}: token {token['content']!r} is declared with id {i} (tokenizer_config.json or "
+                f"added_tokens.json), which tokenizer.json cannot give it (its next id is {size}); re-save the "
+                "tokenizer with `AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`")
+        flags = {k: bool(token[k]) for k in ("single_word", "lstrip", "rstrip", "normalized") if k in token}
+        special = bool(token.get("special", False))
+        added = AddedToken(token["content"], special=special, **flags)
+        (backend.add_special_tokens if special else backend.add_tokens)([added])
 
 
 def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Tokenizer:
@@ -172,15 +214,16 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
     except Exception as err:  # noqa: BLE001 (the tokenizers library raises a plain Exception)
         raise TokenizerError(f"{path} cannot be read as a tokenizer ({err}); re-save it with "
                              "`AutoTokenizer.from_pretrained(...).save_pretrained(dir)`") from None
+    cfg_path = ckpt_dir / "tokenizer_config.json"
+    tok_cfg = read_json_file(cfg_path, error=TokenizerError) if cfg_path.is_file() else {}
+    if not isinstance(tok_cfg, dict):
+        raise TokenizerError(f"{cfg_path} holds {type(tok_cfg).__name__}, not an object of settings")
+    _add_declared_tokens(backend, ckpt_dir, tok_cfg)
     if cfg is not None and backend.get_vocab_size(with_added_tokens=True) > cfg.vocab_size:
         raise TokenizerError(
             f"{path} has {backend.get_vocab_size(with_added_tokens=True)} tokens but the model's vocab_size is "
             f"{cfg.vocab_size}: this tokenizer does not belong to the checkpoint; put the model's own tokenizer "
             "beside its weights")
-    cfg_path = ckpt_dir / "tokenizer_config.json"
-    tok_cfg = read_json_file(cfg_path, error=TokenizerError) if cfg_path.is_file() else {}
-    if not isinstance(tok_cfg, dict):
-        raise TokenizerError(f"{cfg_path} holds {type(tok_cfg).__name__}, not an object of settings")
     map_path = ckpt_dir / "special_tokens_map.json"  # older checkpoints name their special tokens only there
     token_map = read_json_file(map_path, error=TokenizerError) if map_path.is_file() else {}
     if not isinstance(token_map, dict):

@@ -41,16 +41,25 @@ class _Storage:
         self.dtype = dtype
 
 
-def _rebuild_tensor(storage: np.ndarray, offset: int, size, stride, *_unused) -> np.ndarray:
-    if not size:
-        return storage[offset:offset + 1].reshape(()).copy()
-    strides = tuple(s * storage.itemsize for s in stride)
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_unused) -> np.ndarray:
+    """The tensor `size` at `offset` with `stride` (elements) in `storage`, copied out. The
+    layout is checked first (as torch does: offset, sizes and strides non-negative integers,
+    every element inside the storage), so a crafted file cannot make it read other memory."""
+    if not (isinstance(storage, np.ndarray) and _is_count(offset) and isinstance(size, tuple)
+            and isinstance(stride, tuple) and len(size) == len(stride) and all(map(_is_count, size + stride))):
+        raise CheckpointError(f"a tensor record (offset {offset!r}, size {size!r}, stride {stride!r}) is not a "
+                              "valid layout; re-save the file with torch.save")
+    if 0 in size:
+        return np.zeros(size, storage.dtype)
     end = offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
-    if min(size) == 0:
-        return np.zeros(tuple(size), storage.dtype)
     if end > storage.size:
-        raise CheckpointError(f"a tensor of size {tuple(size)} runs past its storage ({storage.size} elements)")
-    return np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size), strides=strides).copy()
+        raise CheckpointError(f"a tensor of size {size} runs past its storage ({storage.size} elements)")
+    strides = tuple(s * storage.itemsize for s in stride)
+    return np.lib.stride_tricks.as_strided(storage[offset:], shape=size, strides=strides).copy()
 
 
 class _Unpickler(pickle.Unpickler):
