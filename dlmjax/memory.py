@@ -5,6 +5,9 @@ The estimate is the sum of
   backbone split over 'model' or 'fsdp', and MoE experts split over 'expert', count 1/n of their
   size; a replicated (data-parallel) head counts whole on every device;
 - the optimiser state of the trained parameters, placed like them (AdamW: two moments);
+- the gradients of the trained parameters and the update made from them, each placed like them:
+  a step holds both before it applies the update (XLA's temporaries of a train step whose
+  parameters dominate are twice the trained parameters);
 - the activations of one step for the rows a device holds (`activation_bytes`): what the backward
   of each trained layer keeps, attention scores materialised (an upper bound where a flash kernel
   runs), the fp32 logits the loss reads, and a frozen backbone's forward (no gradient: one layer's
@@ -151,6 +154,7 @@ class MemoryEstimate:
     frozen_params: int = 0  # the frozen backbone (or target), as placed
     trained_params: int = 0  # what the run trains, as placed
     optimizer: int = 0  # the optimiser state of the trained params
+    gradients: int = 0  # the gradients of the trained params and the update made from them
     activations: int = 0  # one step's activations for the device's rows
     fsdp_gather: int = 0  # one layer's weights gathered whole (fsdp)
     kv_cache: int = 0  # decoding only
@@ -160,13 +164,16 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return (self.frozen_params + self.trained_params + self.optimizer + self.activations + self.fsdp_gather
-                + self.kv_cache)
+        return sum(value for _, value in self.parts())
+
+    def parts(self) -> list[tuple[str, int]]:
+        return [("frozen params", self.frozen_params), ("trained params", self.trained_params),
+                ("optimizer state", self.optimizer), ("gradients + update", self.gradients),
+                ("activations", self.activations), ("fsdp gather (1 layer)", self.fsdp_gather),
+                ("KV cache", self.kv_cache)]
 
     def lines(self) -> list[str]:
-        kinds = [("frozen params", self.frozen_params), ("trained params", self.trained_params),
-                 ("optimizer state", self.optimizer), ("activations", self.activations),
-                 ("fsdp gather (1 layer)", self.fsdp_gather), ("KV cache", self.kv_cache)]
+        kinds = self.parts()
         head = f"memory per device (mesh {self.mesh}; {self.rows_per_device} rows x {self.seq_len} tokens):"
         body = [f"  {name:<22}{format_bytes(value):>12}" for name, value in kinds if value]
         return [head, *body, f"  {'total':<22}{format_bytes(self.total):>12}"]
@@ -176,10 +183,7 @@ class MemoryEstimate:
 
     def one_line(self) -> str:
         """The estimate on one line (for error messages)."""
-        kinds = [("frozen params", self.frozen_params), ("trained params", self.trained_params),
-                 ("optimizer state", self.optimizer), ("activations", self.activations),
-                 ("fsdp gather", self.fsdp_gather), ("KV cache", self.kv_cache)]
-        parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in kinds if value)
+        parts = ", ".join(f"{name} {format_bytes(value)}" for name, value in self.parts() if value)
         return f"{parts}; mesh {self.mesh}, {self.rows_per_device} rows x {self.seq_len} tokens per device"
 
 
@@ -267,7 +271,7 @@ def training_estimate(run, cfg, mesh, *, frozen=None, frozen_shardings=None, tra
     return MemoryEstimate(
         frozen_params=tree_bytes(frozen, frozen_shardings) if frozen is not None else 0,
         trained_params=tree_bytes(trained, trained_shardings), optimizer=tree_bytes(opt, opt_shardings),
-        activations=activations, fsdp_gather=gather, rows_per_device=rows, seq_len=run.data.seq_len,
+        gradients=2 * tree_bytes(trained, trained_shardings), activations=activations, fsdp_gather=gather, rows_per_device=rows, seq_len=run.data.seq_len,
         mesh=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1 or k == "data"))
 
 
@@ -276,11 +280,14 @@ def training_fix(run, mesh) -> str:
     from dlmjax.sharding import mesh_sizes
 
     sizes = mesh_sizes(mesh)
-    more = ",".join(f"{k}={v}" for k, v in {**sizes, "data": max(1, sizes["data"] // 2),
-                                             "fsdp": sizes.get("fsdp", 1) * 2}.items() if v > 1 or k == "data")
+    example = ""
+    if sizes["data"] >= 2:  # half of the data-parallel devices split the weights instead (same device count)
+        more = ",".join(f"{k}={v}" for k, v in {**sizes, "data": sizes["data"] // 2,
+                                                 "fsdp": sizes.get("fsdp", 1) * 2}.items() if v > 1 or k == "data")
+        example = f", e.g. --mesh {more}"
     return (f"fix: a smaller train.batch_size (now {run.train.batch_size}) or data.seq_len (now {run.data.seq_len}), "
             f"or split the weights over more devices with more model or fsdp (mesh: {{model: M, fsdp: F}} in the "
-            f"config or --mesh, e.g. --mesh {more}), or more devices; --device-memory sets the capacity checked")
+            f"config or --mesh{example}), or more devices; --device-memory sets the capacity checked")
 
 
 def check_training_memory(run, mesh, *, cfg, abstract, frozen=None, frozen_shardings=None, show: bool = True,

@@ -156,6 +156,36 @@ def test_activation_estimate_is_the_size_xla_allocates():
     assert temp / 3 <= estimate <= 3 * temp, (estimate, temp)
 
 
+def test_a_train_step_whose_parameters_dominate_is_not_under_estimated():
+    """A backbone trained whole on one short row: XLA's buffers for the real train step (arguments
+    plus temporaries; outputs alias the donated arguments) are mostly params, moments, gradients and
+    the update. The estimate without the gradients and the update was a third short."""
+    from dlmjax.memory import training_estimate
+    from dlmjax.train.loop import make_train_step
+    from dlmjax.train.objectives import block_diffusion_loss
+
+    cfg = DENSE.replace(hidden_size=256, intermediate_size=1024, head_dim=64, vocab_size=512)
+    graphdef, params = nnx.split(init_model(cfg, seed=0))
+    tx = optax.adamw(1e-3)
+    opt_state = tx.init(params)
+    rows, seq = 1, 16
+    batch = {"tokens": jnp.zeros((rows, seq), jnp.int32), "valid": jnp.ones((rows, seq), bool),
+             "target": jnp.ones((rows, seq), bool)}
+
+    def loss(model, frozen, batch, key):
+        return block_diffusion_loss(model, batch, key, block=4, mask_id=1)
+
+    step = make_train_step(graphdef, None, loss, tx, lambda s: 1e-3)
+    analysis = step.lower(params, opt_state, None, batch, jax.random.key(0), 0).compile().memory_analysis()
+    needed = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+    run = load_run_config("configs/toy-sdar.yaml", [f"train.batch_size={rows}", f"data.seq_len={seq}"])
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    estimate = training_estimate(run, cfg, make_mesh(data=1), trained=params, trained_shardings=one, opt=opt_state,
+                                 opt_shardings=one)
+    assert estimate.gradients == 2 * estimate.trained_params
+    assert needed * 0.9 <= estimate.total <= needed * 2, (estimate, analysis)
+
+
 def test_parse_memory_and_refusal():
     assert parse_memory("16GiB") == 16 * GiB and parse_memory("512 MiB") == 512 * MiB and parse_memory(2) == 2 * GiB
     for bad in ("lots", "-1GB", "16 parsecs", 0):
@@ -190,6 +220,18 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert err.startswith("dlmjax train: error: this run does not fit") and err.count("\n") == 1
     assert "mesh data=2,fsdp=2,model=2" in err and "memory per device" in out  # the table on stdout first
+
+
+def test_the_refusal_suggests_only_meshes_of_the_devices_the_run_has():
+    """With data=1 (one GPU, or every device on model) there is no data-parallel half to move to
+    fsdp: the example mesh it used to give needed twice the devices."""
+    from dlmjax.memory import training_fix
+
+    run = load_run_config("configs/mrp/toy-sdar.yaml", MRP_RUN)
+    assert "e.g. --mesh data=1,fsdp=2,model=4" in training_fix(run, make_mesh(data=2, model=4))
+    for mesh in (make_mesh(data=1), make_mesh(data=1, model=8)):
+        fix = training_fix(run, mesh)
+        assert "e.g. --mesh" not in fix and "train.batch_size (now 8)" in fix and "more devices" in fix
 
 
 def test_mesh_section_errors(tmp_path):
