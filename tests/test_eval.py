@@ -103,13 +103,18 @@ def test_gsm8k_rows_are_loaded_and_malformed_rows_reported(tmp_path):
         json.dumps(["a", "list"]),
         "",
         json.dumps({"question": "2 * 3?", "answer": "#### 6"}),
+        # a '####' line without a number: its reference would be the last number of the steps
+        json.dumps({"question": "q", "answer": "steps 3 and 4\n#### "}),
+        json.dumps("just a string"),
     ]
     path.write_text("\n".join(rows) + "\n")
     for source in (path, tmp_path):  # a file or the directory holding it
         loaded = load_eval_set("gsm8k", data=source)
         assert [item.index for item in loaded.items] == [0, 6]
         assert loaded.items[0].prompt == "Question: 1 + 1?\nAnswer:"
-        assert len(loaded.skipped) == 4 and "row 2: invalid JSON" in loaded.skipped[0]
+        assert len(loaded.skipped) == 6 and "row 2: invalid JSON" in loaded.skipped[0]
+        assert loaded.skipped[4:] == ["row 8: answer has no '#### N' line with a number",
+                                      "row 9: not a JSON object (str)"]
     assert loaded.score(loaded.items, ["so #### 2", "#### 7"]) == [True, False]
 
 

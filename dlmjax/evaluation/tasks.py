@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from dlmjax.evaluation.math_answer import math_correct
 from dlmjax.evaluation.sandbox import run_python
-from dlmjax.toy.tasks import get_task, gsm8k_correct
+from dlmjax.toy.tasks import get_task, gsm8k_correct, marked_number
 from dlmjax.validation import InputError, positive_int, read_json_file
 
 TOY_SEED = 1234  # the held-out toy prompts: the same for every evaluation and test
@@ -62,8 +62,13 @@ class EvalSet:
 # ------------------------------------------------------------------------------------------- sources
 
 
+class _BadLine(str):
+    """What is wrong with a line that could not be parsed (a row that is a JSON string is a str,
+    not one of these)."""
+
+
 def _read_json_lines(path: Path) -> list[tuple[int, Any]]:
-    """(line number, parsed object or the error text) for each non-empty line."""
+    """(line number, parsed object or a `_BadLine`) for each non-empty line."""
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
     try:
@@ -72,14 +77,14 @@ def _read_json_lines(path: Path) -> list[tuple[int, Any]]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError:
-                    rows.append((number, "not UTF-8 text"))
+                    rows.append((number, _BadLine("not UTF-8 text")))
                     continue
                 if not line.strip():
                     continue
                 try:
                     rows.append((number, json.loads(line)))
                 except json.JSONDecodeError as err:
-                    rows.append((number, f"invalid JSON ({err.msg})"))
+                    rows.append((number, _BadLine(f"invalid JSON ({err.msg})")))
     except (OSError, EOFError) as err:  # a corrupt or truncated .gz
         raise DatasetError(f"cannot read {path}: {err}; re-download the file") from None
     return rows
@@ -139,7 +144,7 @@ def _usable_rows(rows, required: tuple[str, ...], check=None, *, source=None, st
 
 def _fields(row, names: tuple[str, ...]) -> str | None:
     """None if `row` is an object with non-empty string fields `names`, else what is wrong."""
-    if isinstance(row, str):
+    if isinstance(row, _BadLine):
         return row
     if not isinstance(row, dict):
         return f"not a JSON object ({type(row).__name__})"
@@ -184,7 +189,8 @@ def _gsm8k(data, strict: bool = False) -> EvalSet:
             raise DatasetError(f"the shipped GSM8K test split is missing from {data}; reinstall dlmjax or pass "
                                "--data PATH_OR_HF_NAME")
     usable, skipped = _usable_rows(read_rows(data, config="main"), ("question", "answer"),
-                                   check=lambda row: None if "####" in row["answer"] else "answer has no '#### N' line",
+                                   check=lambda row: None if marked_number(row["answer"]) is not None
+                                   else "answer has no '#### N' line with a number",
                                    source=data, strict=strict)
     items = [EvalItem(number - 1, gsm8k_prompt(row["question"]), row["answer"]) for number, row in usable]
 

@@ -242,6 +242,12 @@ def _canonical(number: str) -> str | None:
 _ANSWER_LINE = re.compile(r"####[ \t]*(" + _NUMBER.pattern + r")(?![.)][ \t]+[A-Za-z])")
 
 
+def marked_number(text: str) -> str | None:
+    """The canonical number of the last ``#### N`` line, None if there is none."""
+    marked = _ANSWER_LINE.findall(text)
+    return _canonical(marked[-1]) if marked else None
+
+
 def extract_final_number(text: str) -> str | None:
     """The canonical number of the last ``#### N`` line if there is one, else the last number in ``text``.
 
