@@ -90,6 +90,49 @@ def test_sandbox_blocks_writes_outside_its_directory(tmp_path):
     assert victim.read_text() == "keep me"
 
 
+def test_sandbox_blocks_the_ways_around_its_audit_hook(tmp_path):
+    """Calls that raise no audit event or carry a directory descriptor (a review's bypasses): a
+    write and a delete through dir_fd, libc's system() through ctypes' default handle, process
+    creation through _posixsubprocess (also after importing it anew), a signal to this process by
+    pidfd, and a UDP datagram."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    witness = tmp_path / "pwned"
+    programs = [
+        f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+        f"os.write(os.open('pwned', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), b'x')",
+        f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\nos.unlink('victim.txt', dir_fd=fd)",
+        f"import ctypes\nassert ctypes.CDLL(None, handle=0).system(b'touch {witness}') == 0",
+        "import _posixsubprocess\nassert _posixsubprocess.fork_exec is not None",
+        "import sys\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess",
+        "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), signal.SIGTERM)",
+        "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', 9))",
+    ]
+    for program in programs:
+        result = run_python(program)
+        assert not result.passed, (program, result)
+    assert victim.read_text() == "keep me" and not witness.exists()
+
+
+def test_sandbox_runs_an_interpreter_nobody_cannot_reach(tmp_path, monkeypatch):
+    """A virtualenv under a private directory (root's /root/venv) whose python links to a
+    system interpreter: `nobody` cannot reach it by the name it is run by. The sandbox used to
+    drop to `nobody` anyway, and scoring crashed with PermissionError after all the decoding."""
+    import os
+    import sys
+
+    from dlmjax.evaluation import sandbox
+
+    private = tmp_path / "private"
+    (private / "bin").mkdir(parents=True)
+    (private / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    private.chmod(0o700)
+    assert not sandbox._runnable_by_others(str(private / "bin" / "python"))
+    monkeypatch.setattr(sys, "executable", str(private / "bin" / "python"))
+    monkeypatch.setattr(sandbox, "_runnable_by_others", lambda path: True)  # the old check's answer
+    assert run_python("assert sum([1, 2]) == 3").passed
+
+
 # ------------------------------------------------------------------------------------------ datasets
 
 

