@@ -275,7 +275,9 @@ def test_chat_options_of_lm_evals_hf_model(monkeypatch, tmp_path):
     model_dir = tmp_path / "toy-ar"
     shutil.copytree(resolve_model("toy-ar"), model_dir)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+    config["chat_template"] = ("{% if messages[0].role == 'system' %}{{ raise_exception('System role not "
+                               "supported') }}{% endif %}"
+                               "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
                                "{% if enable_thinking is defined and not enable_thinking %}[no-think]{% endif %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
@@ -283,6 +285,8 @@ def test_chat_options_of_lm_evals_hf_model(monkeypatch, tmp_path):
     assert lm.add_bos_token is True
     user = [{"role": "user", "content": "Q"}]
     assert lm.apply_chat_template(user) == "<user>Q</user>[no-think]<assistant>"
+    # a template that refuses a system turn (Gemma's, Mistral's): rendered without it, as HFLM does
+    assert lm.apply_chat_template([{"role": "system", "content": "Be brief."}, *user]) == lm.apply_chat_template(user)
     prefix = [*user, {"role": "assistant", "content": "A: "}]
     assert lm.apply_chat_template(prefix, add_generation_prompt=False) == "<user>Q</user><assistant>A: "
     with pytest.raises(ModelArgsError, match="add_bos_token='maybe' must be true or false"):
@@ -379,11 +383,34 @@ def test_an_eos_suffix_is_never_masked_and_reaches_the_lm_eval_model():
                     batch_size=8, pad_id=lm.eot_token_id)
     assert value == bound(suffix=[lm.eot_token_id]) != bound()
     plain = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, mc_num=8, mc_batch=8)
-    document = [Instance("loglikelihood_rolling", {}, ("12+7=19\n19-3=16",), 0, ("t", 0, 1))]
-    assert lm.loglikelihood_rolling(document, disable_tqdm=True) == plain.loglikelihood_rolling(document,
-                                                                                                  disable_tqdm=True)
+    # a short document and one of several windows (the windows used to shrink by the suffix's token)
+    assert len(lm.tok_encode("12+7=19\n3+4=7\n" * 20)) > lm.max_length
+    for text in ("12+7=19\n19-3=16", "12+7=19\n3+4=7\n" * 20):
+        document = [Instance("loglikelihood_rolling", {}, (text,), 0, ("t", 0, 1))]
+        assert lm.loglikelihood_rolling(document, disable_tqdm=True) == plain.loglikelihood_rolling(
+            document, disable_tqdm=True)
     with pytest.raises(ModelArgsError, match="eos_suffix=true.*a causal model.*drop it"):
         DlmjaxLM(pretrained="toy-ar", mesh_data=1, warmup=False, eos_suffix=True)
+
+
+def test_no_wasted_forwards_fewer_samples_than_a_batch_and_no_greedy_check_on_rolling_windows(monkeypatch):
+    """mc_num below mc_batch used to pad every forward to mc_batch rows; is_check_greedy ran one
+    forward per token of every rolling window and threw the result away."""
+    import dlmjax.lm_eval.likelihood as likelihood
+    import dlmjax.lm_eval.model as lm_model
+
+    rows, greedy_calls = [], []
+    real_logprobs = likelihood.masked_logprobs
+    monkeypatch.setattr(likelihood, "masked_logprobs",
+                        lambda model, tokens, masked, **kw: rows.append(len(masked)) or real_logprobs(
+                            model, tokens, masked, **kw))
+    monkeypatch.setattr(lm_model, "greedy_continuation", lambda *a, **kw: greedy_calls.append(1) or False)
+    lm = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, mc_num=4, mc_batch=32, is_check_greedy="true")
+    document = [Instance("loglikelihood_rolling", {}, ("12+7=19\n19-3=16",), 0, ("t", 0, 1))]
+    lm.loglikelihood_rolling(document, disable_tqdm=True)
+    assert rows == [4] and greedy_calls == []
+    lm._loglikelihood_tokens([(None, lm.tok_encode("12+7-3\n"), lm.tok_encode("12+7=19"))], disable_tqdm=True)
+    assert greedy_calls == [1]  # a plain request is still checked
 
 
 @pytest.mark.parametrize("which", ["toy_sdar", "llada", "dream"])

@@ -285,6 +285,7 @@ def masked_diffusion_bound(model: Transformer, context: list[int], continuation:
     block = model.config.block_size if model.config.attention == "block_causal" else None
     samples = sample_masks(context, continuation, mc_num=mc_num, seed=seed, block_size=block, suffix=suffix)
     values = []
+    batch_size = min(batch_size, mc_num)  # fewer samples than a batch: no padded rows
     for start in range(0, mc_num, batch_size):
         masked = samples.masked[start : start + batch_size]
         rows = len(masked)

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from dlmjax.decoding.api import Stream, _round_up, mask_token_id
 from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, parse_decoder
+from dlmjax.io.tokenizer import TokenizerError
 from dlmjax.lm_eval.likelihood import causal_logprobs, greedy_continuation, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
 from dlmjax.models.moe import EXPERT_DISPATCH, set_expert_dispatch
@@ -331,10 +332,20 @@ class DlmjaxLM(TemplateLM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """As lm-eval's HF model: without a generation prompt (a task's gen_prefix is the last,
-        assistant, message) the text ends inside the last message, continuing it."""
-        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt,
-                                                  **self.template_vars)
+        assistant, message) the text ends inside the last message, continuing it; a template that
+        refuses the system turn (Gemma's, Mistral's) is rendered again without it, with a warning."""
+        def render(history):
+            return self.tokenizer.apply_chat_template(history, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt,
+                                                      **self.template_vars)
+
+        try:
+            return render(chat_history)
+        except TokenizerError:
+            if not any(m.get("role") == "system" for m in chat_history):
+                raise
+            log.warning("the chat template refuses a system turn: rendering without it (as lm-eval's HF model does)")
+            return render([m for m in chat_history if m.get("role") != "system"])
 
     # ------------------------------------------------------------------ generate_until
 
@@ -408,7 +419,7 @@ class DlmjaxLM(TemplateLM):
                               **kwargs) -> list[tuple[float, bool]]:
         """(log-likelihood, is_greedy) per (cache key, context ids, continuation ids); `rolling`
         windows of one document take no EOS suffix (the document goes on after them)."""
-        pairs = [self._fit(ctx, cont) for _, ctx, cont in requests]
+        pairs = [self._fit(ctx, cont, rolling=rolling) for _, ctx, cont in requests]
         suffix = [self.eot_token_id] if self.eos_suffix and not rolling else []
         if self.causal:
             results = causal_logprobs(self.model, pairs, batch_size=self.batch_size, pad_id=self.eot_token_id,
@@ -424,7 +435,7 @@ class DlmjaxLM(TemplateLM):
                 value = masked_diffusion_bound(self.model, ctx, cont, mc_num=self.mc_num, seed=self.seed,
                                                mask_id=int(mask_id), batch_size=self.mc_batch, pad_id=self.eot_token_id,
                                                cfg=self.cfg, suffix=suffix)
-                greedy = self.is_check_greedy and greedy_continuation(self.model, ctx, cont, mask_id=int(mask_id),
+                greedy = self.is_check_greedy and not rolling and greedy_continuation(self.model, ctx, cont, mask_id=int(mask_id),
                                                                       pad_id=self.eot_token_id, cfg=self.cfg)
                 results.append((value, greedy))
         for (key, _, _), result in zip(requests, results):
@@ -432,22 +443,23 @@ class DlmjaxLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", key, result)
         return results
 
-    def _fit(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
+    def _fit(self, context: list[int], continuation: list[int], rolling: bool = False) -> tuple[list[int], list[int]]:
         """(context, continuation) ids within the model's length: the context left-truncated; an
         empty context becomes the prefix token (BOS, else EOS), as lm-eval's `loglikelihood` and
         its HF model condition an unconditional continuation."""
         if not continuation:
             raise RequestError("a loglikelihood request has an empty continuation; there is nothing to score")
-        room = self._scored_length() + 1 - len(continuation)  # tokens left for the context
+        room = self._scored_length(rolling) + 1 - len(continuation)  # tokens left for the context
         if room < 1:
             raise RequestError(f"a continuation of {len(continuation)} tokens does not fit the model's length "
                                f"{self.max_length} with any context")
         return (list(context) or [self.prefix_token_id])[-room:], continuation
 
-    def _scored_length(self) -> int:
+    def _scored_length(self, rolling: bool = False) -> int:
         """Most tokens one window scores: a causal model reads all but the last of context +
-        continuation, a diffusion model reads them all (and an EOS suffix after them, where set)."""
-        return self.max_length if self.causal else self.max_length - 1 - self.eos_suffix
+        continuation, a diffusion model reads them all (and an EOS suffix after them, where set:
+        not after a rolling window)."""
+        return self.max_length if self.causal else self.max_length - 1 - (self.eos_suffix and not rolling)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each document scored in disjoint windows of the model's length, as lm-eval's HF model does."""
@@ -455,7 +467,7 @@ class DlmjaxLM(TemplateLM):
         for request in tqdm(requests, desc="dlmjax loglikelihood_rolling", disable=disable_tqdm):
             (text,) = request.args
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self._scored_length(),
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self._scored_length(rolling=True),
                 context_len=1)]
             scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True,
                                                 rolling=True)
