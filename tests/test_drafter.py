@@ -133,6 +133,11 @@ def test_block_size_inside_dflash_config_round_trips():
 def test_default_target_layer_ids_and_always_written():
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert default_target_layer_ids(32, 4) == (1, 10, 20, 29)
+    # a small target: the spread repeats ids (the shipped 4-layer toy-ar under a 2-layer drafter)
+    for layers, drafters in [(4, 2), (4, 3), (3, 2), (2, 2)]:
+        with pytest.raises(ConfigError, match=r"default target_layer_ids for .* not distinct increasing layers; "
+                                              r"name distinct ids .*drafter.target_layer_ids in a run config"):
+            default_target_layer_ids(layers, drafters)
     raw = copy.deepcopy(QWEN3_8B_B16)
     del raw["dflash_config"]["target_layer_ids"]
     cfg = from_dflash_config(raw)

@@ -47,7 +47,14 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     start, end = 1, num_target_layers - 3
     span = end - start
     # round half to even, like Python's round() in the reference
-    return tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+    ids = tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+    if list(ids) != sorted(set(ids)) or min(ids) < 0:
+        raise ConfigError(
+            f"DFlash's default target_layer_ids for {num_draft_layers} drafter layers over a {num_target_layers}-layer "
+            f"target, spread over layers [1, N-3], would be {list(ids)}, not distinct increasing layers; name distinct ids "
+            f"(below {num_target_layers}) yourself: drafter.target_layer_ids in a run config, "
+            "dflash_config.target_layer_ids in a drafter's config.json")
+    return ids
 
 
 @dataclass(frozen=True)
