@@ -119,3 +119,18 @@ def test_export_model_into_a_stage_writes_there(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == [stage.name]
         assert (stage / "config.json").is_file()
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_export_carries_every_tokenizer_file_of_its_source(tmp_path):
+    """A SentencePiece model and transformers 5's named chat templates go with the rest."""
+    from dlmjax.io.hf import TOKENIZER_FILES
+
+    model = dlmjax.load_model("toy-sdar")
+    source = tmp_path / "source"
+    (source / "additional_chat_templates").mkdir(parents=True)
+    (source / "tokenizer.model").write_bytes(b"\x0a\x03sp")
+    (source / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    (source / "tokenizer.json").write_text("{}")
+    out = dlmjax.export_model(model, tmp_path / "out", files_from=source)
+    assert (out / "tokenizer.model").read_bytes() == b"\x0a\x03sp" and "tokenizer.model" in TOKENIZER_FILES
+    assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ messages }}"

@@ -43,8 +43,9 @@ from dlmjax.validation import read_json_file
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt",
+    "chat_template.jinja", "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model",
 )
+TOKENIZER_FOLDERS = ("additional_chat_templates",)  # transformers 5: named chat templates, one .jinja each
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -491,6 +492,9 @@ def _write_checkpoint(model: Transformer, out_dir: Path, files_from, max_shard_b
             src = Path(files_from) / file
             if src.is_file():
                 shutil.copy2(src, out_dir / file)
+        for folder in TOKENIZER_FOLDERS:
+            if (Path(files_from) / folder).is_dir():
+                shutil.copytree(Path(files_from) / folder, out_dir / folder, dirs_exist_ok=True)
 
 
 def remote_code(src_dir: Path, family: str) -> tuple[str, dict, list[Path]] | None:
