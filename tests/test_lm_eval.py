@@ -188,8 +188,9 @@ def test_malformed_requests_are_refused(toy_ar_lm):
         toy_ar_lm.generate_until([request("1+2\n", "until=\n")])
     with pytest.raises(RequestError, match="max_gen_toks=0 must be a positive integer"):
         toy_ar_lm.generate_until([request("1+2\n", {"max_gen_toks": 0})])
-    with pytest.raises(RequestError, match="empty continuation"):
-        toy_ar_lm.loglikelihood([request("1+2", "", kind="loglikelihood")])
+    # an empty continuation is the log-likelihood of no tokens, as lm-eval's HF model scores it
+    assert toy_ar_lm.loglikelihood([request("1+2", "", kind="loglikelihood"),
+                                    request("1+2=", "3", kind="loglikelihood")])[0] == (0.0, True)
 
 
 def test_sampled_responses_depend_on_the_request_alone_and_repeats_differ():

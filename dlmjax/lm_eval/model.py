@@ -418,37 +418,50 @@ class DlmjaxLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, rolling: bool = False,
                               **kwargs) -> list[tuple[float, bool]]:
         """(log-likelihood, is_greedy) per (cache key, context ids, continuation ids); `rolling`
-        windows of one document take no EOS suffix (the document goes on after them)."""
-        pairs = [self._fit(ctx, cont, rolling=rolling) for _, ctx, cont in requests]
-        suffix = [self.eot_token_id] if self.eos_suffix and not rolling else []
-        if self.causal:
-            results = causal_logprobs(self.model, pairs, batch_size=self.batch_size, pad_id=self.eot_token_id,
-                                      prefix_id=self.prefix_token_id)
-        else:
-            mask_id = mask_token_id(self.config, self.tokenizer)
-            if not self.is_check_greedy and not rolling:
-                log.warning("is_greedy is False for every diffusion log-likelihood (model_args is_check_greedy=false, "
-                            "as LLaDA's evaluation recommends); a metric that reads it (lambada's acc) needs "
-                            "is_check_greedy=true")
-            results = []
-            for ctx, cont in tqdm(pairs, desc="dlmjax loglikelihood (Monte Carlo)", disable=disable_tqdm):
-                value = masked_diffusion_bound(self.model, ctx, cont, mc_num=self.mc_num, seed=self.seed,
-                                               mask_id=int(mask_id), batch_size=self.mc_batch, pad_id=self.eot_token_id,
-                                               cfg=self.cfg, suffix=suffix)
-                greedy = self.is_check_greedy and not rolling and greedy_continuation(self.model, ctx, cont, mask_id=int(mask_id),
-                                                                      pad_id=self.eot_token_id, cfg=self.cfg)
-                results.append((value, greedy))
+        windows of one document take no EOS suffix (the document goes on after them). An empty
+        continuation scores (0.0, True), the log-likelihood of no tokens, as lm-eval's HF model
+        scores it."""
+        scored = [i for i, (_, _, cont) in enumerate(requests) if len(cont)]
+        if len(scored) < len(requests):
+            log.warning("%d loglikelihood requests have an empty continuation: each scores 0.0 (no tokens), "
+                        "is_greedy True, as lm-eval's HF model scores them", len(requests) - len(scored))
+        pairs = [self._fit(requests[i][1], requests[i][2], rolling=rolling) for i in scored]
+        results = [(0.0, True)] * len(requests)
+        for i, result in zip(scored, self._score_pairs(pairs, rolling, disable_tqdm)):
+            results[i] = result
         for (key, _, _), result in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, result)
+        return results
+
+    def _score_pairs(self, pairs, rolling: bool, disable_tqdm: bool) -> list[tuple[float, bool]]:
+        """(log-likelihood, is_greedy) of each fitted (context, continuation) pair."""
+        if not pairs:
+            return []
+        if self.causal:
+            return causal_logprobs(self.model, pairs, batch_size=self.batch_size, pad_id=self.eot_token_id,
+                                   prefix_id=self.prefix_token_id)
+        suffix = [self.eot_token_id] if self.eos_suffix and not rolling else []
+        mask_id = int(mask_token_id(self.config, self.tokenizer))
+        check_greedy = self.is_check_greedy and not rolling  # a rolling window's is_greedy is never read
+        if not self.is_check_greedy and not rolling:
+            log.warning("is_greedy is False for every diffusion log-likelihood (model_args is_check_greedy=false, "
+                        "as LLaDA's evaluation recommends); a metric that reads it (lambada's acc) needs "
+                        "is_check_greedy=true")
+        results = []
+        for ctx, cont in tqdm(pairs, desc="dlmjax loglikelihood (Monte Carlo)", disable=disable_tqdm):
+            value = masked_diffusion_bound(self.model, ctx, cont, mc_num=self.mc_num, seed=self.seed, mask_id=mask_id,
+                                           batch_size=self.mc_batch, pad_id=self.eot_token_id, cfg=self.cfg,
+                                           suffix=suffix)
+            greedy = check_greedy and greedy_continuation(self.model, ctx, cont, mask_id=mask_id,
+                                                          pad_id=self.eot_token_id, cfg=self.cfg)
+            results.append((value, greedy))
         return results
 
     def _fit(self, context: list[int], continuation: list[int], rolling: bool = False) -> tuple[list[int], list[int]]:
         """(context, continuation) ids within the model's length: the context left-truncated; an
         empty context becomes the prefix token (BOS, else EOS), as lm-eval's `loglikelihood` and
         its HF model condition an unconditional continuation."""
-        if not continuation:
-            raise RequestError("a loglikelihood request has an empty continuation; there is nothing to score")
         room = self._scored_length(rolling) + 1 - len(continuation)  # tokens left for the context
         if room < 1:
             raise RequestError(f"a continuation of {len(continuation)} tokens does not fit the model's length "
