@@ -253,6 +253,6 @@ def test_tokens_declared_beside_tokenizer_json_are_added_as_transformers_adds_th
     text = "1+<|new_mask|>=3"
     assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"]
     assert ours.mask_id == size and ours.vocab_size == len(theirs) == size + 1
-    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|other|>": size + 5}))
-    with pytest.raises(TokenizerError, match=r"'<\|other\|>' is declared with id .*re-save the tokenizer"):
-        load_tokenizer(tmp_path)
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|new_mask|>": size, "<|other|>": size + 5}))
+    with pytest.warns(UserWarning, match=r"'<\|other\|>' is declared with id .*left out; re-save the tokenizer"):
+        assert load_tokenizer(tmp_path).vocab_size == size + 1  # the one that fits is still added

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -180,7 +181,8 @@ def _declared_tokens(ckpt_dir: Path, tok_cfg: dict) -> dict[int, dict]:
 
 def _add_declared_tokens(backend: _Backend, ckpt_dir: Path, tok_cfg: dict) -> None:
     """Add the declared tokens (`_declared_tokens`) that tokenizer.json lacks, each on its declared
-    id, as transformers does; one whose id is taken or leaves a gap is refused."""
+    id, as transformers does. One whose id is taken or leaves a gap cannot be placed there: it is
+    left out with a warning (what dlmjax did with every declared token before)."""
     from tokenizers import AddedToken
 
     for i, token in sorted(_declared_tokens(ckpt_dir, tok_cfg).items()):
@@ -188,10 +190,11 @@ def _add_declared_tokens(backend: _Backend, ckpt_dir: Path, tok_cfg: dict) -> No
             continue
         size = backend.get_vocab_size(with_added_tokens=True)
         if i != size:
-            raise TokenizerError(
-                f"{ckpt_dir}: token {token['content']!r} is declared with id {i} (tokenizer_config.json or "
-                f"added_tokens.json), which tokenizer.json cannot give it (its next id is {size}); re-save the "
-                "tokenizer with `AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`")
+            warnings.warn(f"{ckpt_dir}: token {token['content']!r} is declared with id {i} (tokenizer_config.json or "
+                          f"added_tokens.json), which tokenizer.json cannot give it (its next id is {size}): left "
+                          "out; re-save the tokenizer with `AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`",
+                          stacklevel=3)
+            continue
         flags = {k: bool(token[k]) for k in ("single_word", "lstrip", "rstrip", "normalized") if k in token}
         special = bool(token.get("special", False))
         added = AddedToken(token["content"], special=special, **flags)
