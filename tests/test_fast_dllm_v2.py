@@ -184,6 +184,25 @@ def test_decoding_matches_reference_loop(spec, sub_block, tau):
     assert together.tpf > 1.0, "no step committed two tokens: the test is vacuous"
 
 
+def test_a_blocks_first_token_is_the_argmax_when_sampling_too():
+    """generate() takes it autoregressively with argmax at any temperature; it used to be sampled."""
+    from dlmjax.decoding.api import generate
+
+    model = peaked_fast_dllm(seed=5)
+    block, checked = 8, 0
+    for seed in range(2):
+        result = generate(model, PROMPTS, decoder="fast-dllm-v2:sub_block=4,temperature=2.0", max_new_tokens=24,
+                          seed=seed)
+        for prompt, row in zip(PROMPTS, result.rows):
+            seq = list(prompt) + row.tokens
+            logits = compiled_forward(model)(jnp.asarray([seq + [MASK] * (64 - len(seq))], jnp.int32)).logits[0]
+            greedy = np.asarray(logits.at[:, MASK].set(-jnp.inf)).argmax(-1)  # shifted: column c scores position c
+            firsts = range((len(prompt) // block + 1) * block, len(seq), block)
+            assert [seq[c] for c in firsts] == [int(greedy[c]) for c in firsts]
+            checked += len(firsts)
+    assert checked >= 20
+
+
 def test_other_decoders_are_refused_with_the_fix(qwen2_and_checkpoint):
     from dlmjax.config import FAMILIES
     from dlmjax.decoding.api import generate
@@ -195,6 +214,11 @@ def test_other_decoders_are_refused_with_the_fix(qwen2_and_checkpoint):
         generate(ours, [[1, 2, 3]], decoder="threshold:tau=0.9", max_new_tokens=4)
     with pytest.raises(DecoderSpecError, match="sub_block=3 does not divide the block 4"):
         generate(ours, [[1, 2, 3]], decoder="fast-dllm-v2:sub_block=3", max_new_tokens=4)
+    # and its decoder is refused on other families, whose first block token it would take alone
+    with pytest.raises(DecoderSpecError, match="fast-dllm-v2 is Fast-dLLM v2's own procedure.*sdar model"):
+        generate(dlmjax.load_model("toy-sdar"), [[1, 2, 3]], decoder="fast-dllm-v2", max_new_tokens=4)
+    with pytest.raises(DecoderSpecError, match="max_post_steps=2147483648 must be <= 2147483647"):
+        parse_decoder("llada2:editing_threshold=0.5,max_post_steps=2147483648")
     preset = load_eval_preset("fast-dllm-v2-7b")
     assert preset.mask_token_id == FAMILIES[preset.family].default_mask_token_id
     assert parse_decoder(preset.decoders[0]) == parse_decoder("fast-dllm-v2:tau=0.9,sub_block=8")

@@ -144,6 +144,11 @@ def _block_size(decoder: DiffusionDecoder, model: Transformer) -> int:
 
 def _cache_mode(decoder: DiffusionDecoder, model: Transformer) -> str:
     cfg = model.config
+    if decoder.name == "fast-dllm-v2" and not (cfg.attention == "block_causal" and cfg.shift_logits):
+        raise DecoderSpecError(
+            f"fast-dllm-v2 is Fast-dLLM v2's own procedure, for its block-causal, shifted-logit models; this "
+            f"{cfg.family} model would take each block's first token from its own masked logits, alone, one forward "
+            "more per block: use threshold:tau=0.9 (or another decoder of the README's table) here")
     if cfg.attention == "block_causal":
         if decoder.cache != "none":
             raise DecoderSpecError(

@@ -18,7 +18,8 @@ every decoder here (generate()'s softmax keeps it). generate()'s stop-token chec
 early once the stop token and everything before it are decoded; here the row finishes its block
 (the tokens up to the stop token are the same, the forwards can be more). When sampling
 (temperature > 0), confidence is the probability of the sampled token under the tempered, top-p
-distribution it was drawn from, as generate()'s `sample_with_top_p` gives it (`sampled_scores`).
+distribution it was drawn from, as generate()'s `sample_with_top_p` gives it (`sampled_scores`);
+a block's first position is the argmax at any temperature, as generate() takes it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ class FastDLLMv2(DiffusionDecoder):
     tau: float = 0.9
     sub_block: int = 8
     sampled_scores: bool = True  # sampling: generate() compares tau with the tempered top-p probability
+
+    def scores(self, fwd, state, keys_b) -> policies.Scores:
+        """As every decoder's, except that a block's first position takes the argmax (mask
+        excluded) when sampling too: generate() takes it autoregressively, greedily, at any
+        temperature."""
+        scores = super().scores(fwd, state, keys_b)
+        if self.temperature == 0.0:
+            return scores
+        first = jnp.argmax(state.logits[:, 0].at[:, fwd.mask_id].set(-jnp.inf), axis=-1).astype(scores.tokens.dtype)
+        return scores.replace(tokens=scores.tokens.at[:, 0].set(first))
 
     def select(self, scores, masked_bk):
         k = masked_bk.shape[1]

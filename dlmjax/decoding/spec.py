@@ -27,6 +27,9 @@ class DecoderSpecError(InputError):
     """A decoder spec that names an unknown decoder or option, or a bad value."""
 
 
+INT32_MAX = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class DiffusionDecoder:
     """Options every diffusion decoder shares.
@@ -60,8 +63,13 @@ class DiffusionDecoder:
     eos_last: bool = False
 
     def __post_init__(self):
-        """Every option's type and range (`limits`, merged with the subclasses')."""
+        """Every option's type and range (`limits`, merged with the subclasses'); integers fit
+        int32, the type they are traced as."""
         check_fields(self, f"{self.name}: ", error=DecoderSpecError)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > INT32_MAX:
+                raise DecoderSpecError(f"{self.name}: {f.name}={value} must be <= {INT32_MAX} (an int32 on the device)")
         if (self.no_eos or self.eos_last) and not self.eos_options:
             raise DecoderSpecError(f"{self.name}: no_eos and eos_last are options of static, threshold, entropy and "
                                    "psd only; drop them or pick one of those decoders")
