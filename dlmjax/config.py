@@ -684,6 +684,15 @@ _QWEN3_MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "m
                    "router_aux_loss_coef"}
 
 
+def _expert_layers(layers: tuple[int, ...], num_experts: int, fam: Family, keys: str) -> tuple[int, ...]:
+    """The MoE layers a config.json names (none without experts); experts in no layer (every layer
+    dense) are refused in its terms."""
+    if num_experts and not layers:
+        raise ConfigError(f"config.json makes no layer a mixture of experts ({keys}), which a {fam.name} model "
+                          "is not; keep at least one MoE layer, or load the weights as the family's dense model")
+    return layers if num_experts else ()
+
+
 def _from_qwen3_moe(raw: dict, fam: Family) -> ModelConfig:
     """Qwen3-MoE (and SDAR-MoE): published configs say `num_experts`, transformers 5 writes
     `num_local_experts`; either is read (both must agree)."""
@@ -698,7 +707,8 @@ def _from_qwen3_moe(raw: dict, fam: Family) -> ModelConfig:
     num_experts = next(iter(experts.values()), 128)
     step = _moe_int(raw, "decoder_sparse_step", 1)
     dense = set(_moe_layer_list(raw, "mlp_only_layers", cfg.num_layers))
-    moe_layers = tuple(i for i in range(cfg.num_layers) if i not in dense and (i + 1) % step == 0) if num_experts else ()
+    moe_layers = _expert_layers(tuple(i for i in range(cfg.num_layers) if i not in dense and (i + 1) % step == 0),
+                                num_experts, fam, "mlp_only_layers, decoder_sparse_step")
     norm = raw.get("norm_topk_prob", False)
     return cfg.replace(num_experts=num_experts, num_experts_per_tok=_moe_int(raw, "num_experts_per_tok", 8),
                        moe_intermediate_size=_moe_int(raw, "moe_intermediate_size", 768), moe_layers=moe_layers,
@@ -756,8 +766,9 @@ def _from_llada_moe(raw: dict, fam: Family) -> ModelConfig:
     if raw.get("head_dim") not in (None, head_dim):
         raise ConfigError(f"config.json head_dim={raw['head_dim']}: modeling_lladamoe.py uses hidden_size / "
                           f"num_attention_heads = {head_dim}; remove head_dim or set it to {head_dim}")
-    freq = raw.get("moe_layer_freq") or [1] * num_layers
-    if not isinstance(freq, list) or len(freq) != num_layers:
+    freq = raw.get("moe_layer_freq")
+    freq = [1] * num_layers if freq is None else freq
+    if not (isinstance(freq, list) and len(freq) == num_layers and all(f in (0, 1) for f in freq)):
         raise ConfigError(f"config.json `moe_layer_freq` = {freq!r} must list one 0 (dense) or 1 (MoE) per layer "
                           f"({num_layers} layers)")
     num_experts = _moe_int(raw, "num_experts", 64)
@@ -773,7 +784,8 @@ def _from_llada_moe(raw: dict, fam: Family) -> ModelConfig:
         num_experts=num_experts, num_experts_per_tok=_moe_int(raw, "num_experts_per_tok", 8),
         moe_intermediate_size=_moe_int(raw, "expert_intermediate_size", 1024),
         shared_expert_intermediate_size=_moe_int(raw, "shared_expert_intermediate_size", nullable=True) or 0,
-        moe_layers=tuple(i for i, f in enumerate(freq) if f), router="softmax", norm_topk_prob=False,
+        moe_layers=_expert_layers(tuple(i for i, f in enumerate(freq) if f), num_experts, fam, "moe_layer_freq"),
+        router="softmax", norm_topk_prob=False,
         **_dtype_and_special_ids(raw, fam),
     )
 
@@ -829,7 +841,8 @@ def _from_llada2(raw: dict, fam: Family) -> ModelConfig:
             {"partial_rotary_factor": 0.5, **raw}, head_dim),
         num_experts=num_experts, num_experts_per_tok=top_k if num_experts else 0, moe_intermediate_size=moe_width,
         shared_expert_intermediate_size=moe_width * shared,
-        moe_layers=tuple(range(first_dense, num_layers)) if num_experts else (), router="sigmoid",
+        moe_layers=_expert_layers(tuple(range(first_dense, num_layers)), num_experts, fam, "first_k_dense_replace"),
+        router="sigmoid",
         # the gate renormalises whenever it picks more than one expert (`norm_topk_prob` is not read)
         norm_topk_prob=top_k > 1, routed_scaling_factor=_moe_float(raw, "routed_scaling_factor", 2.5),
         router_groups=groups, router_topk_groups=kept_groups,

@@ -135,6 +135,25 @@ def test_moe_config_nulls_and_bools_are_refused_by_name(family, key):
         from_hf_config({**raw, key: True})
 
 
+def test_moe_layer_lists_are_checked_and_all_dense_is_refused_in_config_json_terms():
+    """moe_layer_freq 0, [] or odd entries used to load as MoE layers; experts in no layer were
+    refused with ModelConfig's field name, which no config.json has."""
+    raw = _moe_raw_configs()
+    layers = raw["llada_moe"]["num_hidden_layers"]
+    for freq in (0, [], ["dense"] * layers, [2] * layers, [0.5] * layers):
+        with pytest.raises(ConfigError, match=r"`moe_layer_freq` = .* must list one 0 \(dense\) or 1"):
+            from_hf_config({**raw["llada_moe"], "moe_layer_freq": freq})
+    assert from_hf_config({**raw["llada_moe"], "moe_layer_freq": [0] + [1] * (layers - 1)}).moe_layers[0] == 1
+    all_dense = [("llada_moe", {"moe_layer_freq": [0] * layers}, "moe_layer_freq"),
+                 ("qwen3_moe", {"mlp_only_layers": list(range(raw["qwen3_moe"]["num_hidden_layers"]))},
+                  "mlp_only_layers, decoder_sparse_step"),
+                 ("qwen3_moe", {"decoder_sparse_step": 99}, "mlp_only_layers, decoder_sparse_step"),
+                 ("llada2_moe", {"first_k_dense_replace": 99}, "first_k_dense_replace")]
+    for family, change, keys in all_dense:
+        with pytest.raises(ConfigError, match=f"makes no layer a mixture of experts \\({keys}\\).*keep at least one"):
+            from_hf_config({**raw[family], **change})
+
+
 def test_moe_config_bools_must_be_true_or_false():
     for family, key in [("llada_moe", "attention_bias"), ("llada_moe", "qk_layernorm"), ("llada2_moe", "use_qkv_bias"),
                         ("llada2_moe", "use_bias")]:
