@@ -183,20 +183,15 @@ def eval_preset_names() -> tuple[str, ...]:
 
 def load_eval_preset(name_or_path: str | os.PathLike) -> EvalPreset:
     """The evaluation preset NAME (dlmjax/eval_presets/NAME.yaml) or a YAML file."""
-    import yaml
-
     path = Path(name_or_path)
     if not path.is_file():
         path = PRESETS_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         raise InputError(f"--preset {name_or_path!r} is neither a YAML file nor a preset; presets: "
                          f"{', '.join(eval_preset_names()) or '(none: dlmjax/eval_presets is missing)'}")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        from dlmjax.train.config import yaml_problem
+    from dlmjax.train.config import read_yaml
 
-        raise InputError(f"{path}: YAML syntax error: {yaml_problem(err)}; fix the file") from None
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise InputError(f"{path}: a preset is a mapping of keys (name, checkpoint, family, ...)")
     known = {f.name for f in fields(EvalPreset)} - {"path"}

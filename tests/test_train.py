@@ -173,6 +173,7 @@ def test_interrupted_training_resumes_exactly(tmp_path, config):
     straight = train(run, tmp_path / "straight", progress=False)
     first = train(run, tmp_path / "resumed", stop_at=4, progress=False)  # as if killed after step 4
     assert first.step == 4 and first.model_dir is None
+    shutil.rmtree(tmp_path / "resumed" / "tb")  # a kill loses the events TensorBoard's writer still queued
     second = train(run, tmp_path / "resumed", progress=False)
     assert sorted(second.losses) == [5, 6]
     for step in (5, 6):
@@ -188,7 +189,23 @@ def test_interrupted_training_resumes_exactly(tmp_path, config):
     scalars = _read_tb_scalars(tmp_path / "straight" / "tb")
     assert [s for s, _ in scalars["loss"]] == [1, 2, 3, 4, 5, 6]
     assert scalars["loss"][-1][1] == pytest.approx(straight.losses[6], rel=1e-6)
+    resumed = _read_tb_scalars(tmp_path / "resumed" / "tb")  # rebuilt from metrics.jsonl on resume
+    assert [s for s, _ in resumed["loss"]] == [1, 2, 3, 4, 5, 6]
+    assert [v for _, v in resumed["loss"]] == pytest.approx([v for _, v in scalars["loss"]], rel=1e-6)
     assert (straight.model_dir / "tokenizer.json").is_file()
+
+
+def test_a_run_stopped_by_a_data_error_takes_the_fix_it_names(tmp_path):
+    """A row longer than data.seq_len stops the run at step 2 with "raise seq_len"; the stop used
+    to checkpoint step 1, after which the raised seq_len was refused as another run's config."""
+    from dlmjax.train.data import DataError
+
+    base = ["backbone=random-sdar", "train.steps=3", "train.batch_size=8", "train.eval_every=0", "mrp.num_layers=1",
+            "data.tasks={toy-arith: 1}", "train.checkpoint_every=100"]
+    with pytest.raises(DataError, match=r"seq_len=40; raise seq_len in the config \(e.g. seq_len=48\)"):
+        train(load_run_config("configs/mrp/toy-sdar.yaml", base + ["data.seq_len=40"]), tmp_path, progress=False)
+    fixed = train(load_run_config("configs/mrp/toy-sdar.yaml", base + ["data.seq_len=48"]), tmp_path, progress=False)
+    assert fixed.step == 3 and fixed.model_dir is not None
 
 
 def test_ctrl_c_right_after_a_log_step_keeps_its_checkpoint_and_its_log_row(tmp_path, monkeypatch):

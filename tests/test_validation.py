@@ -187,6 +187,37 @@ def test_config_json_values_are_typed(checkpoint, change, message):
     assert message in str(err.value)
 
 
+def test_a_key_given_twice_in_a_run_config_is_refused_naming_the_line(tmp_path, capsys):
+    """A second `train:` section used to replace the first, its unset keys back at their defaults."""
+    config = tmp_path / "twice.yaml"
+    config.write_text("objective: block_diffusion\ntrain:\n  steps: 3\n  lr: 1e-3\ntrain:\n  steps: 10\n")
+    err = one_line_error(capsys, ["train", str(config), "--out", str(tmp_path / "run")])
+    assert f"{config}: YAML syntax error: line 5, column 1: key 'train' is given twice; keep one" in err
+    config.write_text("objective: block_diffusion\ntrain:\n  steps: 3\n  steps: 4\n")
+    assert "line 4, column 3: key 'steps' is given twice" in one_line_error(
+        capsys, ["train", str(config), "--out", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.seed=4294967297", r"train.seed=4294967297 must be in \[0, 4294967295\]"),
+    ("data.seed=-1", r"data.seed=-1 must be in \[0, 4294967295\]"),
+])
+def test_run_config_seeds_are_32_bit(override, message):
+    """jax keeps a seed's low 32 bits: seed 2**32 + 1 was the run of seed 1, 2**63 an internal error."""
+    from dlmjax.train.config import RunConfigError, load_run_config
+
+    with pytest.raises(RunConfigError, match=message):
+        load_run_config("configs/toy-sdar.yaml", [override])
+
+
+def test_mrp_temperature_is_refused_where_the_loss_does_not_read_it():
+    from dlmjax.train.config import RunConfigError, load_run_config
+
+    assert load_run_config("configs/mrp/toy-sdar.yaml", ["mrp.temperature=2.0"]).mrp.temperature == 2.0
+    with pytest.raises(RunConfigError, match="mrp.temperature=2.0 is the KD temperature.*mrp.loss=ce does not"):
+        load_run_config("configs/mrp/toy-sdar.yaml", ["mrp.temperature=2.0", "mrp.loss=ce"])
+
+
 def test_yaml_syntax_error_names_file_and_line(tmp_path, capsys):
     config = tmp_path / "broken.yaml"
     config.write_text("objective: block_diffusion\ntrain:\n  steps: 3\n   lr: 1e-3\n")

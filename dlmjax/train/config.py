@@ -41,8 +41,8 @@ from dlmjax.config import ModelConfig
 from dlmjax.train.mrp import LOSSES
 from dlmjax.train.objectives import MASK_RATES, WEIGHTINGS
 from dlmjax.validation import (
-    AT_LEAST_0, AT_LEAST_1, POSITIVE, PROBABILITY, InputError, OneOf, Range, annotation_kinds, check_fields,
-    check_value,
+    AT_LEAST_0, AT_LEAST_1, POSITIVE, PROBABILITY, SEED_RANGE, InputError, OneOf, Range, annotation_kinds,
+    check_fields, check_value,
 )
 
 OBJECTIVES = ("block_diffusion", "next_token", "mrp", "drafter", "tspd")
@@ -69,7 +69,7 @@ class DataConfig:
     prompt as a user turn of the model's chat template). A file that exists is recorded by its
     absolute path, so a run resumes from any working directory."""
 
-    limits = {"seq_len": AT_LEAST_1, "seed": AT_LEAST_0}
+    limits = {"seq_len": AT_LEAST_1, "seed": SEED_RANGE}
     tasks: dict | None = None  # toy task -> weight (default TOY_TASKS where no files are given)
     files: dict = field(default_factory=dict)  # JSONL file -> weight, in place of tasks
     prompt_field: str = "prompt"
@@ -116,7 +116,7 @@ class DataConfig:
 class OptimConfig:
     limits = {"steps": AT_LEAST_0, "batch_size": AT_LEAST_1, "lr": POSITIVE, "warmup_steps": AT_LEAST_0,
               "min_lr_ratio": PROBABILITY, "weight_decay": AT_LEAST_0, "clip_norm": POSITIVE,
-              "loss_weighting": OneOf(WEIGHTINGS), "seed": AT_LEAST_0, "log_every": AT_LEAST_1,
+              "loss_weighting": OneOf(WEIGHTINGS), "seed": SEED_RANGE, "log_every": AT_LEAST_1,
               "checkpoint_every": AT_LEAST_1, "keep_checkpoints": AT_LEAST_1, "eval_every": AT_LEAST_0,
               "eval_examples": AT_LEAST_1}
     steps: int = 4000
@@ -165,6 +165,9 @@ class MRPSection:
                 f"{self.chain_steps}..{self.num_modules - 1} would never train, yet decoding would use them; set "
                 "mrp.chain_steps >= mrp.num_modules"
             )
+        if self.temperature != 1.0 and not self.loss.startswith("kd_diff"):
+            raise RunConfigError(f"mrp.temperature={self.temperature} is the KD temperature of the kd_diff losses; "
+                                 f"mrp.loss={self.loss} does not read it: drop it, or use a kd_diff loss")
 
     def check_supervises(self, block_size: int) -> None:
         """Refuse reveals that leave no masked position of a block of `block_size` to supervise: the
@@ -464,10 +467,25 @@ def yaml_problem(err: yaml.YAMLError) -> str:
     return where + (getattr(err, "problem", None) or str(err))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping (a second `train:` section
+    would silently replace the first, and its unset keys would fall back to their defaults)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice; keep one",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path):
-    """The parsed YAML of `path`; a syntax error names the file and the line."""
+    """The parsed YAML of `path`; a syntax error or a repeated key names the file and the line."""
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except UnicodeDecodeError as err:
         raise RunConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:

@@ -503,6 +503,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     bar = tqdm(total=cfg.steps, initial=start, desc=f"train {run_dir.name}", disable=not (progress and main),
                dynamic_ncols=True)
     tokens_seen, window_start, done, logged = 0, time.perf_counter(), start, start
+    stopped_on_input = False
 
     def record(step, metrics):  # a log step's row: metrics.jsonl, TensorBoard, the bar
         nonlocal tokens_seen, window_start, logged
@@ -556,10 +557,13 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
                 evaluate(step)
             if step % cfg.checkpoint_every == 0:
                 manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+    except InputError:  # a mistake in the config or the data: a run with no checkpoint yet takes the fixed config
+        stopped_on_input = True
+        raise
     finally:  # also on Ctrl-C: keep the last finished step, and its log row (the resumed run starts after it)
         if done > logged and is_log_step(done):
             record(done, metrics)
-        if done > start and manager.latest_step() != done:
+        if done > start and manager.latest_step() != done and not stopped_on_input:
             manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
         manager.wait_until_finished()
         manager.close()

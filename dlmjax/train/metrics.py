@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+
+from dlmjax.io.files import write_atomic
 
 
 class MetricsLog:
@@ -11,6 +14,8 @@ class MetricsLog:
 
     On resume from step s, lines after s are dropped so the log matches the restored state (and a
     last line cut off by a kill mid-write, which belongs to a step after the checkpoint).
+    `metrics.jsonl` is the record: `tb/` is rebuilt from its rows whenever a run (re)opens, since
+    TensorBoard's writer queues events in the background and a killed run loses the last ones.
     """
 
     def __init__(self, run_dir: str | Path, resume_step: int = 0):
@@ -20,9 +25,13 @@ class MetricsLog:
         self.rows: list[dict] = []
         if self.path.exists():
             self.rows = [row for row in _read_rows(self.path) if row["step"] <= resume_step]
-            self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+            write_atomic(self.path, "".join(json.dumps(row) + "\n" for row in self.rows))
         self._jsonl = self.path.open("a")
-        self._tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resume_step + 1 if resume_step else None)
+        shutil.rmtree(Path(run_dir) / "tb", ignore_errors=True)
+        self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        for row in self.rows:
+            self._add_scalars(row)
+        self._tb.flush()
 
     def has(self, step: int, prefix: str) -> bool:
         """Whether a row of `step` holds a metric named `prefix`... (e.g. "eval/")."""
@@ -33,10 +42,13 @@ class MetricsLog:
         self.rows.append(record)
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for name, value in record.items():
-            if name != "step":
-                self._tb.add_scalar(name, value, step)
+        self._add_scalars(record)
         self._tb.flush()
+
+    def _add_scalars(self, row: dict) -> None:
+        for name, value in row.items():
+            if name != "step":
+                self._tb.add_scalar(name, value, row["step"])
 
     def close(self) -> None:
         self._jsonl.close()
