@@ -362,7 +362,7 @@ def _write_config(run_dir: Path, run: RunConfig, write: bool = True) -> None:
                 "use a new --out directory or the same config to resume"
             )
     if write:
-        path.write_text(yaml.safe_dump(run.to_dict(), sort_keys=False))
+        write_atomic(path, yaml.safe_dump(run.to_dict(), sort_keys=False))
 
 
 def state_shardings(trainee: Trainee, tx, mesh: Mesh):
