@@ -97,6 +97,24 @@ def test_residual_argmax_keeps_the_first_of_tied_columns_across_tiles():
         np.testing.assert_array_equal(scores.margin, [0.0, 0.0, 0.0])
 
 
+def test_residual_argmax_with_minus_inf_and_hugely_negative_logits():
+    """A -inf logit (a banned column) counts 0 in the entropy, not 0 * -inf = NaN; when every
+    logit is below the kernel's hidden-column value, the argmax is still a real column, never the
+    excluded mask id (both kernels)."""
+    x = jnp.ones((1, 4))
+    banned = jnp.tile(jnp.arange(6.0)[None] / 4, (4, 1)).at[:, 2].set(-jnp.inf)
+    tiny = (-2e30 + jnp.arange(6.0) * 1e25)[None].repeat(4, 0) / 4
+    for w in (banned, tiny):
+        expected = argmax_reference(x, w, mask_id=0)
+        with kernels.use("interpret"):
+            got = residual_argmax(x, w, mask_id=0)
+        on_tpu = residual_argmax_tpu(x, w, mask_id=0, interpret=True)
+        for scores in (got, on_tpu):
+            np.testing.assert_array_equal(scores.tokens, expected.tokens)
+            if w is banned:
+                np.testing.assert_allclose(scores.entropy, expected.entropy, rtol=1e-5)
+
+
 def test_reference_runs_where_the_kernel_cannot_with_the_reason_logged(caplog):
     """On CPU "on" finds no Pallas kernel and runs the reference, saying why; on a GPU or TPU
     (scripts/test.sh --device gpu) the kernel runs unless the numerics are batch-invariant."""
@@ -114,6 +132,8 @@ def test_reference_runs_where_the_kernel_cannot_with_the_reason_logged(caplog):
                 got_invariant = residual_argmax(x, w, **kw)
     assert "batch-invariant" in caplog.text
     assert ("no Pallas kernel on" in caplog.text) == (backend not in kernels.ACCELERATORS)
+    # asked for and not given: a warning, which a CLI user sees without configuring logging
+    assert {r.levelno for r in caplog.records} == {logging.WARNING}
     for a, b in zip(got_invariant, expected_invariant):
         np.testing.assert_array_equal(a, b)
     if kernel_runs:  # the Pallas kernel: same tokens, statistics to float32 rounding

@@ -81,14 +81,17 @@ def use(mode: str):
         _MODE.reset(token)
 
 
-_LOGGED: set[tuple[str, str]] = set()
+_LOGGED: set[tuple[str, str, int]] = set()
 
 
 def fallback(kernel: str, reason: str) -> None:
-    """Log (once per kernel and reason) that `kernel` runs its reference because of `reason`."""
-    if (kernel, reason) not in _LOGGED:
-        _LOGGED.add((kernel, reason))
-        log.info("%s: reference path (%s)", kernel, reason)
+    """Log (once per kernel and reason) that `kernel` runs its reference because of `reason`: a
+    warning where the kernel was asked for (--kernels on or interpret, which a user should see
+    go unheeded), else at INFO (auto picks the reference where it pays)."""
+    level = logging.WARNING if current() in ("on", "interpret") else logging.INFO
+    if (kernel, reason, level) not in _LOGGED:
+        _LOGGED.add((kernel, reason, level))
+        log.log(level, "%s: reference path (%s)", kernel, reason)
 
 
 def choose(kernel: str, unsupported: str | None = None) -> str | None:

@@ -23,17 +23,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-NEG = -1e30  # a hidden column's logit: finite, so exp(NEG - m) * (NEG - m) is 0, not NaN
+# a hidden column's logit in the exp sums: finite, so exp(NEG - m) * (NEG - m) is 0, not NaN (the
+# top-1/top-2 ranking uses -inf, so a hidden column never wins; a row whose every logit is below
+# NEG, which finite weights cannot give, would get a confidence of inf)
+NEG = -1e30
 WARPS, STAGES = 8, 3  # each Triton program's warps and software-pipelining stages (the dispatcher's defaults)
 
 
 def _tile_stats(logits_mt, valid_1t, first_col):
-    """Top-1 value/index and top-2 value of one tile's logits (invalid columns at NEG)."""
+    """The tile's logits for the exp sums (invalid columns at NEG), and the top-1 value/index and
+    top-2 value of its valid columns (-inf where there is none: an invalid column never wins, even
+    over valid logits at or below NEG)."""
     l = jnp.where(valid_1t, logits_mt, NEG)
-    local = jnp.argmax(l, axis=-1)[:, None].astype(jnp.int32)
-    top1 = jnp.max(l, axis=-1, keepdims=True)
+    ranked = jnp.where(valid_1t, logits_mt, -jnp.inf)
+    local = jnp.argmax(ranked, axis=-1)[:, None].astype(jnp.int32)
+    top1 = jnp.max(ranked, axis=-1, keepdims=True)
     cols = jax.lax.broadcasted_iota(jnp.int32, l.shape, 1)
-    top2 = jnp.max(jnp.where(cols == local, NEG, l), axis=-1, keepdims=True)
+    top2 = jnp.max(jnp.where(cols == local, -jnp.inf, ranked), axis=-1, keepdims=True)
     return l, top1, local + first_col, top2
 
 
@@ -44,8 +50,9 @@ def allowed(cols, mask_id: int | None):
 
 def initial_stats(rows: int):
     """(top1, index, top2, m, s, t) before any column, each [rows, 1]."""
-    neg, zero = jnp.full((rows, 1), NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
-    return neg, jnp.zeros((rows, 1), jnp.int32), neg, neg, zero, zero
+    none, neg = jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.full((rows, 1), NEG, jnp.float32)
+    zero = jnp.zeros((rows, 1), jnp.float32)
+    return none, jnp.zeros((rows, 1), jnp.int32), none, neg, zero, zero
 
 
 def update(stats, logits_mt, valid_1t, first_col):
@@ -57,7 +64,8 @@ def update(stats, logits_mt, valid_1t, first_col):
     a = jnp.exp(m - m_new)
     e = jnp.where(valid_1t, jnp.exp(l - m_new), 0.0)
     s_new = a * s + jnp.sum(e, axis=-1, keepdims=True)
-    t_new = a * (t + (m - m_new) * s) + jnp.sum(jnp.where(valid_1t, e * (l - m_new), 0.0), axis=-1,
+    # e = 0 (a -inf logit): its term is 0, not 0 * -inf
+    t_new = a * (t + (m - m_new) * s) + jnp.sum(jnp.where(valid_1t & (e > 0), e * (l - m_new), 0.0), axis=-1,
                                                 keepdims=True)
     better = t1 > top1  # strict: an earlier column keeps a tie, as jnp.argmax does
     top2 = jnp.where(better, jnp.maximum(top1, t2), jnp.maximum(top2, t1))
