@@ -220,6 +220,9 @@ def test_unknown_model_args_name_the_accepted_keys():
         DlmjaxLM.create_from_arg_string("decoder=ar")
     with pytest.raises(ModelArgsError, match=r"decoder='static' does not fit this causal"):
         DlmjaxLM(pretrained="toy-ar", decoder="static", mesh_data=1)
+    # lm-eval's CLI turns "true" into True, which int() would read as 1
+    with pytest.raises(ModelArgsError, match=r"batch_size=True must be an integer >= 1"):
+        DlmjaxLM.create_from_arg_string("pretrained=toy-ar,batch_size=true")
 
 
 def test_without_a_decoder_each_model_takes_its_own_default(monkeypatch, tmp_path):

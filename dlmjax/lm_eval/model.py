@@ -111,6 +111,8 @@ def _int_arg(args: dict, key: str, *, minimum: int = 1) -> int | None:
     value = args[key]
     if value is None:
         return None
+    if isinstance(value, bool):  # lm-eval's CLI turns "true" into True, which int() would take as 1
+        raise ModelArgsError(f"model_args {key}={value!r} must be an integer >= {minimum}")
     try:
         number = int(value)
     except (TypeError, ValueError):
