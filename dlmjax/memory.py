@@ -271,7 +271,8 @@ def training_estimate(run, cfg, mesh, *, frozen=None, frozen_shardings=None, tra
     return MemoryEstimate(
         frozen_params=tree_bytes(frozen, frozen_shardings) if frozen is not None else 0,
         trained_params=tree_bytes(trained, trained_shardings), optimizer=tree_bytes(opt, opt_shardings),
-        gradients=2 * tree_bytes(trained, trained_shardings), activations=activations, fsdp_gather=gather, rows_per_device=rows, seq_len=run.data.seq_len,
+        gradients=2 * tree_bytes(trained, trained_shardings), activations=activations, fsdp_gather=gather,
+        rows_per_device=rows, seq_len=run.data.seq_len,
         mesh=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1 or k == "data"))
 
 

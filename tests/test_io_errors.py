@@ -141,8 +141,8 @@ def test_a_corrupt_safetensors_header_is_named(tmp_path, header, problem):
 def test_a_scalar_tensor_reads_and_writes_as_a_scalar(tmp_path):
     """A 0-d tensor holds one value (the official library's reading): it used to read as 0 and
     be written as shape [1]."""
-    path = _raw_safetensors(tmp_path / "scalar.safetensors", {"s": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}},
-                            np.float32(3.5).tobytes())
+    header = {"s": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}}
+    path = _raw_safetensors(tmp_path / "scalar.safetensors", header, np.float32(3.5).tobytes())
     assert SafetensorsFile(path).get("s").shape == () and float(SafetensorsFile(path).get("s")) == 3.5
     dlmjax.io.safetensors.save_file({"s": np.float32(2.5), "v": np.zeros(2, np.float32)}, tmp_path / "out.safetensors")
     back = SafetensorsFile(tmp_path / "out.safetensors")

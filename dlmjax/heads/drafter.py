@@ -51,8 +51,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     if list(ids) != sorted(set(ids)) or min(ids) < 0:
         raise ConfigError(
             f"DFlash's default target_layer_ids for {num_draft_layers} drafter layers over a {num_target_layers}-layer "
-            f"target, spread over layers [1, N-3], would be {list(ids)}, not distinct increasing layers; name distinct ids "
-            f"(below {num_target_layers}) yourself: drafter.target_layer_ids in a run config, "
+            f"target, spread over layers [1, N-3], would be {list(ids)}, not distinct increasing layers; name "
+            f"distinct ids (below {num_target_layers}) yourself: drafter.target_layer_ids in a run config, "
             "dflash_config.target_layer_ids in a drafter's config.json")
     return ids
 

@@ -153,8 +153,9 @@ def dequantize(gguf, tensor) -> np.ndarray:
     try:
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
-        raise GGUFError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the gguf package cannot "
-                        f"dequantise ({e}); re-quantise the file to F32, F16 or Q8_0 (llama.cpp's llama-quantize)") from e
+        raise GGUFError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the gguf package "
+                        f"cannot dequantise ({e}); re-quantise the file to F32, F16 or Q8_0 (llama.cpp's "
+                        "llama-quantize)") from e
     expected = tuple(int(d) for d in reversed(tensor.shape))
     if w.shape != expected:
         raise GGUFError(f"GGUF tensor {tensor.name!r}: dequantised to shape {w.shape}, expected {expected}")

@@ -482,8 +482,8 @@ class DlmjaxLM(TemplateLM):
         for request in tqdm(requests, desc="dlmjax loglikelihood_rolling", disable=disable_tqdm):
             (text,) = request.args
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self._scored_length(rolling=True),
-                context_len=1)]
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                max_seq_len=self._scored_length(rolling=True), context_len=1)]
             scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True,
                                                 rolling=True)
             total = sum(score for score, _ in scores)
