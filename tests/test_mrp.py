@@ -3,6 +3,7 @@ random heads; the packed verification equals separate forwards; the head's own K
 a full forward; heads for another backbone are refused; the reference weight names round-trip."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from dlmjax.heads.mrp import (
     save_head,
 )
 from dlmjax.io.hf import export_model, load_model
-from dlmjax.io.safetensors import CheckpointError, SafetensorsFile
+from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from dlmjax.io.tokenizer import load_tokenizer
 from dlmjax.presets import resolve_model
 from test_decoding import MAX_NEW, PROMPTS, peaky_model
@@ -282,6 +283,50 @@ def test_reference_names_round_trip_through_a_checkpoint_dir(toy, tmp_path):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p))
     assert set(head_tensors(loaded)) == set(names)
     load_model(out)  # the backbone still loads from the directory that now also holds the head
+    # config.json states the head's shape (the reference code's SDARMRPConfig keys), so a head of
+    # another shape saved over it loads, and the reference code builds as many layers
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_mrp_heads"], config["num_nextn_predict_layers"], config["mrp_residual_scale"]) == (2, 2, 0.5)
+    save_head(random_head(model, num_modules=1, num_layers=3, seed=2), out)
+    assert (load_head(out, model.config).config.num_modules, load_head(out, model.config).config.num_layers) == (1, 3)
+    for bad in (None, "2", float("nan")):
+        (out / "config.json").write_text(json.dumps({**config, "num_mrp_heads": 1, "num_nextn_predict_layers": 3,
+                                                     "mrp_residual_scale": bad}))
+        with pytest.raises(CheckpointError, match="mrp_residual_scale=.* must be a finite number"):
+            load_head(out, model.config)
+
+
+def test_a_head_inside_the_model_shards_is_not_saved_over_but_refused(toy, tmp_path):
+    """The reference code's layout: the head's tensors in model.safetensors. A second copy in
+    mrp_head.safetensors made the directory unloadable (duplicate tensors)."""
+    model, _, path = toy
+    out = export_model(model, tmp_path / "ckpt", files_from=path)
+    shard = SafetensorsFile(out / "model.safetensors")
+    together = {n: np.array(shard.get(n)) for n in shard.keys()}
+    together.update(head_tensors(random_head(model, seed=1)))
+    (out / "model.safetensors").unlink()
+    save_file(together, out / "model.safetensors", metadata={"format": "pt"})
+    assert load_head(out, model.config).config.num_layers == 1
+    with pytest.raises(CheckpointError, match="holds a head inside its model shards .*dlmjax export"):
+        save_head(random_head(model, seed=2), out)
+    load_model(out)  # untouched
+
+
+def test_mrp_decoders_run_on_an_moe_backbone():
+    """The head's own layers are dense: its KV cache used to take the backbone's expert layers and
+    fail validation (SDAR-30B-A3B)."""
+    import dlmjax
+
+    cfg = dlmjax.ModelConfig(family="sdar_moe", vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
+                             num_heads=4, num_kv_heads=2, head_dim=8, attention="block_causal", block_size=4,
+                             qk_norm=True, mask_token_id=39, eos_token_ids=(38,), pad_token_id=0,
+                             max_position_embeddings=128, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=16, moe_layers=(0, 1), norm_topk_prob=True)
+    model = dlmjax.init_model(cfg, seed=0)
+    head = random_head(model, seed=1)
+    static = generate(model, [[1, 2, 3], [4, 5]], decoder="static", max_new_tokens=8)
+    spec = generate(model, [[1, 2, 3], [4, 5]], decoder="mrp-spec:drafts=3", max_new_tokens=8, head=head)
+    assert [r.tokens for r in spec.rows] == [r.tokens for r in static.rows]
 
 
 @functools.partial(nnx.jit, static_argnames=("lo", "hi", "mask"))

@@ -23,6 +23,7 @@ from config.json `mrp_residual_scale`, default 1); `save_head` writes them in Py
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,8 @@ class MRPConfig:
     def __post_init__(self):
         if self.num_modules < 1 or self.num_layers < 1:
             raise ValueError(f"MRP head needs num_modules >= 1 and num_layers >= 1, got {self.num_modules}, {self.num_layers}")
+        if not math.isfinite(self.residual_scale):
+            raise ValueError(f"MRP head residual_scale={self.residual_scale} must be a finite number")
 
 
 class MRPModule(nnx.Module):
@@ -102,7 +105,8 @@ class MRPHead(nnx.Module):
         return self.mrp_modules[self.module_index(step)]
 
     def empty_caches(self, batch: int, capacity: int) -> tuple[KVCache, ...]:
-        cfg = self.backbone_config.replace(num_layers=self.config.num_layers)
+        # the head's layers are the backbone's attention with dense MLPs: no experts in their config
+        cfg = self.backbone_config.replace(num_layers=self.config.num_layers, num_experts=0, moe_layers=())
         return tuple(KVCache.init(cfg, batch, capacity) for _ in self.mrp_modules)
 
     def context_chunks(self, backbone: Transformer, caches, tokens_bl, hidden_bld, positions_bl, valid_bl, start_b,
@@ -268,7 +272,10 @@ def load_head(ckpt_dir: str | Path, backbone: ModelConfig | None = None) -> MRPH
     num_modules = 1 + max(int(re.match(r"mrp_modules\.(\d+)", n).group(1)) for n in shards)
     num_layers = 1 + max((int(m.group(2)) for m in numbers if m), default=-1)
     raw_config = json.loads((ckpt_dir / "config.json").read_text())
-    scale = float(raw_config.get(SCALE_KEY, 1.0))
+    scale = raw_config.get(SCALE_KEY, 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise CheckpointError(f"{ckpt_dir}/config.json {SCALE_KEY}={scale!r} must be a finite number (the head's "
+                              "residual scale s; 1.0 where absent)")
     # the published MRP checkpoints (SDARMRPForCausalLM) state the head's shape in config.json
     for key, found in (("num_mrp_heads", num_modules), ("num_nextn_predict_layers", num_layers)):
         if raw_config.get(key) is not None and raw_config[key] != found:
@@ -315,13 +322,21 @@ def head_tensors(head: MRPHead) -> dict[str, np.ndarray]:
 
 def save_head(head: MRPHead, ckpt_dir: str | Path) -> Path:
     """Write the head into its backbone's checkpoint directory: `mrp_head.safetensors` (PyTorch
-    format, reference names), the index listing every tensor of the directory, and the residual
-    scale in config.json. An earlier head there is replaced."""
+    format, reference names), the index listing every tensor of the directory, and the head's
+    residual scale and shape in config.json (the keys of the reference code's SDARMRPConfig). An
+    earlier head in mrp_head.safetensors is replaced; one inside the model's shards (the reference
+    code's own layout) is refused: export the checkpoint first (`dlmjax export SRC OUT`)."""
     ckpt_dir = Path(ckpt_dir)
     config_path = ckpt_dir / "config.json"
     config = json.loads(config_path.read_text())
     check_compatible(head, load_config(ckpt_dir))
-    backbone_files = {n: s.path.name for n, s in open_shards(ckpt_dir).items() if not is_head_tensor(n)}
+    shards = open_shards(ckpt_dir)
+    in_shards = sorted({s.path.name for n, s in shards.items() if is_head_tensor(n) and s.path.name != HEAD_FILE})
+    if in_shards:
+        raise CheckpointError(f"{ckpt_dir} holds a head inside its model shards ({', '.join(in_shards)}), which "
+                              f"{HEAD_FILE} would duplicate; export it to a new directory (`dlmjax export {ckpt_dir} "
+                              "OUT`, which writes the head on its own) and save the head there")
+    backbone_files = {n: s.path.name for n, s in shards.items() if not is_head_tensor(n)}
     (ckpt_dir / HEAD_FILE).unlink(missing_ok=True)
     tensors = head_tensors(head)
     save_file(tensors, ckpt_dir / HEAD_FILE, metadata={"format": "pt"})
@@ -329,5 +344,6 @@ def save_head(head: MRPHead, ckpt_dir: str | Path) -> Path:
     total = sum((ckpt_dir / f).stat().st_size for f in set(weight_map.values()))
     write_atomic(ckpt_dir / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config[SCALE_KEY] = head.config.residual_scale
+    config["num_mrp_heads"], config["num_nextn_predict_layers"] = head.config.num_modules, head.config.num_layers
     write_atomic(config_path, json.dumps(config, indent=2))
     return ckpt_dir
