@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 
@@ -180,7 +181,8 @@ def cmd_eval(args) -> int:
         preset.check_model(model.config)
         if args.chat and preset.chat_template_vars:
             args.chat = dict(preset.chat_template_vars)  # e.g. Qwen3's enable_thinking: false
-    drafter = _drafter_for(path, model, args.decoder, args.drafter, args.dtype)
+    named = (args.decoder or []) + ([args.compare_to] if args.compare_to is not None and args.decoder else [])
+    drafter = _drafter_for(path, model, named, args.drafter, args.dtype)
     tasks = args.task or (list(preset.tasks) if preset is not None else ["toy-arith", "toy-constraint"])
     if args.data is not None and len(tasks) != 1:
         raise InputError("--data applies to one task; pass a single --task with it")
@@ -417,6 +419,9 @@ def _run(command: str, run) -> int:
     except USER_ERRORS as err:  # a mistake in the input: the message names it and the fix
         print(f"dlmjax {command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout piped into a reader that stopped (`| head`): nothing left to tell it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit goes nowhere
+        return 0
     except KeyboardInterrupt:  # Ctrl-C: what was finished is kept (a run's last step is checkpointed)
         print(f"dlmjax {command}: interrupted" + ("; rerun the same command to resume from the last finished step"
                                                   if command == "train" else ""), file=sys.stderr)

@@ -77,6 +77,25 @@ def test_an_output_directory_that_is_a_file_is_refused_before_any_work(argv, tmp
     assert file.read_text() == "keep me"
 
 
+@pytest.mark.skipif(os.access("/proc/sys", os.W_OK), reason="no read-only directory here to write into")
+def test_an_output_directory_that_cannot_be_written_is_refused_before_any_work(capsys):
+    """A read-only filesystem: eval decoded everything, then failed as an "internal error"."""
+    assert main(["eval", "--task", "toy-arith", "--limit", "2", "--out", "/proc/sys/dlmjax-results"]) == 2
+    assert "output directory /proc/sys/dlmjax-results cannot be written: /proc/sys above it" in capsys.readouterr().err
+
+
+def test_a_reader_that_stops_early_is_not_an_internal_error(tmp_path):
+    """`dlmjax eval ... | head -1`: the pipe closes before the table is printed."""
+    code = ("import sys; sys.argv = ['dlmjax', 'eval', '--task', 'toy-arith', '--limit', '2', '--decoder', 'static', "
+            f"'--no-progress', '--out', {str(tmp_path / 'out')!r}]; from dlmjax.cli import main; sys.exit(main())")
+    reader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              cwd=Path(__file__).parent.parent)
+    reader.stdout.close()  # the reader is gone before the first line
+    assert reader.wait(timeout=600) == 0
+    err = reader.stderr.read().decode()
+    assert "internal error" not in err and "Traceback" not in err, err
+
+
 def test_ctrl_c_is_one_line_that_says_how_to_resume(capsys):
     from dlmjax.cli import _run
 
@@ -186,6 +205,9 @@ def test_causal_model_defaults_to_ar_and_decodes_with_its_drafter(capsys, tmp_pa
     runs = {r["decoder"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
     assert set(runs) == {"ar", "drafter"} and runs["drafter"]["accuracy"] == runs["ar"]["accuracy"]
     assert runs["drafter"]["mean_accepted_length"] > 1.0 and runs["ar"]["mean_accepted_length"] is None
+    # --compare-to names the drafter decoder: its drafter is loaded as for --decoder (it was not)
+    assert main(["eval", "--model", "toy-ar", "--task", "toy-arith", "--limit", "2", "--no-progress",
+                 "--decoder", "ar", "--compare-to", "drafter", "--out", str(out)]) == 0
 
 
 def test_drafter_errors_name_the_fix(capsys, tmp_path):

@@ -269,10 +269,13 @@ def test_code_tasks_run_with_the_flag_and_score_pass_at_1_by_hand(tmp_path):
     (["--task", "nope"], r"unknown task 'nope' for --backend lm-eval; tasks: gsm8k, humaneval, mbpp, math500"),
     (["--task", "gsm8k", "--compare-to", "static"], r"--compare-to.*drop --backend lm-eval"),
     (["--task", "gsm8k", "--fewshot-as-multiturn", "false"], r"--fewshot-as-multiturn.*add --chat"),
+    # every decoder is checked before the first one's run (a typo in the second used to cost the first's run)
+    (["--task", "gsm8k", "--limit", "1", "--decoder", "static", "--decoder", "treshold"], r"unknown decoder 'treshold'"),
 ])
 def test_lm_eval_backend_refusals_name_the_fix(argv, message, capsys, tmp_path):
     assert main(["eval", "--backend", "lm-eval", "--out", str(tmp_path), *argv]) == 2
     assert re.search(message, capsys.readouterr().err)
+    assert not list(tmp_path.iterdir())  # refused before anything ran
 
 
 def test_the_backend_without_lm_eval_installed_is_one_line_naming_the_install(tmp_path):

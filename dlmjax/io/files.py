@@ -90,14 +90,19 @@ def restore_interrupted(target: Path) -> None:
 
 def check_output_dir(target: str | os.PathLike) -> Path:
     """`target` as an absolute path to a directory that can be made or written, refused
-    (InputError) where it or a folder above it is a file. Commands call it before their work, so a
-    mistyped --out is refused at once, not after a run."""
+    (InputError) where it or a folder above it is a file, or where the nearest existing folder
+    cannot be written. Commands call it before their work, so a mistyped --out is refused at
+    once, not after a run."""
     path = Path(os.path.abspath(target))
     for folder in (path, *path.parents):
         if folder.exists():
             if not folder.is_dir():
                 where = "is a file" if folder == path else f"lies under {folder}, which is a file"
                 raise InputError(f"output directory {target} {where}; choose a directory (new, or one to write into)")
+            if not os.access(folder, os.W_OK | os.X_OK):  # a read-only filesystem, or no permission
+                where = "" if folder == path else f": {folder} above it"
+                raise InputError(f"output directory {target} cannot be written{where} (read-only or not yours); "
+                                 "choose a directory you can write")
             break
     return path
 

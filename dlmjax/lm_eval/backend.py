@@ -102,6 +102,8 @@ def run_backend(args) -> int:
         drafter = (args.drafter or find_drafter_dir(lm.path)) or None
         decoders = default_decoders(lm.model, head, drafter)
 
+    for decoder in decoders:  # every decoder checked (and what it needs found) before the first run
+        lm.use_decoder(decoder)
     records, outputs, lm_results, tables = [], [], {}, []
     with tempfile.TemporaryDirectory(prefix="dlmjax-lm-eval-tasks-") as include:
         write_tasks(include, tasks)
