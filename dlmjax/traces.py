@@ -329,7 +329,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("traces", help="collect TSPD training traces (static reference + EGP labels)")
     p.add_argument("--model", default="toy-sdar", help="preset or checkpoint directory (default: toy-sdar)")
     p.add_argument("--tasks", default=None, help="comma-separated toy tasks (default: toy-arith,toy-constraint)")
-    p.add_argument("--per-task", type=count_arg, default=256, help="prompts per task (with --prompts: the first N)")
+    p.add_argument("--per-task", type=count_arg, default=None,
+                   help="prompts per task (default 256; with --prompts: the first N, default all)")
     p.add_argument("--prompts", default=None,
                    help="instead of toy tasks: a JSONL file (--field of each object) or a text file (one prompt per "
                         "line), e.g. a training split's questions; needs --max-new-tokens")
@@ -375,7 +376,8 @@ def run(args) -> int:
         if args.chat or args.max_new_tokens is not None:
             raise InputError("--chat and --max-new-tokens go with --prompts; the toy tasks use their own lengths")
         tasks = [t.strip() for t in (args.tasks or "toy-arith,toy-constraint").split(",") if t.strip()]
-        traces, meta = traces_for_tasks(model, tokenizer, tasks, per_task=args.per_task, seed=args.seed, **common)
+        traces, meta = traces_for_tasks(model, tokenizer, tasks, per_task=args.per_task or 256, seed=args.seed,
+                                        **common)
     out = save_traces(traces, args.out, {**meta, "model_source": str(path)})
     pos = float(np.mean(traces["label"])) if len(traces["label"]) else 0.0
     print(f"{len(traces['label'])} token-rounds ({pos:.1%} positive) from {meta['num_prompts']} prompts -> {out}")

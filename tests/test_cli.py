@@ -259,6 +259,8 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
     direct = collect_traces(model, [tokenizer.encode(q + "\n") for q in questions[:2]], max_new_tokens=16)
     np.testing.assert_array_equal(arrays["label"], direct["label"])
     np.testing.assert_array_equal(arrays["features"], direct["features"])
+    # without --per-task a prompt file is read whole (it used to stop at the tasks' default, 256)
+    assert parse_args(["traces", "--prompts", "p.jsonl", "--out", "x"]).per_task is None
     (tmp_path / "bad.jsonl").write_text('{"question": "1+1"}\nnot json\n')
     for argv, message in [
         (["--prompts", str(tmp_path / "train.jsonl")], "needs --max-new-tokens"),
