@@ -37,10 +37,13 @@ def make_mesh(model: int = 1, data: int | None = None, devices=None, expert: int
     splits the batch like 'data' and, in addition, every param's largest free dimension."""
     devices = list(devices if devices is not None else jax.devices())
     others = model * expert * fsdp
+    if data is not None and data < 1:
+        raise InputError(f"data={data}: the data axis needs at least one device (leave it out to take what the "
+                         "other axes leave)")
     if model < 1 or expert < 1 or fsdp < 1 or (data is None and len(devices) % others):
         raise InputError(f"fsdp={fsdp} x expert={expert} x model={model} must divide the number of devices "
                          f"({len(devices)}); choose axis sizes whose product divides it")
-    data = data or len(devices) // others
+    data = len(devices) // others if data is None else data
     shape = f"data={data} x fsdp={fsdp} x expert={expert} x model={model}"
     if data * others > len(devices):
         raise InputError(f"mesh {shape} needs {data * others} devices; only {len(devices)} available: make the "

@@ -98,3 +98,6 @@ def test_rules_reject_unknown_mesh_axis():
 def test_mesh_shape_must_fit_devices():
     with pytest.raises(ValueError, match="must divide"):
         make_mesh(model=3)
+    for data in (0, -1):  # 0 used to mean every device, -1 failed inside jax
+        with pytest.raises(ValueError, match=f"data={data}: the data axis needs at least one device"):
+            make_mesh(data=data)
