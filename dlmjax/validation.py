@@ -129,6 +129,14 @@ def check_fields(obj, prefix: str, *, error=InputError) -> None:
         check_value(f"{prefix}{f.name}", getattr(obj, f.name), f.type, limits.get(f.name), error=error)
 
 
+def is_count(value) -> bool:
+    """Whether `value` is a Python integer >= 0 (not a bool): a size, offset or stride read from a file."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+INT32_MAX = 2**31 - 1  # the largest value of the int32 a decoder option or a row id is traced as
+
+
 def python_int(value):
     """`value` as a Python int where it is another kind of integer scalar (numpy's, a 0-d jax
     array); anything else as it is, for the type check to refuse."""

@@ -20,9 +20,9 @@ from dlmjax import arithmetic, kernels
 from dlmjax.decoding.policies import categorical_rows, hidden_scores, nucleus_filter, row_keys
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
-from dlmjax.validation import InputError, Range
+from dlmjax.validation import INT32_MAX, InputError, Range
 
-ROW_ID_RANGE = Range(0, 2**31 - 1)  # sampling-stream ids are int32
+ROW_ID_RANGE = Range(0, INT32_MAX)  # sampling-stream ids are int32
 
 
 @struct.dataclass

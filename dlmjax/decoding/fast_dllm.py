@@ -52,7 +52,7 @@ class FastDLLMv2(DiffusionDecoder):
         scores = super().scores(fwd, state, keys_b)
         if self.temperature == 0.0:
             return scores
-        first = jnp.argmax(state.logits[:, 0].at[:, fwd.mask_id].set(-jnp.inf), axis=-1).astype(scores.tokens.dtype)
+        first = fwd.block_scores(state.logits[:, :1], state.hidden[:, :1]).tokens[:, 0]  # the greedy path's argmax
         return scores.replace(tokens=scores.tokens.at[:, 0].set(first))
 
     def select(self, scores, masked_bk):

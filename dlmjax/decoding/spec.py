@@ -18,16 +18,13 @@ import jax.numpy as jnp
 
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan
-from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, InputError, OneOf, Range, check_fields
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, INT32_MAX, OPEN_UNIT, InputError, OneOf, Range, check_fields
 
 CACHE_MODES = ("none", "prefix", "dual")
 
 
 class DecoderSpecError(InputError):
     """A decoder spec that names an unknown decoder or option, or a bad value."""
-
-
-INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)

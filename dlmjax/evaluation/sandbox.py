@@ -95,11 +95,9 @@ def _install_guard():
     del _ctypes.pythonapi
     _sys.addaudithook(_hook)
     # functions that raise no audit event: process creation (fork_exec) and signals by pidfd
-    _removed = {_os: ("fork", "forkpty", "system", "kill", "killpg", "setuid", "putenv", "chdir", "fchdir",
-                      "pidfd_open"),
-                _posix: ("fork", "forkpty", "system", "kill", "killpg", "setuid", "putenv", "chdir", "fchdir",
-                         "pidfd_open"),
-                _signal: ("pidfd_send_signal",), _csignal: ("pidfd_send_signal",), _posixsubprocess: ("fork_exec",)}
+    _from_os = ("fork", "forkpty", "system", "kill", "killpg", "setuid", "putenv", "chdir", "fchdir", "pidfd_open")
+    _removed = {_os: _from_os, _posix: _from_os, _signal: ("pidfd_send_signal",), _csignal: ("pidfd_send_signal",),
+                _posixsubprocess: ("fork_exec",)}
     for _module, _names in _removed.items():
         for _name in _names:
             if hasattr(_module, _name):

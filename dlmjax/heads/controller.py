@@ -28,7 +28,6 @@ token past position 200, whatever its confidence). A file without `feature_min`/
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dlmjax.io.files import file_sha256
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from dlmjax.validation import InputError
 
@@ -206,7 +206,7 @@ def load_controller(name: str) -> ControllerWeights:
     """The controller stored at `name` (see `resolve_controller_path`), parsed once per content of
     the file (a controller re-trained into the same path in this process is read again)."""
     path = resolve_controller_path(name).resolve()
-    return _read_controller(str(path), hashlib.sha256(path.read_bytes()).hexdigest())  # a few KB
+    return _read_controller(str(path), file_sha256(path))
 
 
 @functools.lru_cache(maxsize=16)

@@ -15,6 +15,7 @@ processes this one cannot see (a filesystem shared between machines).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -74,6 +75,15 @@ def atomic_file(path: str | os.PathLike):
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes (read in chunks: a data file may be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:

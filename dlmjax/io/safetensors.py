@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from dlmjax.io.files import atomic_file
-from dlmjax.validation import InputError
+from dlmjax.validation import InputError, is_count
 
 SAFETENSORS_DTYPES = {
     "F64": np.dtype(np.float64),
@@ -95,10 +95,6 @@ class SafetensorsFile:
                          shape=shape or (1,)).reshape(shape)  # a memmap cannot be 0-d: a scalar reads as [1]
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _entry_problem(entry) -> str | None:
     """What is wrong with one tensor's header entry (None: nothing). Offsets are checked to be
     ordered here; that the ranges fit the file, `SafetensorsFile` checks."""
@@ -107,9 +103,9 @@ def _entry_problem(entry) -> str | None:
     if not isinstance(entry.get("dtype"), str):
         return f"has no dtype string ({entry.get('dtype')!r})"
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not (isinstance(shape, list) and all(map(_is_count, shape))):
+    if not (isinstance(shape, list) and all(map(is_count, shape))):
         return f"has shape {shape!r}, not a list of non-negative integers"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))
             and offsets[0] <= offsets[1]):
         return f"has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end"
     return None

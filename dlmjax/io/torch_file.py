@@ -26,6 +26,7 @@ import numpy as np
 
 from dlmjax.io.files import atomic_file
 from dlmjax.io.safetensors import CheckpointError
+from dlmjax.validation import is_count
 
 STORAGE_DTYPES = {
     "FloatStorage": np.dtype(np.float32),
@@ -41,16 +42,12 @@ class _Storage:
         self.dtype = dtype
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _rebuild_tensor(storage, offset, size, stride, *_unused) -> np.ndarray:
     """The tensor `size` at `offset` with `stride` (elements) in `storage`, copied out. The
     layout is checked first (as torch does: offset, sizes and strides non-negative integers,
     every element inside the storage), so a crafted file cannot make it read other memory."""
-    if not (isinstance(storage, np.ndarray) and _is_count(offset) and isinstance(size, tuple)
-            and isinstance(stride, tuple) and len(size) == len(stride) and all(map(_is_count, size + stride))):
+    if not (isinstance(storage, np.ndarray) and is_count(offset) and isinstance(size, tuple)
+            and isinstance(stride, tuple) and len(size) == len(stride) and all(map(is_count, size + stride))):
         raise CheckpointError(f"a tensor record (offset {offset!r}, size {size!r}, stride {stride!r}) is not a "
                               "valid layout; re-save the file with torch.save")
     if 0 in size:

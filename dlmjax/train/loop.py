@@ -12,7 +12,6 @@ uninterrupted run would have taken.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from dlmjax.config import ConfigError, ModelConfig, to_hf_config
 from dlmjax.distributed import is_main, sync
 from dlmjax.evaluation.toy import toy_accuracy
 from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
-from dlmjax.io.files import is_staging_name, staged_dir, write_atomic
+from dlmjax.io.files import file_sha256, is_staging_name, staged_dir, write_atomic
 from dlmjax.io.hf import export_model, load_config, load_model
 from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.models.transformer import Transformer, abstract_model, init_model
@@ -296,7 +295,7 @@ DATA_RECORD = "data.json"  # the sha256 of each local data.files file, as the ru
 def check_data_files(run: RunConfig, run_dir: Path, *, resuming: bool, main: bool) -> None:
     """A resumed run sees the batches it would have seen only if its data files are the ones it
     began with: the first run records their sha256 (process 0), a resumed one refuses a change."""
-    digests = {path: _sha256(path) for path in run.data.files if Path(path).is_file()}  # (HF names: not hashed)
+    digests = {path: file_sha256(path) for path in run.data.files if Path(path).is_file()}  # (HF names: not hashed)
     record = run_dir / DATA_RECORD
     if resuming and record.is_file():
         began = json.loads(record.read_text())
@@ -306,14 +305,6 @@ def check_data_files(run: RunConfig, run_dir: Path, *, resuming: bool, main: boo
                              "restore it, or start a new run (another --out) on the new data")
     elif main and digests:
         write_atomic(record, json.dumps(digests, indent=2))
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _checkpoint_manager(run_dir: Path, cfg) -> ocp.CheckpointManager:
