@@ -157,7 +157,7 @@ def cmd_eval(args) -> int:
         if value is not None:
             raise InputError(f"{option} applies to --backend lm-eval (the native tasks are zero-shot and always "
                              "sandbox the code they run); add --backend lm-eval or drop it")
-    from dlmjax.evaluation.report import write_report
+    from dlmjax.evaluation.report import run_settings, write_report
     from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
     from dlmjax.evaluation.tasks import load_eval_set
     from dlmjax.presets import load_checkpoint, load_eval_preset
@@ -205,8 +205,15 @@ def cmd_eval(args) -> int:
         records = compare_to(records, outputs, _with_controller([args.compare_to], args.model, path,
                                                                 args.tspd_controller)[0])
     title = f"{args.model} ({path})"
+    settings = run_settings(
+        getattr(args, "argv", None), backend="native", model=args.model, checkpoint=str(path),
+        preset=None if preset is None else preset.name, dtype=model.config.dtype, decoders=decoders,
+        compare_to=args.compare_to, tasks={s.task: {"rows": len(s.items), "max_new_tokens": s.max_new_tokens}
+                                           for s in eval_sets},
+        data=args.data, limit=args.limit, batch_size=args.batch_size, mesh=dict(mesh.shape), seed=args.seed,
+        chat=args.chat, mrp_head=args.mrp_head, drafter=args.drafter, expert_dispatch=args.expert_dispatch)
     table = write_report(records, outputs if args.save_outputs else None, args.out, title=title,
-                         skipped={s.task: s.skipped for s in eval_sets if s.skipped})
+                         skipped={s.task: s.skipped for s in eval_sets if s.skipped}, settings=settings)
     print(table)
     print(f"wrote {args.out}/results.json, results.md, pareto.png" + (", outputs.jsonl" if args.save_outputs else ""))
     return 0
@@ -403,6 +410,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["lm-eval"]:  # lm-eval's flags go to lm-eval's parser untouched
         return _run("lm-eval", lambda: cmd_lm_eval(argv[1:]))
     args = parse_args(argv)
+    args.argv = argv  # the command as given, for results.json
 
     def run():  # inside _run: a bad DLMJAX_KERNELS is a one-line error too
         with numerics(precision=getattr(args, "precision", None), invariant=getattr(args, "invariant", None) or None), \

@@ -4,6 +4,7 @@ import gzip
 import json
 import time
 
+import jax
 import pytest
 
 from dlmjax.cli import main
@@ -312,6 +313,12 @@ def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert {(r["task"], r["decoder"]) for r in results["runs"]} == {
         (t, d) for t in ("toy-arith", "toy-constraint", "humaneval") for d in ("static", "threshold:tau=0.5")}
+    settings = results["settings"]  # what the run was: the command and what it resolved to
+    assert settings["command"].startswith("dlmjax eval --model ") and "--limit 2" in settings["command"]
+    assert settings["checkpoint"] == str(random_sdar) and settings["decoders"] == ["static", "threshold:tau=0.5"]
+    assert settings["tasks"]["toy-arith"] == {"rows": 2, "max_new_tokens": 8} and settings["batch_size"] == 8
+    assert settings["mesh"]["data"] >= 1 and settings["numerics"]["invariant"] is False
+    assert settings["devices"]["platform"] == jax.devices()[0].platform and settings["versions"]["jax"] == jax.__version__
     run = results["runs"][0]
     assert set(run) >= {"task", "decoder", "model", "n", "accuracy", "nfe", "tpf", "tokens_per_s", "wall_s",
                         "forwards", "batch_tpf"}

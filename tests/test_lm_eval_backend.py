@@ -65,6 +65,9 @@ def test_gsm8k_prompts_are_lm_evals_five_shot_over_the_shipped_splits(gsm8k_run)
     _, results, outputs = gsm8k_run
     assert [o["index"] for o in outputs] == list(range(LIMIT))
     assert results["backend"] == "lm-eval"
+    settings = results["settings"]
+    assert settings["backend"] == "lm-eval" and settings["command"].startswith("dlmjax eval --backend lm-eval")
+    assert settings["decoders"] == [DECODER] and settings["tasks"] == ["gsm8k"] and settings["batch_size"] == 4
     assert results["lm_eval"][DECODER]["gsm8k"]["n_shot"] == 5
     train = {json.loads(line)["question"] for line in (DATA / "gsm8k" / "train.jsonl").open()}
     native = load_eval_set("gsm8k", limit=LIMIT).items

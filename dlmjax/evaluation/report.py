@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shlex
 from pathlib import Path
 
 from dlmjax.evaluation.runner import RunRecord
@@ -72,13 +74,36 @@ def pareto_plot(records: list[RunRecord], path: Path, title: str = "") -> Path:
     return path
 
 
+def run_settings(argv: list[str] | None, **resolved) -> dict:
+    """What a run was and where it ran, for results.json: the command, the settings it resolved to
+    (`resolved`, e.g. the checkpoint directory and batch size), the numerics and kernel mode in
+    force, the package versions and the devices."""
+    from importlib.metadata import version
+
+    import jax
+
+    from dlmjax import __version__, arithmetic, kernels
+
+    devices = jax.devices()
+    return {
+        "command": None if argv is None else "dlmjax " + shlex.join(argv),
+        **resolved,
+        "numerics": dataclasses.asdict(arithmetic.current()),
+        "kernels": kernels.current(),
+        "versions": {"dlmjax": __version__, "jax": jax.__version__, "jaxlib": version("jaxlib")},
+        "devices": {"platform": devices[0].platform, "kind": devices[0].device_kind, "count": len(devices),
+                    "processes": jax.process_count()},
+    }
+
+
 def write_report(records: list[RunRecord], outputs: list[dict] | None, out_dir: str | Path, *,
-                 skipped: dict[str, list[str]] | None = None, title: str = "") -> str:
-    """Write results.json, results.md, pareto.png (and outputs.jsonl when given); return the table."""
+                 skipped: dict[str, list[str]] | None = None, title: str = "", settings: dict | None = None) -> str:
+    """Write results.json, results.md, pareto.png (and outputs.jsonl when given); return the table.
+    `settings` (see `run_settings`) goes into results.json as its "settings"."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"runs": [r.to_json() for r in records], "skipped_rows": skipped or {}}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    results = {"settings": settings or {}, "runs": [r.to_json() for r in records], "skipped_rows": skipped or {}}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     table = markdown_table(records)
     (out_dir / "results.md").write_text((f"{title}\n\n" if title else "") + table)
     if outputs is not None:

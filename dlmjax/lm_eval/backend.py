@@ -77,7 +77,7 @@ def run_backend(args) -> int:
         raise InputError(f"--backend lm-eval needs lm-evaluation-harness: pip install 'dlmjax[lm-eval]' ({err})") from None
     check_backend_args(args, tasks)
 
-    from dlmjax.evaluation.report import write_report
+    from dlmjax.evaluation.report import run_settings, write_report
     from dlmjax.evaluation.runner import default_decoders
     from dlmjax.heads.mrp import has_head
     from dlmjax.io.dflash import find_drafter_dir
@@ -132,7 +132,13 @@ def run_backend(args) -> int:
     from importlib.metadata import version
 
     title = f"{args.model} ({lm.path}), lm-eval {version('lm_eval')} task definitions (dlmjax.lm_eval.tasks)"
-    table = write_report(records, outputs if args.save_outputs else None, args.out, title=title)
+    settings = run_settings(
+        getattr(args, "argv", None), backend="lm-eval", lm_eval_version=version("lm_eval"), model=args.model,
+        checkpoint=str(lm.path), dtype=lm.model.config.dtype, decoders=list(decoders), tasks=list(tasks),
+        num_fewshot=args.num_fewshot, limit=args.limit, max_new_tokens=args.max_new_tokens, batch_size=batch,
+        mesh=axes, seed=args.seed, chat=args.chat, mrp_head=args.mrp_head, drafter=args.drafter,
+        expert_dispatch=args.expert_dispatch)
+    table = write_report(records, outputs if args.save_outputs else None, args.out, title=title, settings=settings)
     out_dir = Path(args.out)
     saved = json.loads((out_dir / "results.json").read_text())
     saved.update(backend="lm-eval", lm_eval=lm_results)
