@@ -1,6 +1,7 @@
 """Training infrastructure: data, the block-diffusion layout, configs, exact resume, metrics."""
 
 import json
+import re
 import shutil
 import struct
 
@@ -195,7 +196,7 @@ def test_interrupted_training_resumes_exactly(tmp_path, config):
     assert (straight.model_dir / "tokenizer.json").is_file()
 
 
-def test_a_run_stopped_by_a_data_error_takes_the_fix_it_names(tmp_path):
+def test_a_run_stopped_by_a_data_error_takes_the_fix_it_names(tmp_path, capsys):
     """A row longer than data.seq_len stops the run at step 2 with "raise seq_len"; the stop used
     to checkpoint step 1, after which the raised seq_len was refused as another run's config."""
     from dlmjax.train.data import DataError
@@ -206,6 +207,9 @@ def test_a_run_stopped_by_a_data_error_takes_the_fix_it_names(tmp_path):
         train(load_run_config("configs/mrp/toy-sdar.yaml", base + ["data.seq_len=40"]), tmp_path, progress=False)
     fixed = train(load_run_config("configs/mrp/toy-sdar.yaml", base + ["data.seq_len=48"]), tmp_path, progress=False)
     assert fixed.step == 3 and fixed.model_dir is not None
+    # the config's warmup outlasts these 3 steps: the run says its rate never reaches train.lr
+    assert re.search(r"train.warmup_steps=\d+ >= train.steps=3: the learning rate rises for the whole run and "
+                     r"peaks at [0-9.e-]+, not train.lr=", capsys.readouterr().err)
 
 
 def test_ctrl_c_right_after_a_log_step_keeps_its_checkpoint_and_its_log_row(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ uninterrupted run would have taken.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -465,6 +466,10 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     rows = process_rows(mesh, cfg.batch_size)  # this process's rows of every global batch
 
     tx, schedule = make_optimizer(cfg)
+    if main and cfg.warmup_steps >= cfg.steps > 0:
+        print(f"note: train.warmup_steps={cfg.warmup_steps} >= train.steps={cfg.steps}: the learning rate rises for "
+              f"the whole run and peaks at {float(schedule(cfg.steps - 1)):.3g}, not train.lr={cfg.lr:g}; set "
+              "train.warmup_steps below train.steps for the schedule the config names", file=sys.stderr)
     manager = _checkpoint_manager(run_dir, cfg)
     start = manager.latest_step() or 0
     check_data_files(run, run_dir, resuming=bool(start), main=main)
