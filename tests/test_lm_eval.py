@@ -193,6 +193,20 @@ def test_malformed_requests_are_refused(toy_ar_lm):
                                     request("1+2=", "3", kind="loglikelihood")])[0] == (0.0, True)
 
 
+def test_progress_false_hides_dlmjaxs_bars(toy_ar_lm, capsys):
+    """`dlmjax eval --backend lm-eval --no-progress` passes progress=false: no dlmjax bar."""
+    prompt = [request("1+2\n", {"until": ["\n"], "max_gen_toks": 4})]
+    toy_ar_lm.generate_until(prompt)
+    assert "dlmjax generate_until" in capsys.readouterr().err
+    toy_ar_lm.progress = False
+    try:
+        toy_ar_lm.generate_until(prompt)
+    finally:
+        toy_ar_lm.progress = True
+    assert "dlmjax generate_until" not in capsys.readouterr().err
+    assert DlmjaxLM.create_from_arg_string("pretrained=toy-ar,progress=false,mesh_data=1,warmup=false").progress is False
+
+
 def test_sampled_responses_depend_on_the_request_alone_and_repeats_differ():
     """A sampling decoder's stream per request is keyed by the request (task, document, index,
     repeat), not by its place in lm-eval's combined list: a task's samples are the same whichever

@@ -95,7 +95,8 @@ def run_backend(args) -> int:
     lm = DlmjaxLM(pretrained=args.model, decoder=(args.decoder or [None])[0], batch_size=batch,
                   **{f"mesh_{axis}": size for axis, size in axes.items()}, expert_dispatch=args.expert_dispatch or "auto",
                   seed=args.seed, dtype=args.dtype, mrp_head=args.mrp_head, drafter=args.drafter,
-                  tspd_controller=args.tspd_controller, max_new_tokens=args.max_new_tokens or 256)
+                  tspd_controller=args.tspd_controller, max_new_tokens=args.max_new_tokens or 256,
+                  progress=not args.no_progress)
     decoders = args.decoder
     if not decoders:
         head = has_head(resolve_model(args.mrp_head, "--mrp-head") if args.mrp_head else lm.path) or None

@@ -65,6 +65,7 @@ MODEL_ARGS: dict[str, tuple[object, str]] = {
     "mrp_head": (None, "checkpoint directory holding the MRP head (default: the model's own)"),
     "drafter": (None, "DFlash drafter directory (default: the model's drafter/)"),
     "tspd_controller": (None, "TSPD controller (default: the model's own)"),
+    "progress": (True, "dlmjax's progress bars (lm-eval's own stay): true or false"),
     "warmup": (True, "decode the first slots once untimed before each task (tokens/s excludes compilation)"),
     "add_bos_token": (None, "add the tokenizer's special tokens (Llama 3's BOS) to contexts: true or false (default: "
                             "what the tokenizer adds, unless the text starts with BOS; lm-eval's HF model's rule)"),
@@ -212,6 +213,7 @@ class DlmjaxLM(TemplateLM):
         self.is_check_greedy = _bool_arg(args, "is_check_greedy")
         self.refill = _int_arg(args, "refill")
         self.warmup = _bool_arg(args, "warmup")
+        self.progress = _bool_arg(args, "progress")
         self.add_bos_token = None if args["add_bos_token"] is None else _bool_arg(args, "add_bos_token")
         self.template_vars = {} if args["enable_thinking"] is None else {
             "enable_thinking": _bool_arg(args, "enable_thinking")}
@@ -363,7 +365,7 @@ class DlmjaxLM(TemplateLM):
         for req in parsed:
             groups[(req.task, req.max_gen_toks)].append(req)
         responses: list[str | None] = [None] * len(parsed)
-        with tqdm(total=len(parsed), desc="dlmjax generate_until", disable=disable_tqdm) as bar:
+        with tqdm(total=len(parsed), desc="dlmjax generate_until", disable=disable_tqdm or not self.progress) as bar:
             for (task, budget), group in groups.items():
                 prompts = [self._prompt_ids(req.context, budget) for req in group]
                 for req, row in zip(group, self._decode(task, prompts, budget, [streams[r.index] for r in group])):
@@ -451,7 +453,7 @@ class DlmjaxLM(TemplateLM):
                         "as LLaDA's evaluation recommends); a metric that reads it (lambada's acc) needs "
                         "is_check_greedy=true")
         results = []
-        for ctx, cont in tqdm(pairs, desc="dlmjax loglikelihood (Monte Carlo)", disable=disable_tqdm):
+        for ctx, cont in tqdm(pairs, desc="dlmjax loglikelihood (Monte Carlo)", disable=disable_tqdm or not self.progress):
             value = masked_diffusion_bound(self.model, ctx, cont, mc_num=self.mc_num, seed=self.seed, mask_id=mask_id,
                                            batch_size=self.mc_batch, pad_id=self.eot_token_id, cfg=self.cfg,
                                            suffix=suffix)
@@ -479,7 +481,7 @@ class DlmjaxLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each document scored in disjoint windows of the model's length, as lm-eval's HF model does."""
         results = []
-        for request in tqdm(requests, desc="dlmjax loglikelihood_rolling", disable=disable_tqdm):
+        for request in tqdm(requests, desc="dlmjax loglikelihood_rolling", disable=disable_tqdm or not self.progress):
             (text,) = request.args
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
