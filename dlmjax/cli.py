@@ -59,6 +59,10 @@ def _with_controller(specs, model, model_dir, controller):
     from dlmjax.heads.controller import CONTROLLER_FILE
 
     default = controller or (model if (model_dir / CONTROLLER_FILE).is_file() else None)
+    if default is not None and "," in default and any(s.partition(":")[0].strip() in CONTROLLER_DECODERS
+                                                      for s in specs):
+        raise InputError(f"the TSPD controller path {default!r} holds a ',', which separates a decoder's options; "
+                         "move it (or link it) to a path without one")
     filled = []
     for spec in specs:
         name, _, options = spec.partition(":")

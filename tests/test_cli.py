@@ -228,6 +228,9 @@ def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path
                  "--decoder", "tspd", "--out", str(tmp_path / "eval")]) == 0
     runs = json.loads((tmp_path / "eval" / "results.json").read_text())["runs"]
     assert [r["decoder"] for r in runs] == ["tspd:controller=toy-sdar"]  # the label names it as the user did
+    # a comma in the controller's path would split the decoder's options: named, not misread
+    assert main([*args, "--decoder", "tspd", "--tspd-controller", str(tmp_path / "a,b")]) == 2
+    assert "holds a ',', which separates a decoder's options" in capsys.readouterr().err
     assert main(["export", "toy-sdar", str(tmp_path / "out")]) == 0
     assert "TSPD controller" in capsys.readouterr().out
     assert (tmp_path / "out" / "tspd_controller.safetensors").is_file()
