@@ -210,6 +210,28 @@ def param_sharding(path: str, shape, cfg, mesh: Mesh, rules: ShardingRules = DEF
     return NamedSharding(mesh, with_fsdp(spec, shape, sizes, rules.fsdp))
 
 
+def unsplit_weights(cfg, mesh: Mesh) -> list[str]:
+    """The weight groups a mesh's 'model' (tensor parallel) or 'expert' axis leaves whole on every
+    device because their units do not divide by it (`ShardingRules.spec` replicates such a dim):
+    e.g. ['attention (2 KV heads, model=8)']. Empty where every group splits."""
+    sizes = mesh_sizes(mesh)
+    model, expert = sizes.get("model", 1), sizes.get("expert", 1)
+    groups = []
+    if model > 1:
+        groups += [("attention", f"{cfg.num_kv_heads} KV heads", cfg.num_kv_heads),
+                   ("attention output", f"{cfg.num_heads} heads", cfg.num_heads),
+                   ("embedding and lm_head", f"vocabulary {cfg.vocab_size}", cfg.vocab_size)]
+        if cfg.num_experts == 0 or len(cfg.moe_layers) < cfg.num_layers:  # a dense MLP somewhere
+            groups.append(("MLP", f"intermediate size {cfg.intermediate_size}", cfg.intermediate_size))
+        if cfg.num_experts and cfg.shared_expert_intermediate_size:
+            groups.append(("shared expert", f"intermediate size {cfg.shared_expert_intermediate_size}",
+                           cfg.shared_expert_intermediate_size))
+    out = [f"{name} ({units}, model={model})" for name, units, n in groups if n % model]
+    if expert > 1 and cfg.num_experts % expert:
+        out.append(f"experts ({cfg.num_experts} experts, expert={expert})")
+    return out
+
+
 def put_array(array: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
     """Place a host array; with a sharding only each device's slice is copied (multi-host safe)."""
     if sharding is None:

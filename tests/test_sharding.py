@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import dlmjax
 from dlmjax.models.fused import split_gate_up, split_qkv
-from dlmjax.sharding import ShardingRules, batch_sharding, make_mesh
+from dlmjax.sharding import ShardingRules, batch_sharding, make_mesh, unsplit_weights
 
 pytestmark = pytest.mark.devices(8)
 
@@ -31,13 +31,21 @@ def test_eight_devices_are_visible():
     assert len(jax.devices()) == 8, "tests/conftest.py must set the XLA flag before jax starts"
 
 
-def test_sharded_forward_equals_single_device(tmp_path):
+def test_sharded_forward_equals_single_device(tmp_path, caplog):
     path = tiny_model(tmp_path)
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (4, 12)), jnp.int32)
     expected = forward(dlmjax.load_model(path), tokens)
 
     mesh = make_mesh(model=4, data=2)
     sharded = dlmjax.load_model(path, mesh=mesh)
+    # what the mesh leaves whole on every device is said, with the sizes that do not divide
+    assert "leaves these weights whole on every device" in caplog.text
+    assert "attention (2 KV heads, model=4)" in caplog.text and "attention output" not in caplog.text
+    assert unsplit_weights(sharded.config, make_mesh(model=2, data=4)) == []
+    moe = dlmjax.ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                             num_heads=4, num_kv_heads=2, head_dim=8, attention="causal", qk_norm=True, num_experts=6,
+                             num_experts_per_tok=2, moe_intermediate_size=16, moe_layers=(0, 1))
+    assert unsplit_weights(moe, make_mesh(expert=4, model=2)) == ["experts (6 experts, expert=4)"]
     qkv = sharded.layers[0].attn.qkv.kernel[...]
     assert qkv.sharding.spec == P(None, None)  # 2 KV groups do not split over 4: replicated
     assert sharded.layers[0].attn.o.kernel[...].sharding.spec == P("model", None)  # 4 heads over 4 devices

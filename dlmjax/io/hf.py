@@ -19,6 +19,7 @@ the code; every family loads back into dlmjax.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import warnings
@@ -38,8 +39,10 @@ from dlmjax.io.files import staged_dir, write_atomic
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from dlmjax.models.fused import GATE_UP, QKV, FusedLayout
 from dlmjax.models.transformer import Transformer, abstract_model
-from dlmjax.sharding import DEFAULT_RULES, ShardingRules, param_sharding, put_array
+from dlmjax.sharding import DEFAULT_RULES, ShardingRules, param_sharding, put_array, unsplit_weights
 from dlmjax.validation import read_json_file
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -364,6 +367,10 @@ def load_model(
     """
     ckpt_dir = checkpoint_path(ckpt_dir)
     cfg = load_config(ckpt_dir, family=family, dtype=dtype)
+    unsplit = unsplit_weights(cfg, mesh) if mesh is not None else []
+    if unsplit:  # each device holds these whole: the memory a split would save is not saved
+        log.warning("%s: the mesh leaves these weights whole on every device, as their sizes do not divide by its "
+                    "axes: %s; choose axis sizes that divide them to split them", ckpt_dir, "; ".join(unsplit))
     graphdef, abstract_state = nnx.split(abstract_model(cfg))
     expected = _flat_params(abstract_state)
     key_map = key_rules(cfg)
