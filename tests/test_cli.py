@@ -137,14 +137,20 @@ def test_module_entry_point_runs():
     assert "generate" in out.stdout and "export" in out.stdout
 
 
-def test_main_script_runs_on_a_given_interpreter():
+def test_main_script_runs_on_a_given_interpreter(tmp_path):
     """`DLMJAX_PYTHON=python3 scripts/main.sh ...` (an accelerator machine's preinstalled python, no
-    virtualenv) runs the command with that interpreter."""
+    virtualenv) runs the command with that interpreter, where it is called: relative paths are the
+    caller's."""
     root = Path(__file__).parents[1]
+    env = {**os.environ, "DLMJAX_PYTHON": sys.executable}
     out = subprocess.run(["bash", str(root / "scripts" / "main.sh"), "--help"], capture_output=True, text=True,
-                         env={**os.environ, "DLMJAX_PYTHON": sys.executable}, cwd=root)
+                         env=env, cwd=root)
     assert out.returncode == 0, out.stderr
     assert "generate" in out.stdout and "export" in out.stdout
+    out = subprocess.run(["bash", str(root / "scripts" / "main.sh"), "export", "toy-ar", "exported"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "exported" / "config.json").is_file() and not (root / "exported").exists()
 
 
 def test_mrp_decoders_and_export_carry_the_head(tmp_path, capsys):
