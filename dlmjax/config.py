@@ -386,9 +386,11 @@ QWEN2_BIAS_FAMILIES = ("qwen2", "dream", "fast_dllm_v2")  # q/k/v biases always,
 
 def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
     windows_start = raw.get("max_window_layers")
-    if raw.get("use_sliding_window") is True and isinstance(windows_start, int) and \
-            windows_start >= raw["num_hidden_layers"]:  # transformers windows only layers >= max_window_layers:
-        raw = {**raw, "use_sliding_window": False}     # none here, every layer attends in full
+    layer_types = raw.get("layer_types")
+    if raw.get("use_sliding_window") is True and (
+            layer_types is not None and all(t == "full_attention" for t in layer_types)  # it decides where given
+            or layer_types is None and isinstance(windows_start, int) and windows_start >= raw["num_hidden_layers"]):
+        raw = {**raw, "use_sliding_window": False}  # transformers windows no layer here: all attend in full
     unknown = set(raw) - _HF_KEYS - _METADATA_KEYS - set(_HF_FIXED) - _FAMILY_KEYS.get(fam.name, set())
     problems = _check_fixed(raw, _HF_FIXED, fam.name)
     if fam.name == "fast_dllm_v2" and "block_size" in raw:  # its block is `bd_size`; a second key would be ambiguous
@@ -400,6 +402,11 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
         problems.append(f"`attention_dropout` = {raw['attention_dropout']} (dlmjax has no dropout; set 0.0)")
     _refuse(fam.name, unknown, problems)
     num_heads = raw["num_attention_heads"]
+    # absent keys take the defaults of transformers' config classes: Llama's KV heads = heads and
+    # head_dim = hidden / heads; Qwen2's and Qwen3's (and their diffusion kin's) 32 KV heads, and
+    # Qwen3's (SDAR's) head_dim 128
+    default_kv_heads = num_heads if fam.name == "llama" else 32
+    default_head_dim = 128 if fam.name in ("qwen3", "sdar") else raw["hidden_size"] // num_heads
     # Qwen2 (Dream, Fast-dLLM v2) always carry q/k/v biases and no o bias; Qwen3/Llama/SDAR have `attention_bias`.
     always_qkv_bias = fam.name in QWEN2_BIAS_FAMILIES
     attention_bias = bool(raw.get("attention_bias", False))
@@ -410,8 +417,8 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
         intermediate_size=raw["intermediate_size"],
         num_layers=raw["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or default_kv_heads,
+        head_dim=raw.get("head_dim") or default_head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         **rope_fields(raw),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),

@@ -124,6 +124,25 @@ def test_llada_layout_matches_llama_bidirectional(tmp_path):
     assert max_diff(dlmjax.load_model(out)(jnp.asarray(tokens)).logits, expected) <= TOL
 
 
+def test_a_config_without_dtype_loads_in_the_dtype_its_weights_are_stored_in(tmp_path):
+    """LLaDA-8B's config.json names no dtype and its weights are bf16: it loads as bf16 (as
+    transformers' default dtype "auto" loads it), not as twice the memory in fp32."""
+    import ml_dtypes
+
+    llama = torch_model("llama", head_dim=8)
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in llada_tensors(state_dict_numpy(llama)).items()}
+    path = write_checkpoint(tmp_path / "llada", _llada_config(llama.config), bf16)
+    assert dlmjax.load_model(path).embed[...].dtype == jnp.bfloat16
+    assert dlmjax.load_model(path, dtype="float32").embed[...].dtype == jnp.float32  # asked for: as asked
+    hf = tmp_path / "llama"
+    llama.to(torch.bfloat16).save_pretrained(hf)
+    config = json.loads((hf / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (hf / "config.json").write_text(json.dumps(config))
+    expected = next(transformers.AutoModelForCausalLM.from_pretrained(hf).parameters()).dtype
+    assert expected == torch.bfloat16 and dlmjax.load_model(hf).config.dtype == "bfloat16"
+
+
 def relabelled_checkpoint(model, out_dir, **config_changes):
     """The transformers model's weights and config under another family's model_type."""
     config = {**json.loads(model.config.to_json_string()), **config_changes}
@@ -327,6 +346,40 @@ def test_llada_configs_must_name_what_llada_defaults_otherwise():
             from_hf_config({k: v for k, v in full.items() if k != key})
     with pytest.raises(ConfigError, match="activation_type"):
         from_hf_config({**full, "activation_type": "swiglu"})
+
+
+def test_absent_head_dim_and_kv_heads_take_transformers_defaults(tmp_path):
+    """A config.json without head_dim or num_key_value_heads means what transformers' config class
+    defaults it to: Qwen3's head_dim is 128 (not hidden / heads), Qwen2's and Qwen3's KV heads 32,
+    Llama's KV heads its heads. Logits equal transformers' loaded from the same files."""
+    cases = [("qwen3", dict(head_dim=128, num_key_value_heads=32, num_attention_heads=32), ("head_dim",
+                                                                                         "num_key_value_heads")),
+             ("qwen2", dict(num_key_value_heads=32, num_attention_heads=32, hidden_size=64), ("num_key_value_heads",)),
+             ("llama", dict(num_key_value_heads=4, head_dim=8), ("num_key_value_heads", "head_dim"))]
+    tokens = random_tokens(1, 6)
+    for kind, shape, dropped in cases:
+        path = tmp_path / kind
+        torch_model(kind, **shape).save_pretrained(path)
+        config = json.loads((path / "config.json").read_text())
+        for key in dropped:
+            config.pop(key)
+        (path / "config.json").write_text(json.dumps(config))
+        expected = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+        ours = dlmjax.load_model(path)
+        assert (ours.config.head_dim, ours.config.num_kv_heads) == (expected.config.head_dim,
+                                                                      expected.config.num_key_value_heads), kind
+        assert max_diff(ours(jnp.asarray(tokens)).logits, torch_logits(expected, tokens)) <= TOL, kind
+
+
+def test_sliding_window_with_every_layer_type_full_loads_as_full_attention(tmp_path):
+    """`layer_types` decides where transformers windows, when it is given: all full_attention with
+    `use_sliding_window: true` is a model without a window."""
+    qwen2 = torch_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                        layer_types=["full_attention", "full_attention"])
+    qwen2.save_pretrained(tmp_path / "q")
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["use_sliding_window"] is True
+    tokens = random_tokens(2, 12)
+    assert max_diff(dlmjax.load_model(tmp_path / "q")(jnp.asarray(tokens)).logits, torch_logits(qwen2, tokens)) <= TOL
 
 
 def test_a_sliding_window_no_layer_uses_loads_as_full_attention(tmp_path):

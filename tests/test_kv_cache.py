@@ -103,6 +103,11 @@ def test_hidden_layers_follow_transformers_indexing():
     out = model(tokens(5), hidden_layers=(0, 2))
     assert len(out.layer_hidden) == 2
     assert max_diff(out.layer_hidden[0], model.embed_tokens(tokens(5))) == 0.0
+    last = model.config.num_layers  # before the final norm (transformers' last entry has it applied)
+    assert max_diff(model.final_norm(model(tokens(5), hidden_layers=(last,)).layer_hidden[0]), out.hidden) == 0.0
+    for bad in ((last + 1,), (-1,), (2, 0), (1, 1)):  # would come back shorter or in another order
+        with pytest.raises(ValueError, match=rf"hidden_layers=.*increasing indices in 0..{last}"):
+            model(tokens(5), hidden_layers=bad)
 
 
 def test_cache_requires_explicit_positions():

@@ -71,6 +71,12 @@ def one_line_error(capsys, argv) -> str:
     ("mrp-remask:tau=0", "mrp-remask: tau=0.0 must be in (0, 1]"),
     ("static:top_p=0", "static: top_p=0.0 must be in (0, 1]"),
     ("threshold:tau=0.5,tau=0.6", "option 'tau' is given twice"),
+    # sampling options at temperature 0 would do nothing, yet ride along in the decoder's name
+    ("static:top_p=0.1", "static: top_p=0.1: top_p and sampled_scores shape sampling, and temperature=0 is greedy"),
+    ("threshold:sampled_scores=true", "threshold: sampled_scores=True: top_p and sampled_scores shape sampling"),
+    ("ar:top_p=0.5", "ar: top_p=0.5: top_p and sampled_scores shape sampling"),
+    ("drafter:top_p=0.5", "drafter: top_p=0.5: top_p and sampled_scores shape sampling"),
+    ("llada2:sampled_scores=false", "llada2: sampled_scores=False: top_p and sampled_scores shape sampling"),
 ])
 def test_out_of_range_decoder_options_are_refused(spec, message):
     with pytest.raises(DecoderSpecError) as err:
@@ -119,29 +125,48 @@ def test_prompts_are_checked():
         generate(model, [[1, 2], [3, 100]], max_new_tokens=4)
     with pytest.raises(InputError, match="prompt 0 is neither text nor a list of token ids"):
         generate(model, [[1, 2.5]], max_new_tokens=4)
+    with pytest.raises(InputError, match="prompt 0 is neither text nor a list of token ids"):
+        generate(model, [b"hi"], max_new_tokens=4)  # bytes are not ids of their byte values
+    with pytest.raises(InputError, match=r"a 1-d array of token ids is one prompt; pass one prompt as \[prompt\]"):
+        generate(model, np.array([1, 2, 3]), max_new_tokens=4)
+    with pytest.raises(InputError, match=r"neither a spec string nor a decoder; .*not the class"):
+        generate(model, [[1, 2]], decoder=Threshold, max_new_tokens=4)
+    # a mask id in a prompt would be generated over where it falls in the first generation block
+    mask = model.config.mask_token_id
+    with pytest.raises(InputError, match=rf"prompt 1 holds the mask token \(id {mask}\) at position 2; .*remove it"):
+        generate(model, [[1, 3], [3, 4, mask]], max_new_tokens=4)
+    # prompts read once: a generator (or an iterator as one prompt) is every prompt it yields
+    listed = [r.tokens for r in generate(model, [[1, 3, 4], [4, 5], [6]], max_new_tokens=4).rows]
+    assert [r.tokens for r in generate(model, (p for p in [[1, 3, 4], [4, 5], [6]]), max_new_tokens=4).rows] == listed
+    assert generate(model, [iter([1, 3, 4])], max_new_tokens=4).rows[0].tokens == listed[0]
+    tokenizer = load_tokenizer(dlmjax.presets.resolve_model("random-sdar"))
+    texts = np.array(["12+3=", "4+5="], dtype=object)  # what pandas' .to_numpy() gives
+    assert len(generate(model, (t for t in texts), tokenizer=tokenizer, max_new_tokens=2).rows) == 2
+    assert len(generate(model, texts, tokenizer=tokenizer, max_new_tokens=2).rows) == 2
 
 
 def test_numpy_values_and_out_of_range_ids_seeds_and_stream_sizes():
     """numpy's integers and [B, L] arrays are what they look like; ids and seeds outside their
-    range, and a Stream's refill or limit below 1, are InputErrors, not hangs or raw errors."""
+    range, and a Stream's refill or limit below 1, are InputErrors, not hangs or raw errors (the
+    prompts avoid id 2, random-sdar's mask)."""
     model = dlmjax.load_model(dlmjax.presets.resolve_model("random-sdar"))
-    plain = generate(model, [[1, 2, 3], [4, 5, 6]], max_new_tokens=4)
-    same = generate(model, np.array([[1, 2, 3], [4, 5, 6]]), max_new_tokens=np.int64(4), seed=np.int32(0))
+    plain = generate(model, [[1, 3, 4], [4, 5, 6]], max_new_tokens=4)
+    same = generate(model, np.array([[1, 3, 4], [4, 5, 6]]), max_new_tokens=np.int64(4), seed=np.int32(0))
     assert [r.tokens for r in same.rows] == [r.tokens for r in plain.rows]
     texts = generate(model, np.array(["12+3=", "4+5="]), tokenizer=load_tokenizer(
         dlmjax.presets.resolve_model("random-sdar")), max_new_tokens=2)  # numpy's strings are texts
     assert len(texts.rows) == 2
-    as_jax = generate(model, [[1, 2], [3, 4]], max_new_tokens=4, row_ids=jax.numpy.arange(2), seed=jax.numpy.int32(0))
-    assert [r.tokens for r in as_jax.rows] == [r.tokens for r in generate(model, [[1, 2], [3, 4]], max_new_tokens=4).rows]
+    as_jax = generate(model, [[1, 3], [3, 4]], max_new_tokens=4, row_ids=jax.numpy.arange(2), seed=jax.numpy.int32(0))
+    assert [r.tokens for r in as_jax.rows] == [r.tokens for r in generate(model, [[1, 3], [3, 4]], max_new_tokens=4).rows]
     for kwargs, message in [(dict(row_ids=[2**40, 1]), r"row_ids must lie in \[0, 2147483647\]"),
                             (dict(row_ids=[0.5, 1]), "row_ids must be one integer per prompt"),
                             (dict(seed=2**70), "seed=1180591620717411303424 must be"),
                             (dict(seed=1.5), "seed=1.5 must be an integer")]:
         with pytest.raises(InputError, match=message):
-            generate(model, [[1, 2], [3, 4]], max_new_tokens=4, **kwargs)
+            generate(model, [[1, 3], [3, 4]], max_new_tokens=4, **kwargs)
     for kwargs in (dict(refill=-1), dict(refill=2.5), dict(refill=0), dict(limit=0), dict(seed=-1)):
         with pytest.raises(InputError, match=f"{next(iter(kwargs))}="):
-            Stream(model, [[1, 2], [3, 4]], batch_size=2, max_new_tokens=4, **kwargs)
+            Stream(model, [[1, 3], [3, 4]], batch_size=2, max_new_tokens=4, **kwargs)
 
 
 def test_any_max_new_tokens_is_decoded_and_cut(capsys):

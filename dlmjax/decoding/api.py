@@ -58,19 +58,32 @@ def verifies_drafts(decoder) -> bool:
 
 
 def _resolve_decoder(decoder) -> DiffusionDecoder | AR:
-    return parse_decoder(decoder) if isinstance(decoder, str) else decoder
+    if isinstance(decoder, str):
+        return parse_decoder(decoder)
+    if not isinstance(decoder, (DiffusionDecoder, *CAUSAL_DECODERS)):
+        raise InputError(f"decoder={decoder!r} is neither a spec string nor a decoder; pass a spec ('threshold:tau=0.9') "
+                         "or an instance (Threshold(tau=0.9)), not the class")
+    return decoder
 
 
 def _encode(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> list[list[int]]:
     """Prompts (a list of texts, or of token-id lists) as token ids, each in [0, vocab_size)."""
-    if isinstance(prompts, (str, bytes)):
+    if isinstance(prompts, (str, bytes, bytearray)):
         raise InputError("prompts must be a list (of texts or of token-id lists); pass one prompt as [prompt]")
-    if isinstance(prompts, np.ndarray):  # texts [B], or ids [B, L]: B prompts of L tokens
-        if prompts.dtype.kind in "US" and prompts.ndim == 1 or prompts.dtype.kind in "iu" and prompts.ndim == 2:
+    if isinstance(prompts, np.ndarray):  # texts [B] (an object array: pandas' .to_numpy()), or ids [B, L]
+        if prompts.dtype.kind in "USO" and prompts.ndim == 1 or prompts.dtype.kind in "iu" and prompts.ndim == 2:
             prompts = prompts.tolist()
+        elif prompts.dtype.kind in "iu" and prompts.ndim == 1:
+            raise InputError("a 1-d array of token ids is one prompt; pass one prompt as [prompt] (or a 2-d array of "
+                             "[prompts, tokens])")
         else:
             raise InputError(f"a numpy array of prompts is [prompts] of texts or [prompts, tokens] of ids, not "
                              f"{prompts.ndim}-d {prompts.dtype}")
+    try:
+        prompts = list(prompts)  # read once: a generator's items would be used up by the checks below
+    except TypeError:
+        raise InputError(f"prompts must be a list (of texts or of token-id lists), not {type(prompts).__name__}"
+                         ) from None
     if not prompts:
         raise InputError("no prompts given")
     if all(isinstance(p, str) for p in prompts):
@@ -90,7 +103,10 @@ def _encode(prompts, tokenizer: Tokenizer | None, vocab_size: int) -> list[list[
 
 def _token_ids(index: int, prompt) -> list[int]:
     try:
-        if isinstance(prompt, str) or any(isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (str, bytes, bytearray)):  # bytes would read as ids of their byte values
+            raise TypeError
+        prompt = list(prompt)
+        if any(isinstance(t, bool) for t in prompt):
             raise TypeError
         return [operator.index(t) for t in prompt]
     except TypeError:
@@ -238,6 +254,10 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
         fix = "use --decoder ar (or drafter)" if causal else "use a diffusion decoder (static, threshold, entropy)"
         raise DecoderSpecError(f"decoder {decoder.name!r} does not fit a {kind} {model.config.family} model; {fix}")
     mask_id, eos, pad = _special_ids(model, tokenizer, need_mask=not causal)
+    for i, p in enumerate(ids):  # the canvas's masks are the positions to generate: a prompt holds none
+        if mask_id is not None and mask_id in p:
+            raise InputError(f"prompt {i} holds the mask token (id {mask_id}) at position {p.index(mask_id)}; diffusion "
+                             "decoders would take it for a position to generate: remove it from the prompt")
     row_ids_b = batch_row_ids(row_ids, len(ids))  # checks one id per prompt
     request = _Request(model, tokenizer, decoder, ids, eos, pad, mask_id, max_new_tokens, _head_for(decoder, model, head))
     if not causal:

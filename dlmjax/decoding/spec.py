@@ -67,6 +67,7 @@ class DiffusionDecoder:
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and value > INT32_MAX:
                 raise DecoderSpecError(f"{self.name}: {f.name}={value} must be <= {INT32_MAX} (an int32 on the device)")
+        refuse_idle_sampling_options(self)
         if (self.no_eos or self.eos_last) and not self.eos_options:
             raise DecoderSpecError(f"{self.name}: no_eos and eos_last are options of static, threshold, entropy and "
                                    "psd only; drop them or pick one of those decoders")
@@ -230,6 +231,17 @@ class Entropy(DiffusionDecoder):
         return policies.entropy_commit(scores, masked_bk, self.gamma)
 
 
+def refuse_idle_sampling_options(decoder) -> None:
+    """top_p and sampled_scores shape sampling: at temperature 0 (greedy) they would do nothing, yet
+    the decoder's name would carry them into every result; refuse them there."""
+    fields = {f.name: f.default for f in dataclasses.fields(decoder)}
+    idle = [f"{name}={getattr(decoder, name)}" for name in ("top_p", "sampled_scores")
+            if name in fields and getattr(decoder, name) != fields[name]]
+    if decoder.temperature == 0.0 and idle:
+        raise DecoderSpecError(f"{decoder.name}: {', '.join(idle)}: top_p and sampled_scores shape sampling, and "
+                               "temperature=0 is greedy; set temperature > 0 or remove them")
+
+
 @dataclass(frozen=True)
 class AR:
     """Plain autoregressive decoding with a KV cache (causal models only)."""
@@ -241,6 +253,7 @@ class AR:
 
     def __post_init__(self):
         check_fields(self, f"{self.name}: ", error=DecoderSpecError)
+        refuse_idle_sampling_options(self)
 
 
 @dataclass(frozen=True)
@@ -260,6 +273,7 @@ class DrafterDecoding:
 
     def __post_init__(self):
         check_fields(self, f"{self.name}: ", error=DecoderSpecError)
+        refuse_idle_sampling_options(self)
 
 
 CAUSAL_DECODERS = (AR, DrafterDecoding)  # the decoders of causal (autoregressive) models

@@ -339,12 +339,30 @@ def checkpoint_path(name_or_dir: str | Path) -> Path:
 
 def load_config(ckpt_dir: str | Path, *, family: str | None = None, dtype: str | None = None) -> ModelConfig:
     """The `ModelConfig` of a checkpoint directory or preset name."""
-    raw = read_config(checkpoint_path(ckpt_dir))
+    ckpt_dir = checkpoint_path(ckpt_dir)
+    raw = read_config(ckpt_dir)
     if isinstance(raw, dict) and raw.get("architectures") == ["DFlashDraftModel"]:
         raise CheckpointError(f"{ckpt_dir} holds a DFlash drafter, not a model: pass it as --drafter DIR (model_args "
                               "drafter=DIR) beside its target model")
     cfg = from_hf_config(raw, family=family)
+    if dtype is None and isinstance(raw, dict) and raw.get("dtype", raw.get("torch_dtype")) is None:
+        dtype = stored_dtype(ckpt_dir)  # config.json names none (LLaDA-8B's): what the weights are stored in
     return cfg.replace(dtype=dtype) if dtype else cfg
+
+
+STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_dtype(ckpt_dir: Path) -> str | None:
+    """The floating dtype that holds most of a checkpoint's weight bytes (transformers' dtype "auto"
+    falls back to the weights' dtype where config.json names none); None without weights to read."""
+    if not any(p.name not in SIDE_FILES for p in ckpt_dir.glob("*.safetensors")):
+        return None
+    counts: dict[str, int] = defaultdict(int)
+    for name, shard in open_shards(ckpt_dir).items():
+        counts[shard.stored_dtype(name)] += shard.nbytes(name)
+    floating = {STORED_DTYPES[code]: n for code, n in counts.items() if code in STORED_DTYPES}
+    return max(floating, key=floating.get) if floating else None
 
 
 def _flat_params(model_or_state) -> dict[str, nnx.Variable]:

@@ -76,6 +76,14 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def stored_dtype(self, name: str) -> str:
+        """The dtype code tensor `name` is stored in (F32, BF16, ...), read from the header alone."""
+        return self._entries[name]["dtype"]
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self._entries[name]["data_offsets"]
+        return end - begin
+
     def get(self, name: str) -> np.ndarray:
         entry = self._entries[name]
         code = entry["dtype"]

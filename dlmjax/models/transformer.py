@@ -306,11 +306,17 @@ class Transformer(nnx.Module):
         `visible_bll` [B, L, L] replaces the chunk's visibility outright (training layouts such as
         the block-diffusion noisy+clean concatenation; not combined with a cache).
 
-        `hidden_layers` follows transformers' `hidden_states` indexing: 0 is the embedding
-        output, i the residual stream after layer i. `chunk_parts`: static sizes that split the
-        chunk's keys into separately reduced attention parts (numerics only; see `layers.attention`).
+        `hidden_layers` (increasing, in 0..num_layers) follows transformers' `hidden_states`
+        indexing: 0 is the embedding output, i the residual stream after layer i; at num_layers it
+        is the stream before the final norm, which transformers' last entry has applied
+        (`ModelOutput.hidden` is that one). `chunk_parts`: static sizes that split the chunk's keys
+        into separately reduced attention parts (numerics only; see `layers.attention`).
         """
         cfg = self.config
+        if hidden_layers and (list(hidden_layers) != sorted(set(hidden_layers)) or hidden_layers[0] < 0
+                              or hidden_layers[-1] > cfg.num_layers):
+            raise ValueError(f"hidden_layers={hidden_layers}: give increasing indices in 0..{cfg.num_layers} (one "
+                             "array comes back per index, in that order)")
         b, l = tokens_bl.shape
         if positions_bl is None:
             if cache is not None:
