@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 import time
 
 import jax
@@ -296,6 +297,47 @@ def test_every_task_and_decoder_is_checked_before_the_first_decodes(random_sdar,
     too_long = load_eval_set("toy-arith", limit=2, max_new_tokens=4096)
     with pytest.raises(InputError, match=r"task toy-arith, decoder static: prompt \("):
         run_eval(model, tokenizer, [arith, too_long], ["static"], model_name="random", progress=False)
+
+
+TIMED_RUN_COMPILES = """
+import jax.monitoring
+import dlmjax.evaluation.runner as runner
+from dlmjax.evaluation.tasks import load_eval_set
+from dlmjax.presets import load_checkpoint
+
+compiles, starts = [], []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+make_stream = runner.task_stream
+
+def counted(*args, **kwargs):  # each call of the stream it returns: the probe, the warm-up, the timed run
+    stream = make_stream(*args, **kwargs)
+    def call(**limit):
+        starts.append(len(compiles))
+        return stream(**limit)
+    return call
+
+runner.task_stream = counted
+_, model, tokenizer, _ = load_checkpoint("toy-sdar")
+runner.evaluate_decoder(model, tokenizer, load_eval_set("toy-arith", limit=8), "static", model_name="toy-sdar",
+                        batch_size=4)
+print(len(starts), len(compiles) - starts[-1])
+"""
+
+
+def test_the_timed_run_compiles_nothing():
+    """`dlmjax eval`'s times exclude compilation: after the warm-up, the timed stream of the first
+    decoder in a fresh process compiles nothing (a module imported inside the first trace that
+    registers jax config state, as Pallas does on jax 0.12, would recompile it there)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = subprocess.run([sys.executable, "-c", TIMED_RUN_COMPILES], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "0"], out.stdout
 
 
 def test_report_table_and_front():

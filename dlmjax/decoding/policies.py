@@ -16,6 +16,7 @@ import numpy as np
 from flax import struct
 
 from dlmjax import arithmetic
+from dlmjax.kernels.residual_argmax import residual_argmax  # at import: see dlmjax.models.layers
 
 
 @struct.dataclass
@@ -71,8 +72,6 @@ def hidden_scores(model, hidden_bkd, *, mask_id: int | None, residual=None) -> S
     """Greedy Scores [B, K] straight from final-normed hidden states [B, K, D], through
     `kernels.residual_argmax` (no [B, K, V] logits where it runs as a kernel); `residual` = (h_p
     [B, K, D], s) adds an MRP residual s lm_head(h_p) to the logits it scores."""
-    from dlmjax.kernels.residual_argmax import residual_argmax
-
     b, k, d = hidden_bkd.shape
     if residual is not None:
         residual = (residual[0].reshape(b * k, d), residual[1])

@@ -11,6 +11,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from dlmjax import arithmetic
+# imported with the model, not inside the first trace: Pallas registers jax config state on import,
+# which would change every jit cache key and recompile what a warm-up already compiled
+from dlmjax.kernels.attention import attention as kernel_attention
 
 # A large finite negative instead of -inf: a query with no visible key (a padding row) gets a
 # uniform softmax rather than NaNs, and its output is never read.
@@ -158,9 +161,7 @@ def attention(q_blhd, kv_parts, query_group: int | None = None):
         if len(parts) == 1:  # see `_hidden_key`
             parts.append(_hidden_key(*parts[0]))
         return _attention_tiled(q_blhd, parts, query_group or setting.query_tile, setting.sequence_tile)
-    from dlmjax.kernels.attention import attention as dispatch
-
-    return dispatch(q_blhd, kv_parts)
+    return kernel_attention(q_blhd, kv_parts)
 
 
 def _hidden_key(k_bshd, v_bshd, visible_bls):
