@@ -8,7 +8,7 @@ import pytest
 from dlmjax.evaluation.math_answer import equivalent, last_boxed, math_correct, normalize
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.evaluation.tasks import (
-    DatasetError, MATH500_TEST, MBPP_TEST, extract_code, load_eval_set, mbpp_program,
+    DatasetError, MATH500_TEST, MBPP_TEST, extract_code, load_eval_set, mbpp_code, mbpp_program,
 )
 
 
@@ -42,6 +42,11 @@ def test_mbpp_reference_solutions_pass_and_wrong_code_fails():
         "```python\n```",  # nothing
     ]
     assert loaded.score([item] * len(wrong), wrong) == [False] * len(wrong)
+    # an unfenced chat answer: the prose before and after its code is not part of the program
+    code = item.reference["code"].replace("\r\n", "\n")
+    chatty = [f"Here is the function:\n\n{code}", f"{code}\n\nThis removes the first and last occurrence."]
+    assert loaded.score([item] * 2, chatty) == [True, True]
+    assert mbpp_code("Sure:\ndef f(x):\n    return x\n    y = (\n") == "def f(x):\n    return x\n    y = (\n"  # a broken block stays broken
 
 
 def test_mbpp_code_that_loops_is_killed_and_fails():
@@ -127,6 +132,18 @@ def test_the_shipped_math500_loads_and_every_solutions_boxed_answer_matches_its_
     # a matrix's row breaks written compactly or across lines, against MATH's `\\ ` with spaces
     ("\\begin{pmatrix}-2\\\\-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ -14 \\end{pmatrix}"),
     ("\\begin{pmatrix}-2\\\\\n-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ -14 \\end{pmatrix}"),
+    # MATH-500's multiple-choice references are `\text{(C)}`; its interval answers may name the variable
+    ("C", "\\text{(C)}"),
+    ("\\text{E}", "\\text{(E)}"),
+    ("[-2,7]", "x \\in [-2,7]"),
+    ("12 inches", "12"),
+    ("60 \\text{ km/h}", "60"),
+    ("\\pi/2", "\\frac{\\pi}{2}"),
+    ("\\sqrt{3}/2", "\\frac{\\sqrt{3}}{2}"),
+    ("1 \\text{ and } 2", "1, 2"),
+    ("\\text{East}", "east"),
+    ("\u22125", "-5"),
+    ("90°", "90"),
 ])
 def test_math_answers_equal_in_common_latex_forms(predicted, reference):
     assert equivalent(predicted, reference)
@@ -141,6 +158,10 @@ def test_math_answers_equal_in_common_latex_forms(predicted, reference):
     ("-2", "2"),
     ("2\\sqrt{2}", "\\sqrt{8}"),  # no algebra: documented
     ("1,2", "1,2,3"),
+    ("C", "D"),
+    ("3m", "3"),  # a variable, not a unit
+    ("10^{3}", "1000"),  # no algebra
+    ("\\pi/2", "\\frac{2}{\\pi}"),
     ("\\begin{pmatrix}-2\\\\-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ 14 \\end{pmatrix}"),
 ])
 def test_different_math_answers_are_not_equal(predicted, reference):

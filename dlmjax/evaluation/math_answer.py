@@ -4,11 +4,14 @@
 spaces, `\\displaystyle`; `\\dfrac`/`\\tfrac` -> `\\frac`; `\\frac12` -> `\\frac{1}{2}`;
 `\\sqrt2` -> `\\sqrt{2}`; trailing units in `\\text{...}`/`\\mbox{...}`, degrees (`^\\circ`,
 `^{\\circ}`, `degrees`), `\\%`, a leading `\\$`, a leading `x =`, thousands separators
-(`1,000`, `1{,}000`) and a trailing period dropped; `\\text{(C)}` -> `(C)`. `equivalent`
-compares the normal forms, and else compares numbers exactly as fractions (`0.5`, `1/2`,
-`\\frac{1}{2}` and `\\frac12` are all one half; `50\\%` is 50, as MATH writes percentages),
-element by element for comma-separated tuples and intervals. It does no algebra: `2\\sqrt{2}`
-and `\\sqrt{8}` are different answers here.
+(`1,000`, `1{,}000`) and a trailing period dropped; a unit word after a number (`12 inches`),
+`°`, and a leading `x \\in` dropped; `\\text{(C)}` and `(C)` -> `C` (a multiple-choice letter);
+`1 \\text{ and } 2` -> `1,2`; a top-level `a/b` -> `\\frac{a}{b}` (`\\pi/2`); the minus sign
+U+2212 -> `-`. `equivalent` compares the normal forms (plain words regardless of case), and
+else compares numbers exactly as fractions (`0.5`, `1/2`, `\\frac{1}{2}` and `\\frac12` are all
+one half; `50\\%` is 50, as MATH writes percentages), element by element for comma-separated
+tuples and intervals. It does no algebra: `2\\sqrt{2}` and `\\sqrt{8}`, `10^{3}` and `1000` are
+different answers here.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import re
 from fractions import Fraction
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+# unit words a number may carry in a boxed answer (as lm-eval's minerva_math strips such words)
+_UNITS = ("inches", "inch", "feet", "foot", "ft", "yards", "miles", "mph", "cm", "mm", "km", "meters", "metres",
+          "seconds", "minutes", "hours", "days", "weeks", "years", "dollars", "cents", "pounds", "ounces", "grams",
+          "kg", "square", "sq", "units", "unit", "degrees", "degree", "ways", "points", "people", "students")
+_UNIT_AFTER_NUMBER = re.compile(r"(?<=[\d}])\s+(?:" + "|".join(_UNITS) + r")(?:\^\{?\d\}?)?$")  # `12 inches`, not `3m`
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
@@ -69,22 +77,37 @@ def _short_args(answer: str) -> str:
 
 def normalize(answer: str) -> str:
     """One spelling for the common ways of writing the same answer (see the module docstring)."""
-    a = answer.strip().rstrip(".").strip().strip("$").strip().replace("{,}", ",")
+    a = answer.strip().rstrip(".").strip().strip("$").strip().replace("{,}", ",").replace("\u2212", "-")
     a = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", a)
     a = re.sub(r"(\\\\)|\\(?:displaystyle|!|,|;|:| )|~", r"\1", a)  # spacing; a row break `\\` stays
     a = a.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("^{\\circ}", "").replace("^\\circ", "")
-    a = a.replace("\\%", "").replace("%", "").replace("\\$", "")
-    # a trailing unit, squared or cubed too (`864 \mbox{ inches}^2`)
-    a = re.sub(r"(?<=\S)\s*\\(?:text|mbox|textbf)\{\s*[a-zA-Z][a-zA-Z .^0-9]*\}(?:\^\{?\d\}?)?$", "", a)
+    a = a.replace("\\%", "").replace("%", "").replace("\\$", "").replace("°", "")
+    a = re.sub(r"\\text\{\s*and\s*\}", ",", a)  # `1 \text{ and } 2`: two answers
+    # a trailing unit, squared or cubed too (`864 \mbox{ inches}^2`, `60 \text{ km/h}`)
+    a = re.sub(r"(?<=\S)\s*\\(?:text|mbox|textbf)\{\s*[a-zA-Z][a-zA-Z .^0-9/]*\}(?:\^\{?\d\}?)?$", "", a)
     for command in ("text", "textbf", "mbox", "mathrm"):
         a = _unwrap(a, command)
-    a = re.sub(r"\s*(?:degrees?|units?)$", "", a)
-    a = re.sub(r"^[a-zA-Z]\s*=\s*(?=\S)", "", a)  # "x = 5" -> "5"
+    a = _UNIT_AFTER_NUMBER.sub("", a.strip())
+    a = re.sub(r"^[a-zA-Z]\s*(?:=|\\in(?![a-zA-Z]))\s*(?=\S)", "", a)  # "x = 5" -> "5", "x \in [1,2]" -> "[1,2]"
     a = re.sub(r"\s+", "", a)
     a = _short_args(a)
     if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", a):
         a = a.replace(",", "")
-    return a.rstrip(".")
+    a = re.sub(r"^\(([A-Z])\)$", r"\1", a)  # a multiple-choice letter: (C) -> C
+    return _slash_as_frac(a.rstrip("."))
+
+
+def _slash_as_frac(a: str) -> str:
+    """A top-level `a/b` (one slash outside any bracket, no comma) as `\\frac{a}{b}`: `\\pi/2`."""
+    depth, slashes = 0, []
+    for i, ch in enumerate(a):
+        depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
+        if ch == "/" and depth == 0:
+            slashes.append(i)
+    if len(slashes) != 1 or "," in a:
+        return a
+    top, bottom = a[:slashes[0]], a[slashes[0] + 1:]
+    return f"\\frac{{{top}}}{{{bottom}}}" if top and bottom else a
 
 
 def _number(text: str) -> Fraction | None:
@@ -117,7 +140,7 @@ def _split_top(text: str) -> list[str]:
 
 
 def _same(a: str, b: str) -> bool:
-    if a == b:
+    if a == b or a.isalpha() and a.lower() == b.lower():  # a plain word: `\text{East}` is `east`
         return True
     x, y = _number(a), _number(b)
     return x is not None and x == y

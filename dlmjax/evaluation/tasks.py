@@ -297,7 +297,31 @@ def _closes_a_block(completion: str, fence: int, prompt_code: str) -> bool:
 
 
 def mbpp_program(row: dict, completion: str) -> str:
-    return f"{extract_code(completion)}\n\n{row.get('test_setup_code') or ''}\n" + "\n".join(row["test_list"]) + "\n"
+    return f"{mbpp_code(completion)}\n\n{row.get('test_setup_code') or ''}\n" + "\n".join(row["test_list"]) + "\n"
+
+
+def mbpp_code(completion: str) -> str:
+    """The code of an MBPP completion (`extract_code`); an unfenced chat answer that does not parse
+    loses the prose around its code: what comes before its first def/class/import line, and from
+    the unindented line after the longest run of lines from there that parses."""
+    code = extract_code(completion)
+    if "```" in completion or _parses(code):
+        return code
+    start = re.search(r"^(?:def|class|from|import|@)\b", code, re.MULTILINE)
+    if start is None:
+        return code
+    lines = code[start.start():].split("\n")
+    kept = next((k for k in range(len(lines), 0, -1)  # cut only before an unindented line (prose), never in a block
+                 if (k == len(lines) or lines[k][:1].strip()) and _parses("\n".join(lines[:k]))), len(lines))
+    return "\n".join(lines[:kept])
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError):
+        return False
+    return True
 
 
 def _mbpp_row_problem(row) -> str | None:
