@@ -86,6 +86,8 @@ class ModelConfig:
 
     def __post_init__(self):
         check_fields(self, "model.", error=ConfigError)  # every field's type and `limits`
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model.family={self.family!r} is unknown; families: {', '.join(FAMILIES)}")
         if self.attention == "block_causal" and not self.block_size:
             raise ConfigError("block_causal attention needs block_size (e.g. 4); set it in config.json")
         if self.num_heads % self.num_kv_heads:

@@ -101,12 +101,12 @@ def test_the_fsdp_gather_is_the_largest_layers_and_moe_configs_name_their_expert
     assert per_layer[1] > per_layer[0] and tree_bytes(*largest_layer(state, sh)) == per_layer[1]
     with pytest.raises(ConfigError, match="num_experts=8 with no moe_layers would build a dense model"):
         MOE.replace(moe_layers=())
-    from dlmjax.train.loop import model_config
+    from dlmjax.train.config import backbone_config
 
     run = load_run_config("configs/toy-sdar-scratch.yaml", [
         "model.family=sdar_moe", "model.num_experts=4", "model.num_experts_per_tok=2",
         "model.moe_intermediate_size=16", "model.moe_layers=[1, 2]"])
-    assert model_config(run, {"vocab_size": 64, "mask": 3, "eos": 2, "pad": 0}).moe_layers == (1, 2)
+    assert backbone_config(run.model, {"vocab_size": 64, "mask": 3, "eos": 2, "pad": 0}).moe_layers == (1, 2)
 
 
 def test_a_mesh_on_part_of_the_devices_is_named_and_refused_across_processes(monkeypatch, caplog):

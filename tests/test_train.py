@@ -4,6 +4,7 @@ import json
 import re
 import shutil
 import struct
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -149,6 +150,22 @@ def test_config_overrides_and_errors(tmp_path):
         load_run_config(tmp_path / "nope.yaml")
     with pytest.raises(RunConfigError, match="block_causal"):
         load_run_config("configs/toy-sdar.yaml", ["model.attention=causal"])
+    # the model section: numbers as YAML writes them, its errors named with the file at load
+    run = load_run_config("configs/toy-sdar.yaml", ["model.rope_theta=1e6", "model.rms_norm_eps=1e-5",
+                                                    "data.tasks={toy-arith: 1e-1}"])
+    assert run.model["rope_theta"] == 1e6 and run.model["rms_norm_eps"] == 1e-5 and run.data.tasks["toy-arith"] == 0.1
+    for override, message in [("model.vocab_size=100", r"model keys \['vocab_size'\] come from the toy character "
+                                                       "tokenizer"),
+                               ("model.eos_token_ids=[3]", r"\['eos_token_ids'\] come from the toy"),
+                               ("model.family=qwen", r"model: model.family='qwen' is unknown; families: qwen3, "),
+                               ("model.num_heads=3", r"configs/toy-sdar.yaml: model: num_attention_heads=3 is not a "
+                                                     "multiple")]:
+        with pytest.raises(RunConfigError, match=message):
+            load_run_config("configs/toy-sdar.yaml", [override])
+    # a section left empty in the file still takes overrides
+    empty = tmp_path / "empty-train.yaml"
+    empty.write_text(Path("configs/toy-sdar.yaml").read_text().split("train:")[0] + "train:\n  # steps: 100\n")
+    assert load_run_config(empty, ["train.steps=100"]).train.steps == 100
 
 
 def _read_tb_scalars(tb_dir):

@@ -24,6 +24,12 @@ def char_tokenizer(chars: tuple[str, ...] = CHARS) -> Tokenizer:
     return tok
 
 
+def special_ids(tok: Tokenizer) -> dict[str, int]:
+    """The special-token ids (pad, eos, mask) and the vocabulary size of a character tokenizer."""
+    return {"pad": tok.token_to_id(PAD), "eos": tok.token_to_id(EOS), "mask": tok.token_to_id(MASK),
+            "vocab_size": tok.get_vocab_size()}
+
+
 def save_char_tokenizer(out_dir: str | Path, chars: tuple[str, ...] = CHARS) -> dict[str, int]:
     """Write tokenizer.json + tokenizer_config.json; returns the special-token ids."""
     out_dir = Path(out_dir)
@@ -35,5 +41,4 @@ def save_char_tokenizer(out_dir: str | Path, chars: tuple[str, ...] = CHARS) -> 
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": PAD, "eos_token": EOS, "mask_token": MASK,
               "unk_token": UNK, "model_max_length": 4096}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return {"pad": tok.token_to_id(PAD), "eos": tok.token_to_id(EOS), "mask": tok.token_to_id(MASK),
-            "vocab_size": tok.get_vocab_size()}
+    return special_ids(tok)

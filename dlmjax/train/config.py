@@ -85,17 +85,18 @@ class DataConfig:
         if self.files:
             if self.tasks is not None:
                 raise RunConfigError("data.files takes the place of data.tasks: give one of them (data.tasks=null)")
-            for path, weight in self.files.items():
+            files = {path: _coerce("float", weight) for path, weight in self.files.items()}  # `1e-1`: a number
+            for path, weight in files.items():
                 check_value("data.files", path, "str", error=RunConfigError)
                 check_value(f"data.files.{path}", weight, "float", POSITIVE, error=RunConfigError)
-            object.__setattr__(self, "files", {_local_path(p): w for p, w in self.files.items()})
+            object.__setattr__(self, "files", {_local_path(p): w for p, w in files.items()})
             return
         if (self.prompt_field, self.response_field, self.chat) != ("prompt", "response", False):
             raise RunConfigError("data.prompt_field, data.response_field and data.chat read the rows of data.files, "
                                  "which is not given: name the JSONL files (data.files={train.jsonl: 1}) or remove "
                                  "them")
-        if self.tasks is None:
-            object.__setattr__(self, "tasks", dict(TOY_TASKS))
+        object.__setattr__(self, "tasks", dict(TOY_TASKS) if self.tasks is None
+                           else {name: _coerce("float", weight) for name, weight in self.tasks.items()})
         if not self.tasks:
             raise RunConfigError(f"data.tasks is empty; give task weights, e.g. {{{next(iter(TASKS))}: 1.0}}")
         for name, weight in self.tasks.items():
@@ -312,10 +313,17 @@ class RunConfig:
         unknown = sorted(set(self.model) - known)
         if unknown:
             raise RunConfigError(f"unknown model keys {unknown}; ModelConfig fields are: {', '.join(sorted(known))}")
+        from_tokenizer = sorted(set(self.model) & set(TOKENIZER_FIELDS))
+        if from_tokenizer:
+            raise RunConfigError(f"model keys {from_tokenizer} come from the toy character tokenizer the run trains "
+                                 "with; remove them")
         if self.objective == "block_diffusion" and self.model.get("attention") != "block_causal":
             raise RunConfigError("objective block_diffusion needs model.attention=block_causal")
         if self.objective == "next_token" and self.model.get("attention", "causal") != "causal":
             raise RunConfigError("objective next_token needs model.attention=causal")
+        from dlmjax.toy.tokenizer import char_tokenizer, special_ids
+
+        backbone_config(self.model, special_ids(char_tokenizer()))  # refused here, where the error names the file
 
     def _refuse_what_the_objective_does_not_read(self):
         """Settings another objective reads, set here, would be ignored without a word."""
@@ -386,6 +394,8 @@ class RunConfig:
 _SECTIONS = {"data": DataConfig, "train": OptimConfig, "mrp": MRPSection, "drafter": DrafterSection,
              "tspd": TSPDSection, "mesh": MeshSection}
 _TOP_LEVEL = ("objective", "backbone", "model", "data", "train", "mrp", "drafter", "tspd", "mesh")
+# what a backbone run's ModelConfig takes from its tokenizer (`backbone_config`)
+TOKENIZER_FIELDS = ("vocab_size", "mask_token_id", "eos_token_ids", "pad_token_id")
 
 
 def _mapping(name: str | None, value) -> dict:
@@ -407,6 +417,29 @@ def _section(name: str, values):
     if unknown:
         raise RunConfigError(f"unknown {name} keys {unknown}; known: {', '.join(sorted(known))}")
     return cls(**{k: _coerce(cls.__dataclass_fields__[k].type, v) for k, v in values.items()})
+
+
+def backbone_config(model: dict, ids: dict) -> ModelConfig:
+    """The trained backbone's config: the `model` section with the tokenizer's `ids` (pad, eos,
+    mask, vocab_size); refused where its family's checkpoint layout could not hold it (the export
+    would load as another model)."""
+    from dlmjax.config import ConfigError, to_hf_config
+
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items()}  # YAML has lists, not tuples
+    try:
+        cfg = ModelConfig(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
+                          pad_token_id=ids["pad"], **fields)
+        to_hf_config(cfg)
+    except ConfigError as err:
+        raise RunConfigError(f"model: {err}") from None
+    return cfg
+
+
+def _model_section(values) -> dict:
+    """The `model` section: ModelConfig fields, numbers written `1e6` read as numbers (YAML reads
+    them as strings); unknown keys are left for RunConfig to name."""
+    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    return {k: _coerce(fields[k], v) if k in fields else v for k, v in _mapping("model", values).items()}
 
 
 def _coerce(type_name: str, value):
@@ -433,7 +466,9 @@ def apply_override(raw: dict, override: str) -> None:
         raise RunConfigError(f"override {override!r}: {key!r} is not section.key (e.g. train.steps=100)")
     node = raw
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or a section left empty in the YAML (`train:`)
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise RunConfigError(f"override {key!r}: {part!r} is not a section")
     try:
@@ -450,7 +485,7 @@ def from_dict(raw) -> RunConfig:
     backbone = raw.get("backbone")
     return RunConfig(
         objective=raw.get("objective", "block_diffusion"),
-        model=dict(_mapping("model", raw.get("model"))),
+        model=_model_section(raw.get("model")),
         data=_section("data", raw.get("data")),
         train=_section("train", raw.get("train")),
         backbone=None if backbone is None else str(backbone),

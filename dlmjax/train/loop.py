@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from dlmjax.config import ConfigError, ModelConfig, to_hf_config
+from dlmjax.config import ModelConfig
 from dlmjax.distributed import is_main, sync
 from dlmjax.evaluation.toy import toy_accuracy
 from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
@@ -41,9 +41,9 @@ from dlmjax.models.transformer import Transformer, abstract_model, init_model
 from dlmjax.presets import resolve_model
 from dlmjax.memory import check_training_memory
 from dlmjax.sharding import param_sharding, placement, put_array
-from dlmjax.toy.tokenizer import EOS, MASK, PAD, char_tokenizer, save_char_tokenizer
+from dlmjax.toy.tokenizer import char_tokenizer, save_char_tokenizer, special_ids
 from dlmjax.train import objectives, unfused
-from dlmjax.train.config import RunConfig, RunConfigError, from_dict, read_yaml
+from dlmjax.train.config import RunConfig, RunConfigError, backbone_config, from_dict, read_yaml
 from dlmjax.train.data import (
     file_tasks, global_batch, global_width, make_batch, pad_batch, process_rows, sample_examples,
 )
@@ -75,19 +75,6 @@ def make_optimizer(cfg) -> tuple[optax.GradientTransformation, optax.Schedule]:
                     mask=decay_mask),
     )
     return tx, schedule
-
-
-def model_config(run: RunConfig, ids: dict) -> ModelConfig:
-    """The trained backbone's config; refused before training where its family's checkpoint
-    layout could not hold it (the export would load as another model)."""
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in run.model.items()}  # YAML has lists, not tuples
-    cfg = ModelConfig(vocab_size=ids["vocab_size"], mask_token_id=ids["mask"], eos_token_ids=(ids["eos"],),
-                      pad_token_id=ids["pad"], **fields)
-    try:
-        to_hf_config(cfg)
-    except ConfigError as err:
-        raise RunConfigError(f"model: {err}") from None
-    return cfg
 
 
 # What a trained head, drafter or controller holds, whatever its frozen model computes in: bf16
@@ -183,10 +170,7 @@ def backbone_trainee(run: RunConfig, run_dir: Path) -> Trainee:
     if is_main():
         save_char_tokenizer(run_dir / "tokenizer")
     sync("dlmjax-train-tokenizer")
-    tok = char_tokenizer()
-    ids = {"pad": tok.token_to_id(PAD), "eos": tok.token_to_id(EOS), "mask": tok.token_to_id(MASK),
-           "vocab_size": tok.get_vocab_size()}
-    model_cfg = model_config(run, ids)
+    model_cfg = backbone_config(run.model, special_ids(char_tokenizer()))
     tokenizer = load_tokenizer(run_dir / "tokenizer", model_cfg)
     loss = make_loss(run, model_cfg)
 
