@@ -450,10 +450,6 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     rows = process_rows(mesh, cfg.batch_size)  # this process's rows of every global batch
 
     tx, schedule = make_optimizer(cfg)
-    if main and cfg.warmup_steps >= cfg.steps > 0:
-        print(f"note: train.warmup_steps={cfg.warmup_steps} >= train.steps={cfg.steps}: the learning rate rises for "
-              f"the whole run and peaks at {float(schedule(cfg.steps - 1)):.3g}, not train.lr={cfg.lr:g}; set "
-              "train.warmup_steps below train.steps for the schedule the config names", file=sys.stderr)
     manager = _checkpoint_manager(run_dir, cfg)
     start = manager.latest_step() or 0
     check_data_files(run, run_dir, resuming=bool(start), main=main)
@@ -465,6 +461,10 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         frozen_sh = placement(frozen, mesh, trainee.frozen.config if isinstance(trainee.frozen, Transformer) else None)
     check_training_memory(run, mesh, cfg=getattr(trainee.frozen or trainee.abstract, "config", None),
                           abstract=abstract, frozen=frozen, frozen_shardings=frozen_sh, show=main)
+    if main and cfg.warmup_steps >= cfg.steps > 0:
+        print(f"note: train.warmup_steps={cfg.warmup_steps} >= train.steps={cfg.steps}: the learning rate rises for "
+              f"the whole run and peaks at {float(schedule(cfg.steps - 1)):.3g}, not train.lr={cfg.lr:g}; set "
+              "train.warmup_steps below train.steps for the schedule the config names", file=sys.stderr)
     if start:  # resume: restore into the abstract structure (no init, `init_from` not read again)
         restored = unfused.restore(manager, start, abstract, trainee.abstract)  # a pre-fusion run converted
         params, opt_state = restored["params"], restored["opt_state"]
