@@ -174,9 +174,10 @@ def cmd_eval(args) -> int:
             raise InputError(f"--preset {preset.name} runs on {preset.checkpoint}: download it and pass its "
                              "directory as --model DIR")
         args.decoder = args.decoder or list(preset.decoders)
-        args.chat = args.chat or preset.chat
+        args.chat = preset.chat if args.chat is None else args.chat
         args.batch_size = args.batch_size or preset.batch_size
     args.model = args.model or "toy-sdar"
+    args.chat = bool(args.chat)
     args.batch_size = args.batch_size or 64
     mesh = _cli_mesh(args.mesh) or make_mesh(model=1)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh,
@@ -186,7 +187,13 @@ def cmd_eval(args) -> int:
         if args.chat and preset.chat_template_vars:
             args.chat = dict(preset.chat_template_vars)  # e.g. Qwen3's enable_thinking: false
     named = (args.decoder or []) + ([args.compare_to] if args.compare_to is not None and args.decoder else [])
-    drafter = _drafter_for(path, model, named, args.drafter, args.dtype)
+    try:
+        drafter = _drafter_for(path, model, named, args.drafter, args.dtype)
+    except InputError as err:
+        if preset is None or preset.drafter is None:
+            raise
+        raise InputError(f"{err} (the preset's drafter is {preset.drafter}, from huggingface.co/{preset.drafter})"
+                         ) from None
     tasks = args.task or (list(preset.tasks) if preset is not None else ["toy-arith", "toy-constraint"])
     if args.data is not None and len(tasks) != 1:
         raise InputError("--data applies to one task; pass a single --task with it")
@@ -332,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=count_arg, default=None, help="override the task's generation budget")
     ev.add_argument("--seed", type=seed_arg, default=0)
     ev.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    ev.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    ev.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="wrap each prompt in the model's chat template (--no-chat: not, where a preset would)")
     ev.add_argument("--mrp-head", default=None, help=MRP_HEAD_HELP)
     ev.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     ev.add_argument("--tspd-controller", default=None, help=CONTROLLER_HELP)

@@ -138,7 +138,7 @@ class EvalPreset:
 
     def __post_init__(self):
         from dlmjax.config import FAMILIES
-        from dlmjax.decoding.spec import parse_decoder
+        from dlmjax.decoding.spec import parse_decoder, parse_options
         from dlmjax.evaluation.tasks import EVAL_TASKS as TASKS
 
         where = f"preset {self.path or self.name}"
@@ -154,9 +154,13 @@ class EvalPreset:
         for spec in self.decoders:
             if not isinstance(spec, str):
                 raise InputError(f"{where}: decoders are spec strings such as 'threshold:tau=0.9', not {spec!r}")
-            if spec.split(":")[0].strip() not in ("tspd", "tspd+ce"):  # those read a controller file at parse
+            if spec.split(":")[0].strip() in ("tspd", "tspd+ce"):  # built, those read a controller file
+                parse_options(spec)
+            else:
                 parse_decoder(spec)
         family = FAMILIES[self.family]
+        if family.attention == "block_causal" and self.block_size is None:
+            raise InputError(f"{where}: {self.family} decodes in blocks; set block_size (the checkpoint's)")
         if family.attention == "causal" and self.mask_token_id is not None:
             raise InputError(f"{where}: {self.family} is autoregressive; set mask_token_id: null")
         if family.attention != "causal" and self.mask_token_id is None:

@@ -55,6 +55,8 @@ def test_the_seed_settings_the_presets_carry():
     mrp = load_eval_preset("sdar-8b-mrp")
     assert mrp.block_size == 16 and mrp.checkpoint == "heavyball/sdar-8b-mrp-3lyr"
     assert {"static", "mrp-spec:drafts=1", "mrp-spec:drafts=4", "mrp-remask:tau=0.5,delta=1.0"} <= set(mrp.decoders)
+    remask = parse_decoder(next(d for d in mrp.decoders if d.startswith("mrp-remask")))  # the seed's row first
+    assert (remask.rule, remask.head_input, remask.head_context) == ("residual", "pre", "block")
     assert load_eval_preset("sdar-1.7b-chat").block_size == 4
     llada = load_eval_preset("llada-8b-instruct")
     assert set(llada.tasks.values()) == {256} and "threshold:tau=0.9,block=32" in llada.decoders
@@ -118,6 +120,10 @@ def test_malformed_presets_are_refused_with_the_fix(tmp_path):
         load_eval_preset(_write(tmp_path, GOOD.replace("mask_token_id: 3", "mask_token_id: null")))
     with pytest.raises(InputError, match="block_size"):
         load_eval_preset(_write(tmp_path, GOOD.replace("block_size: 8", "block_size: 0")))
+    with pytest.raises(InputError, match="sdar decodes in blocks; set block_size"):
+        load_eval_preset(_write(tmp_path, GOOD.replace("block_size: 8", "block_size: null")))
+    with pytest.raises(InputError, match="tspd: unknown option 'bogus'"):  # named at load, before any model
+        load_eval_preset(_write(tmp_path, GOOD.replace('"threshold:tau=0.9"', '"tspd:bogus=1"')))
 
 
 def test_eval_runs_a_presets_table(tmp_path, capsys):
@@ -139,6 +145,17 @@ def test_eval_runs_a_presets_table(tmp_path, capsys):
     assert cli_main(["eval", "--preset", "llada-8b-instruct", "--model", "toy-sdar", "--out",
                      str(tmp_path / "x")]) == 2
     assert "for GSAI-ML/LLaDA-8B-Instruct (family llada)" in capsys.readouterr().err
+    # a preset's chat: true is turned off by --no-chat (random-sdar has no chat template)
+    chat = _write(tmp_path, preset.read_text().replace("chat: false", "chat: true"))
+    common = ["eval", "--preset", str(chat), "--model", "random-sdar", "--limit", "1", "--no-progress"]
+    assert cli_main([*common, "--out", str(tmp_path / "chat")]) == 2
+    assert "no chat template" in capsys.readouterr().err
+    assert cli_main([*common, "--no-chat", "--out", str(tmp_path / "plain")]) == 0
+    assert json.loads((tmp_path / "plain" / "results.json").read_text())["settings"]["chat"] is False
+    # the drafter a preset names is named where the model has none
+    assert cli_main(["eval", "--preset", "qwen3-8b", "--model", "random-qwen3", "--decoder", "drafter",
+                     "--task", "gsm8k", "--limit", "1", "--out", str(tmp_path / "d")]) == 2
+    assert "(the preset's drafter is z-lab/Qwen3-8B-DFlash-b16, from huggingface.co/z-lab" in capsys.readouterr().err
 
 
 def test_published_mrp_checkpoints_config_keys_load_and_are_checked(tmp_path):

@@ -321,6 +321,13 @@ def decoder_names() -> list[str]:
 
 def parse_decoder(spec: str):
     """`NAME` or `NAME:key=value,key=value` -> a decoder config."""
+    cls, options = parse_options(spec)
+    return cls(**options)
+
+
+def parse_options(spec: str) -> tuple[type, dict]:
+    """A spec's decoder class and its options, each named and typed, before the decoder is built
+    (a TSPD decoder reads its controller file when built)."""
     if not isinstance(spec, str):
         raise DecoderSpecError(f"decoder {spec!r} is neither a spec string (e.g. 'threshold:tau=0.9') nor a decoder "
                                f"config; valid decoders: {', '.join(decoder_names())}")
@@ -341,4 +348,4 @@ def parse_decoder(spec: str):
         if key in kwargs:
             raise DecoderSpecError(f"{name}: option {key!r} is given twice; keep one")
         kwargs[key] = _convert(value, fields[key].type, key, name)
-    return cls(**kwargs)
+    return cls, kwargs

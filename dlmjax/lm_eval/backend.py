@@ -115,7 +115,7 @@ def run_backend(args) -> int:
                 model=lm, tasks=names, num_fewshot=args.num_fewshot, limit=args.limit, log_samples=True,
                 task_manager=TaskManager(include_path=include, include_defaults=False),
                 gen_kwargs={"max_gen_toks": args.max_new_tokens} if args.max_new_tokens else None,
-                apply_chat_template=args.chat, fewshot_as_multiturn=args.fewshot_as_multiturn != "false",
+                apply_chat_template=bool(args.chat), fewshot_as_multiturn=args.fewshot_as_multiturn != "false",
                 confirm_run_unsafe_code=args.confirm_run_unsafe_code,
             )
             tables.append(f"lm-eval, decoder `{decoder}`:\n\n{make_table(out)}")
@@ -137,7 +137,7 @@ def run_backend(args) -> int:
         getattr(args, "argv", None), backend="lm-eval", lm_eval_version=version("lm_eval"), model=args.model,
         checkpoint=str(lm.path), dtype=lm.model.config.dtype, decoders=list(decoders), tasks=list(tasks),
         num_fewshot=args.num_fewshot, limit=args.limit, max_new_tokens=args.max_new_tokens, batch_size=batch,
-        mesh=axes, seed=args.seed, chat=args.chat, mrp_head=args.mrp_head, drafter=args.drafter,
+        mesh=axes, seed=args.seed, chat=bool(args.chat), mrp_head=args.mrp_head, drafter=args.drafter,
         expert_dispatch=args.expert_dispatch)
     table = write_report(records, outputs if args.save_outputs else None, args.out, title=title, settings=settings)
     out_dir = Path(args.out)
