@@ -174,6 +174,14 @@ def test_the_shipped_gsm8k_test_split_loads():
     # a chat answer restating the question first is not cut there
     restated = f"**Question:** {loaded.items[0].prompt}\n\n**Answer:** so #### {answer}"
     assert loaded.score(loaded.items[:1], [restated]) == [True]
+    # gsm8k-cot: the same rows, OpenCompass's 0-shot chain-of-thought prompt, the boxed answer scored
+    cot = load_eval_set("gsm8k-cot", limit=2)
+    assert cot.task == "gsm8k-cot" and cot.max_new_tokens == 512 and len(cot.items) == 2
+    assert cot.items[0].prompt.startswith(loaded.items[0].reference and "Janet") and cot.items[0].prompt.endswith(
+        "\nPlease reason step by step, and put your final answer within \\boxed{}.")
+    scored = [f"16 - 3 - 4 = 9, so 9 * 2 = {answer}. \\boxed{{{answer}}}", f"\\boxed{{{answer}}} or maybe 7",
+              f"It is \\boxed{{\\${answer}}}.", f"so {answer}", "\\boxed{7}", f"\\boxed{{7}}, not {answer}"]
+    assert cot.score(cot.items[:1] * 6, scored) == [True, True, True, True, False, False]
 
 
 def test_dataset_errors_name_the_fix(tmp_path):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from dlmjax.evaluation.math_answer import math_correct
+from dlmjax.evaluation.math_answer import last_boxed, math_correct
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.toy.tasks import get_task, gsm8k_correct, marked_number
 from dlmjax.validation import InputError, positive_int, read_json_file
@@ -182,7 +182,14 @@ def gsm8k_answer(completion: str) -> str:
     return completion[:stop] if stop >= 0 else completion
 
 
-def _gsm8k(data, strict: bool = False) -> EvalSet:
+def gsm8k_cot_correct(completion: str, reference: str) -> bool:
+    """gsm8k-cot: the last `\\boxed{...}` answer's number (else the completion's last number, as
+    flexible extraction reads an answer that forgot the box) against the `#### N` answer."""
+    boxed = last_boxed(completion)
+    return gsm8k_correct(completion if boxed is None else boxed, reference)
+
+
+def _gsm8k(data, strict: bool = False, cot: bool = False) -> EvalSet:
     if data is None:
         data = GSM8K_TEST
         if not data.is_file():
@@ -192,12 +199,15 @@ def _gsm8k(data, strict: bool = False) -> EvalSet:
                                    check=lambda row: None if marked_number(row["answer"]) is not None
                                    else "answer has no '#### N' line with a number",
                                    source=data, strict=strict)
-    items = [EvalItem(number - 1, gsm8k_prompt(row["question"]), row["answer"]) for number, row in usable]
+    prompt = math500_prompt if cot else gsm8k_prompt
+    items = [EvalItem(number - 1, prompt(row["question"]), row["answer"]) for number, row in usable]
 
     def scorer(batch, completions):
+        if cot:
+            return [gsm8k_cot_correct(text, item.reference) for item, text in zip(batch, completions)]
         return [gsm8k_correct(gsm8k_answer(text), item.reference) for item, text in zip(batch, completions)]
 
-    return EvalSet("gsm8k", items, 256, scorer, skipped)
+    return EvalSet("gsm8k-cot" if cot else "gsm8k", items, 512 if cot else 256, scorer, skipped)
 
 
 def truncate_completion(text: str, stops=HUMANEVAL_STOPS) -> str:
@@ -364,7 +374,7 @@ def _math500(data, strict: bool = False) -> EvalSet:
     return EvalSet("math500", items, 512, scorer, skipped)
 
 
-EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "humaneval", "mbpp", "math500")
+EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "gsm8k-cot", "humaneval", "mbpp", "math500")
 
 
 def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tokens: int | None = None,
@@ -379,8 +389,8 @@ def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tok
         if data is not None:
             raise DatasetError(f"{name} is generated (seed {TOY_SEED}); it takes no --data")
         loaded = _toy(name, limit)
-    elif name == "gsm8k":
-        loaded = _gsm8k(data, strict=strict)
+    elif name in ("gsm8k", "gsm8k-cot"):
+        loaded = _gsm8k(data, strict=strict, cot=name == "gsm8k-cot")
     elif name == "humaneval":
         loaded = _humaneval(data, strict=strict)
     elif name == "mbpp":
