@@ -35,7 +35,7 @@ def test_preset_loads_validates_and_agrees_with_its_family(name):
     assert preset.name == name == Path(preset.path).stem
     assert preset.mask_token_id == family.default_mask_token_id  # the family's mask id (None for AR)
     assert preset.chat  # instruct/chat checkpoints: prompts through their own template
-    assert set(preset.tasks) <= {"gsm8k", "humaneval", "mbpp", "math500"}
+    assert set(preset.tasks) <= {"gsm8k", "gsm8k-cot", "humaneval", "mbpp", "math500"}
     for spec in preset.decoders:
         decoder = parse_decoder(spec)
         if family.attention == "bidirectional":  # a decoding block only where the model has none
@@ -55,6 +55,7 @@ def test_the_seed_settings_the_presets_carry():
     mrp = load_eval_preset("sdar-8b-mrp")
     assert mrp.block_size == 16 and mrp.checkpoint == "heavyball/sdar-8b-mrp-3lyr"
     assert {"static", "mrp-spec:drafts=1", "mrp-spec:drafts=4", "mrp-remask:tau=0.5,delta=1.0"} <= set(mrp.decoders)
+    assert "gsm8k-cot" in mrp.tasks and "gsm8k" not in mrp.tasks  # GSM8K_SETTING 0shot_cot
     remask = parse_decoder(next(d for d in mrp.decoders if d.startswith("mrp-remask")))  # the seed's row first
     assert (remask.rule, remask.head_input, remask.head_context) == ("residual", "pre", "block")
     assert load_eval_preset("sdar-1.7b-chat").block_size == 4
