@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 import dlmjax
-from common import peaked_random_model
+from common import peaked_random_model, random_prompt
 from dlmjax.decoding.api import generate
 
 
@@ -39,9 +39,8 @@ def main():
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
 
     model = dlmjax.load_model(args.model) if args.model else peaked_random_model("llada", args, num_kv_heads=args.hidden // 32)
-    vocab = model.config.vocab_size
     rng = np.random.RandomState(0)
-    prompts = [rng.randint(1, vocab - 1, args.prompt_len - i).tolist() for i in range(args.batch)]
+    prompts = [random_prompt(rng, model.config, args.prompt_len - i) for i in range(args.batch)]
     sep = "," if ":" in args.decoder else ":"
     specs = {mode: f"{args.decoder}{sep}block={args.block},cache={mode}" for mode in ("none", "prefix", "dual")}
     runs = {mode: [] for mode in specs}

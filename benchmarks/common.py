@@ -1,12 +1,23 @@
 """Shared by the benchmarks: random models whose head is scaled up so that their distributions
 are peaked, as a trained model's are (confidence-based decoders then commit several tokens per
-step instead of one); how to hand transformers' models their KV cache."""
+step instead of one); random prompts; how to hand transformers' models their KV cache."""
 
 from __future__ import annotations
 
 import inspect
 
+import numpy as np
+
 import dlmjax
+
+
+def random_prompt(rng: np.random.RandomState, cfg, length: int) -> list[int]:
+    """`length` random token ids of `cfg`'s vocabulary without its special ids (mask, pad, bos,
+    eos): `generate` refuses a prompt holding the mask id. Below the first special id the draws
+    are `rng.randint(0, ...)`'s own."""
+    special = {cfg.mask_token_id, cfg.pad_token_id, cfg.bos_token_id, *cfg.eos_token_ids} - {None}
+    allowed = np.setdiff1d(np.arange(cfg.vocab_size), np.fromiter(special, int, len(special)))
+    return allowed[rng.randint(0, len(allowed), length)].tolist()
 
 
 def torch_cache_name(torch_model) -> str:

@@ -54,7 +54,7 @@ import numpy as np
 from flax import nnx
 
 import dlmjax
-from benchmarks.common import torch_cache_name
+from benchmarks.common import random_prompt, torch_cache_name
 from benchmarks.decode_throughput import SHAPES, random_sdar, run_batches
 from benchmarks.exactness import _prefill, step_inputs, step_ms
 from dlmjax import kernels
@@ -392,7 +392,7 @@ def section_tiles(model, args, peak):
 
 def section_decoders(model, head, args):
     rng = np.random.RandomState(0)
-    prompts = [rng.randint(0, model.config.vocab_size - 2, args.prompt_len).tolist() for _ in range(args.prompts)]
+    prompts = [random_prompt(rng, model.config, args.prompt_len) for _ in range(args.prompts)]
     lines = [f"Decoders ({len(prompts)} prompts of {args.prompt_len} tokens, {args.max_new} new tokens, fixed batches, "
              f"kernels {args.decoder_kernels}):", "",
              "| decoder | batch | first call s (compile) | forwards | tokens/s | wall s |",

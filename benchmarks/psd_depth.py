@@ -4,7 +4,7 @@ one step per forward (depth 1), with a check that every depth gives the same tok
 Default model: a random SDAR-shaped model (head scaled so distributions are peaked, block 8).
 Run on a trained block-causal checkpoint with --model DIR (accuracy there: `dlmjax eval`).
 
-    python benchmarks/psd_depth.py [--model DIR] [--policies threshold,tau=0.9 topk,k=1] [--depths 1 2 4 8]
+    python benchmarks/psd_depth.py [--model DIR] [--policies threshold,tau=0.9 topk,k=1 margin,margin=0.5] [--depths 1 2 4 8]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 import dlmjax
-from common import peaked_random_model
+from common import peaked_random_model, random_prompt
 from dlmjax.decoding.api import generate
 
 
@@ -40,8 +40,7 @@ def main():
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
     model = dlmjax.load_model(args.model) if args.model else peaked_random_model("sdar", args, num_kv_heads=max(1, args.hidden // 64))
     rng = np.random.RandomState(0)
-    vocab = model.config.vocab_size
-    prompts = [rng.randint(1, vocab - 1, args.prompt_len + i).tolist() for i in range(args.batch)]
+    prompts = [random_prompt(rng, model.config, args.prompt_len + i) for i in range(args.batch)]
     print(f"{'policy':<22}{'depth':>6}{'fwds':>6}{'TPF':>7}{'wall ms':>10}{'same tokens':>13}")
     for policy in args.policies:
         reference = None

@@ -208,8 +208,8 @@ def threshold_commit(scores: Scores, masked_bk, tau: float):
 
 def entropy_commit(scores: Scores, masked_bk, gamma: float):
     """Lowest-entropy positions first, while the running sum of entropies stays <= gamma, and
-    always the lowest-entropy one (dInfer's and SDAR's `max(1, ...)`: where even that one is over
-    gamma, it is the one committed, not the most confident)."""
+    always the lowest-entropy one (SDAR's `max(1, ...)`: where even that one is over gamma, it is
+    the one committed, not the most confident)."""
     ent = jnp.where(masked_bk, scores.entropy, jnp.inf)
     order = jnp.argsort(ent, axis=-1, stable=True)
     sorted_ent = jnp.take_along_axis(ent, order, axis=-1)

@@ -216,12 +216,15 @@ class Threshold(DiffusionDecoder):
 
 @dataclass(frozen=True)
 class Entropy(DiffusionDecoder):
-    """Entropy-bounded (dInfer's EB sampler): commit masked positions in order of increasing
-    entropy while their summed entropy stays <= gamma; always at least the lowest-entropy one."""
+    """Entropy-bounded (the EB sampler's idea, Ben-Hamu et al.; the spec lists it among dInfer's
+    cheap extras): commit masked positions in order of increasing entropy while their summed
+    entropy, this one's included, stays <= gamma; always at least the lowest-entropy one. (The EB
+    sampler leaves the last one's entropy out of the sum, and SDAR's JetEngine compares with <:
+    at one gamma the three commit slightly different sets.)"""
 
     name: ClassVar[str] = "entropy"
     eos_options: ClassVar[bool] = True
-    limits = {"gamma": AT_LEAST_0}  # 0: one token per step
+    limits = {"gamma": AT_LEAST_0}  # 0: the lowest-entropy position per step (with any of entropy exactly 0)
     gamma: float = 0.5
 
     def ranks_by_confidence(self) -> bool:
