@@ -185,6 +185,20 @@ def test_invariant_mode_mrp_spec_equals_static():
     assert spec.forwards < static.forwards, "no draft was accepted: the test is vacuous"
 
 
+def test_invariant_mode_controller_outputs_of_a_row_do_not_depend_on_its_batch():
+    """The TSPD controller and the Learn2PD block filter (dlmjax.heads.controller) decide commits:
+    in invariant mode a row's P(final) is bitwise the same alone and in a batch."""
+    from dlmjax.heads.controller import BLOCK_FEATURES, FEATURES, Controller, mlp_outputs
+
+    for features in (len(FEATURES), len(BLOCK_FEATURES), 8):
+        params = Controller(features, hidden=64, seed=3).params()
+        x = jnp.asarray(np.random.default_rng(features).normal(size=(6, features)), jnp.float32)
+        with dlmjax.numerics(invariant=True):
+            run = arithmetic.jit(lambda c: mlp_outputs(params, c))
+            batch = np.asarray(run(x))
+            assert all(np.array_equal(np.asarray(run(x[i:i + 1]))[0], batch[i]) for i in range(6)), features
+
+
 def test_invariant_mode_keeps_the_fast_modes_tokens_on_a_peaked_model():
     """The mode changes rounding only: where no near-tie exists, the tokens are the fast mode's."""
     model = peaky_model("sdar", seed=1)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dlmjax import arithmetic
 from dlmjax.io.files import file_sha256
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
 from dlmjax.validation import InputError
@@ -74,10 +75,14 @@ def model_fingerprint(config) -> dict:
 
 def mlp_outputs(params: dict, x):
     """The controller's pure numerics: params {fc1_w [H, F], fc1_b, fc2_w [O, H], fc2_b, mean, std,
-    lo, hi} (PyTorch layout), x [..., F] raw features -> logits [..., O] (float32)."""
-    x = (jnp.clip(x.astype(jnp.float32), params["lo"], params["hi"]) - params["mean"]) / params["std"]
-    h = jax.nn.gelu(x @ params["fc1_w"].T + params["fc1_b"], approximate=True)
-    return h @ params["fc2_w"].T + params["fc2_b"]
+    lo, hi} (PyTorch layout), x [..., F] raw features -> logits [..., O] (float32). Row by row
+    (`arithmetic.rowwise`): in invariant mode a row's output does not depend on its batch."""
+    def rows(x):
+        x = (jnp.clip(x.astype(jnp.float32), params["lo"], params["hi"]) - params["mean"]) / params["std"]
+        h = jax.nn.gelu(x @ params["fc1_w"].T + params["fc1_b"], approximate=True)
+        return h @ params["fc2_w"].T + params["fc2_b"]
+
+    return arithmetic.rowwise(rows, x)
 
 
 def mlp_logits(params: dict, x):
