@@ -4,6 +4,7 @@ mismatch errors)."""
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from dlmjax.traces import TraceError, collect_traces, save_traces
 from dlmjax.train.config import RunConfigError, load_run_config
 from dlmjax.train.loop import train
 from dlmjax.train.tspd import calibrate_threshold, class_weights, weighted_bce
+from dlmjax.validation import InputError
 from test_decoding import MAX_NEW, PROMPTS, peaky_model
 
 
@@ -79,6 +81,17 @@ def test_training_lowers_the_loss_and_resumes_exactly(trained, tmp_path):
     b = load_controller(str(resumed.model_dir)).params
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7)
+    # traces collected again into the run's traces directory between a stop and its resume: refused
+    copy = tmp_path / "traces"
+    shutil.copytree(root / "traces", copy)
+    moved = load_run_config("configs/tspd/toy-sdar.yaml", [f"tspd.traces={copy}", "train.steps=60",
+                                                           "train.checkpoint_every=30", "train.eval_every=0",
+                                                           "backbone=null"])
+    train(moved, tmp_path / "moved", stop_at=30, progress=False)
+    meta = json.loads((copy / "meta.json").read_text())
+    (copy / "meta.json").write_text(json.dumps({**meta, "num_prompts": meta["num_prompts"] + 1}))
+    with pytest.raises(InputError, match=r"data file .*meta.json has changed since this run began"):
+        train(moved, tmp_path / "moved", progress=False)
     summary = json.loads((full.model_dir / "tspd_calibration.json").read_text())
     met = summary["eval/precision@threshold"] >= summary["target_precision"]  # says whether the target was reached
     assert summary["eval/target_met"] == float(met)

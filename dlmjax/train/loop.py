@@ -278,9 +278,13 @@ DATA_RECORD = "data.json"  # the sha256 of each local data.files file, as the ru
 
 
 def check_data_files(run: RunConfig, run_dir: Path, *, resuming: bool, main: bool) -> None:
-    """A resumed run sees the batches it would have seen only if its data files are the ones it
-    began with: the first run records their sha256 (process 0), a resumed one refuses a change."""
-    digests = {path: file_sha256(path) for path in run.data.files if Path(path).is_file()}  # (HF names: not hashed)
+    """A resumed run sees the batches it would have seen only if its data files (and a TSPD run's
+    traces) are the ones it began with: the first run records their sha256 (process 0), a resumed
+    one refuses a change."""
+    sources = list(run.data.files)
+    if run.objective == "tspd":  # traces collected again into the same directory would mix two sources
+        sources += [str(Path(run.tspd.traces) / name) for name in ("traces.npz", "meta.json")]
+    digests = {path: file_sha256(path) for path in sources if Path(path).is_file()}  # (HF names: not hashed)
     record = run_dir / DATA_RECORD
     if resuming and record.is_file():
         began = json.loads(record.read_text())
