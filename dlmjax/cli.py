@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="checkpoint directory or preset (toy-sdar, toy-ar, random-sdar, random-qwen3, random-*-moe, ...)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     gen.add_argument("--decoder", default=None,
-                     help=f"NAME or NAME:key=value,... (default: static; ar for causal models); decoders: "
+                     help=f"NAME or NAME:key=value,... (default: static; ar for causal models, fast-dllm-v2 for Fast-dLLM v2); decoders: "
                           f"{', '.join(decoder_names())}")
     gen.add_argument("--max-new-tokens", type=count_arg, default=64,
                      help="tokens to generate, any number >= 1 (whole blocks are decoded and cut; default 64)")
