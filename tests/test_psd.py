@@ -51,14 +51,36 @@ def test_psd_threshold_policy_is_the_threshold_decoder(sdar):
     assert tokens(speculative) == tokens(baseline)
 
 
-@pytest.mark.parametrize("cache", ["none", "dual"])
-def test_psd_on_bidirectional_cache_modes(cache):
-    model = peaky_model("llada", seed=2)
+@pytest.mark.parametrize("family,cache", [("llada", "none"), ("llada", "dual"), ("dream", "prefix")])
+def test_psd_on_bidirectional_cache_modes(family, cache):
+    model = peaky_model(family, seed=2)
     spec = f"psd:policy=topk,block=4,cache={cache}"
     stepwise = generate(model, PROMPTS[:4], decoder=f"{spec},depth=1", max_new_tokens=MAX_NEW)
     speculative = generate(model, PROMPTS[:4], decoder=f"{spec},depth=4", max_new_tokens=MAX_NEW)
     assert tokens(speculative) == tokens(stepwise)
     assert speculative.tpf > stepwise.tpf  # fewer forwards per row (the batch waits for its slowest row)
+
+
+def eos_prone(model):
+    """`model` with its EOS logit scaled up: rows stop inside blocks, at different places."""
+    if model.lm_head is None:
+        model.embed[...] = model.embed[...].at[EOS].multiply(3.0)
+    else:
+        model.lm_head.kernel[...] = model.lm_head.kernel[...].at[:, EOS].multiply(3.0)
+    return model
+
+
+@pytest.mark.parametrize("policy,options", [("threshold,tau=0.5", ""), ("topk,k=1", ""),
+                                            ("threshold,tau=0.5", ",eos_last=true"), ("topk,k=1", ",no_eos=true")])
+def test_psd_equals_its_policy_with_stops_inside_blocks_and_a_partial_last_block(policy, options):
+    """EOS inside blocks, the stop-token options, and 7 new tokens at block 4 (the last block cut)."""
+    model = eos_prone(peaky_model("sdar", seed=4))
+    stepwise = generate(model, PROMPTS, decoder=f"psd:policy={policy},depth=1{options}", max_new_tokens=7)
+    speculative = generate(model, PROMPTS, decoder=f"psd:policy={policy},depth=4{options}", max_new_tokens=7)
+    assert tokens(speculative) == tokens(stepwise)
+    assert all(s.nfe <= p.nfe for s, p in zip(speculative.rows, stepwise.rows))
+    if not options:  # rows stop at EOS inside a block, not all at the budget
+        assert any(EOS in row.tokens and len(row.tokens) < 7 for row in stepwise.rows), "no early stop"
 
 
 class CountingModel:
