@@ -187,8 +187,8 @@ def prefill_flops(cfg, length: int) -> float:
     d, h, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attention_params = d * (h + 2 * hkv) * hd + h * hd * d
     mlp_params = sum(3 * d * width for width in mlp_widths(cfg)) + d * cfg.num_experts * len(cfg.moe_layers)
-    visible = length * length if cfg.attention == "bidirectional" else length * (length + (cfg.block_size or 1)) / 2
-    return 2 * length * (cfg.num_layers * attention_params + mlp_params) + cfg.num_layers * 4 * visible * h * hd
+    return (2 * length * (cfg.num_layers * attention_params + mlp_params)
+            + cfg.num_layers * 4 * visible_pairs(cfg, length) * h * hd)
 
 
 def prefill_memory_gib(cfg, length: int) -> dict:
@@ -213,12 +213,14 @@ def peak_tflops(device, given: float | None) -> float | None:
     return given or next((v for k, v in PEAK_BF16_TFLOPS.items() if k.lower() in device.device_kind.lower()), None)
 
 
-def path_of(kernel: str) -> str:
-    """What ran for `kernel` in the current mode: kernel / interpret / reference, or "reference
-    (refused)" where the dispatcher chose the kernel but the device would not compile it (the
-    reason is logged)."""
-    how = kernels.choose(kernel) or "reference"
-    return "reference (refused)" if how == "kernel" and kernels.refusals(kernel) else how
+def path_of(kernel: str, refused_before: int) -> str:
+    """What ran for `kernel` in the current mode, asked after the call: kernel / interpret /
+    reference, or "reference (refused)" where the call added a refusal (the dispatcher chose the
+    kernel but the device would not compile it; the reason is logged). `refused_before`: the
+    kernel's refusal count before the call (an earlier call's refusal says nothing of this one)."""
+    if len(kernels.refusals(kernel)) > refused_before:
+        return "reference (refused)"
+    return kernels.choose(kernel) or "reference"
 
 
 def section_step(model, args, bw, modes):
@@ -236,7 +238,9 @@ def section_step(model, args, bw, modes):
         for mode in modes:
             with kernels.use(mode):
                 trace = None if args.profile is None else str(Path(args.profile) / f"step-batch{batch}-{mode}")
-                ms, path = step_ms(model, block_bk, cache, args.repeats, trace_dir=trace), path_of("attention")
+                before = len(kernels.refusals("attention"))
+                ms = step_ms(model, block_bk, cache, args.repeats, trace_dir=trace)
+                path = path_of("attention", before)
             records.append(dict(batch=batch, kernels=mode, path=path, ms=ms, roofline_ms=roof))
             lines.append(f"| {batch} | {mode} | {path} | {ms:.3f} | {roof:.3f} | {100 * roof / ms:.0f}% |")
             print(lines[-1], flush=True)
@@ -263,13 +267,14 @@ def section_prefill(model, args, peak, modes):
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size - 2, (1, length)), jnp.int32)
         for mode in modes:
             with kernels.use(mode):
-                path = path_of("attention")
+                before = len(kernels.refusals("attention"))
                 try:
                     ms = timed(lambda: _prefill(graphdef, state, tokens, jnp.zeros(length)), max(1, args.repeats // 4))
                 except Exception as error:  # RESOURCE_EXHAUSTED: out of device memory
                     ms, status = None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
                 else:
                     status = "ok"
+                path = path_of("attention", before)
             peak_gib = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
             tflops = None if ms is None else prefill_flops(cfg, length) / (ms / 1e3) / 1e12
             records.append(dict(tokens=length, kernels=mode, path=path, ms=ms, tflops=tflops, status=status,
@@ -295,7 +300,9 @@ def section_argmax(model, args, modes):
         for mode in modes:
             with kernels.use(mode):
                 fn = jax.jit(lambda h: residual_argmax(h, w, mask_id=cfg.mask_token_id))
-                ms, path = timed(lambda: fn(x), args.repeats), path_of("residual_argmax")
+                before = len(kernels.refusals("residual_argmax"))
+                ms = timed(lambda: fn(x), args.repeats)
+                path = path_of("residual_argmax", before)
             records.append(dict(positions=m, kernels=mode, path=path, ms=ms))
             lines.append(f"| {m} | {mode} | {path} | {ms:.3f} |")
             print(lines[-1], flush=True)
@@ -328,28 +335,32 @@ def tile_rows(baseline: str, choices: list[str], allowed: tuple[str, ...], kerne
     return [(baseline, "off", {})] + [(text, kernel_mode, parse_tiles(text, allowed)) for text in choices]
 
 
+def visible_pairs(cfg, length: int) -> float:
+    """(query, key) pairs a prefill of `length` tokens attends: all of them when bidirectional,
+    about half when block-causal or causal."""
+    return length * length if cfg.attention == "bidirectional" else length * (length + (cfg.block_size or 1)) / 2
+
+
 def prefill_parts(cfg, length: int):
-    """q [1, L, H, hd] and the one self part of a block-causal prefill of `length` tokens (bf16
-    random values at the shape's heads), and the attention FLOPs of its visible half."""
+    """q [1, L, H, hd] and the one self part of a prefill of `length` tokens in the shape's own
+    attention (bf16 random values at its heads), and the attention FLOPs of what it sees."""
     k = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(k[0], (1, length, cfg.num_heads, cfg.head_dim)).astype(cfg.dtype)
     keys, values = (jax.random.normal(x, (1, length, cfg.num_kv_heads, cfg.head_dim)).astype(cfg.dtype) for x in k[1:])
     pos = jnp.arange(length, dtype=jnp.int32)[None]
     vis = Visibility(pos, jnp.zeros_like(pos), pos, jnp.zeros_like(pos), jnp.ones((1, length), bool),
-                     attention="block_causal", block_size=cfg.block_size)
-    visible = length * (length + cfg.block_size) / 2
-    return q, [(keys, values, vis)], 4 * visible * cfg.num_heads * cfg.head_dim
+                     attention=cfg.attention, block_size=cfg.block_size)
+    return q, [(keys, values, vis)], 4 * visible_pairs(cfg, length) * cfg.num_heads * cfg.head_dim
 
 
 def _timed_choice(kernel: str, mode: str, fn, repeats: int) -> tuple[float | None, str]:
     """(median ms, path) of a kernel call under `mode`; a choice the device refuses is not timed."""
     refused = len(kernels.refusals(kernel))
     with kernels.use(mode):
-        path = path_of(kernel)
         jax.block_until_ready(fn())  # traced (and compile-probed) under the mode
-        if len(kernels.refusals(kernel)) > refused:
+        if len(kernels.refusals(kernel)) > refused:  # this call's refusal, not an earlier one's
             return None, "reference (refused)"
-        return timed(fn, repeats), path
+        return timed(fn, repeats), path_of(kernel, refused)
 
 
 def section_tiles(model, args, peak):

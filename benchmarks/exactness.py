@@ -134,7 +134,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random SDAR-shaped weights (bf16) instead of toy-sdar")
     p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=512, help="cache length of the step forward (and --shape prompts)")
+    p.add_argument("--prompt-len", type=int, default=512, help="cache length of the step forward (the agreement part's --shape prompts are 256 tokens)")
     p.add_argument("--max-new", type=int, default=None, help="default: 32 (toy-sdar), 128 (--shape)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--repeats", type=int, default=20)

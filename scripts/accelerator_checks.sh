@@ -56,7 +56,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first
   timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "   rc $? in $((SECONDS - start))s" | tee -a "$OUT/stages.txt"
   # pytest-xdist's workers can outlive a killed run, holding device memory the next stage needs
-  pkill -9 -f "exec(eval(sys.stdin.readline()))" 2>/dev/null
+  pkill -9 -f 'exec\(eval\(sys\.stdin\.readline\(\)\)\)' 2>/dev/null  # a regex: parentheses escaped
   return 0
 }
 
