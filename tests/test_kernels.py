@@ -682,7 +682,7 @@ def test_the_gpu_benchmark_runs_at_its_tiny_shape(tmp_path, decode_gpu):
     results = decode_gpu.main(["--tiny", "--batches", "1", "--skip", "prefill", "--out", str(tmp_path)])
     assert [(r["batch"], r["kernels"]) for r in results["step"]] == [(1, "auto"), (1, "off")]
     with kernels.use("auto"):  # the reference on CPU; on a GPU the kernel unless the numerics are invariant
-        auto_path = decode_gpu.path_of("attention")
+        auto_path = decode_gpu.path_of("attention", len(kernels.refusals("attention")))
     assert [r["path"] for r in results["step"]] == [auto_path, "reference"]
     assert all(r["ms"] > 0 and r["roofline_ms"] > 0 for r in results["step"])
     assert [r["kernels"] for r in results["argmax"]] == ["on", "off"]
@@ -754,17 +754,20 @@ def test_the_gpu_benchmark_runs_the_moe_shapes(tmp_path, decode_gpu):
 
 
 def test_the_gpu_benchmark_reports_a_kernel_the_device_refused(monkeypatch, decode_gpu):
-    """Where the dispatcher chooses a kernel but the device's compile probe refused it (so the
-    reference ran), decode_gpu's path column says so instead of "kernel"."""
+    """Where the dispatcher chooses a kernel but the device's compile probe refused it in the call
+    measured (so the reference ran), decode_gpu's path column says so instead of "kernel"; a
+    refusal of an earlier call (another shape or tile choice) does not mark later ones."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kernels, "_COMPILES", {})
     with kernels.use("on"):
-        assert decode_gpu.path_of("attention") == "kernel"
+        assert decode_gpu.path_of("attention", 0) == "kernel"
         kernels._COMPILES[("attention/cudnn", None, None, ())] = None  # compiled: not a refusal
-        assert decode_gpu.path_of("attention") == "kernel"
+        assert decode_gpu.path_of("attention", 0) == "kernel"
+        before = len(kernels.refusals("attention"))
         kernels._COMPILES[("attention", None, None, ())] = "does not compile here: LoweringError: ..."
-        assert decode_gpu.path_of("attention") == "reference (refused)"
-        assert decode_gpu.path_of("residual_argmax") == "kernel"
+        assert decode_gpu.path_of("attention", before) == "reference (refused)"
+        assert decode_gpu.path_of("attention", len(kernels.refusals("attention"))) == "kernel"  # a later call
+        assert decode_gpu.path_of("residual_argmax", 0) == "kernel"
 
 
 def test_flash_attention_memory_is_linear_in_length():
