@@ -104,9 +104,12 @@ def test_published_7b_config_translates():
     assert to_hf_config(cfg)["bd_size"] == 32
     with pytest.raises(ConfigError, match="names its block `bd_size`"):
         from_hf_config({**raw, "block_size": 32})
+    without_types = {k: v for k, v in raw.items() if k != "layer_types"}
     with pytest.raises(ConfigError, match="sliding-window"):  # layers 20..27 windowed
-        from_hf_config({**raw, "use_sliding_window": True, "max_window_layers": 20})
-    assert from_hf_config({**raw, "use_sliding_window": True}) == cfg  # windows from layer 28 on: none
+        from_hf_config({**without_types, "use_sliding_window": True, "max_window_layers": 20})
+    assert from_hf_config({**without_types, "use_sliding_window": True}) == cfg  # windows from layer 28 on: none
+    # where layer_types is given it decides, as in transformers: all full attention is no window
+    assert from_hf_config({**raw, "use_sliding_window": True, "max_window_layers": 20}) == cfg
     with pytest.raises(ConfigError, match=r"unknown config keys \['dual_cache'\]"):
         from_hf_config({**raw, "dual_cache": True})
     with pytest.raises(ConfigError, match="bd_size"):
@@ -211,12 +214,12 @@ def test_other_decoders_are_refused_with_the_fix(qwen2_and_checkpoint):
 
     ours = dlmjax.load_model(qwen2_and_checkpoint[1])
     with pytest.raises(DecoderSpecError, match="use --decoder fast-dllm-v2"):
-        generate(ours, [[1, 2, 3]], decoder="threshold:tau=0.9", max_new_tokens=4)
+        generate(ours, [[5, 6, 7]], decoder="threshold:tau=0.9", max_new_tokens=4)
     with pytest.raises(DecoderSpecError, match="sub_block=3 does not divide the block 4"):
-        generate(ours, [[1, 2, 3]], decoder="fast-dllm-v2:sub_block=3", max_new_tokens=4)
+        generate(ours, [[5, 6, 7]], decoder="fast-dllm-v2:sub_block=3", max_new_tokens=4)
     # and its decoder is refused on other families, whose first block token it would take alone
     with pytest.raises(DecoderSpecError, match="fast-dllm-v2 is Fast-dLLM v2's own procedure.*sdar model"):
-        generate(dlmjax.load_model("toy-sdar"), [[1, 2, 3]], decoder="fast-dllm-v2", max_new_tokens=4)
+        generate(dlmjax.load_model("toy-sdar"), [[5, 6, 7]], decoder="fast-dllm-v2", max_new_tokens=4)
     with pytest.raises(DecoderSpecError, match="max_post_steps=2147483648 must be <= 2147483647"):
         parse_decoder("llada2:editing_threshold=0.5,max_post_steps=2147483648")
     preset = load_eval_preset("fast-dllm-v2-7b")

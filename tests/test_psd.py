@@ -131,7 +131,9 @@ def test_bad_psd_options():
     for options in ("top_p=0.5", "sampled_scores=true"):  # sampling options of a greedy decoder
         with pytest.raises(DecoderSpecError, match="top_p and sampled_scores shape sampling"):
             parse_decoder(f"psd:{options}")
-        with pytest.raises(DecoderSpecError, match="depth=2 is PSD"):
+        with pytest.raises(DecoderSpecError, match="depth=2 is PSD"):  # sampling CE: not over PSD
+            parse_decoder(f"ce:depth=2,temperature=0.5,{options}")
+        with pytest.raises(DecoderSpecError, match="shape sampling, and temperature=0 is greedy"):
             parse_decoder(f"ce:depth=2,{options}")
     assert parse_decoder("ce:top_p=0.5,temperature=0.5").top_p == 0.5  # one step per forward: it samples
 
