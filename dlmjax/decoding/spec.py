@@ -95,12 +95,10 @@ class DiffusionDecoder:
         return policies.with_progress_guard(chosen, scores, masked_bk)
 
     def refuse_sampling(self, why: str):
-        """A greedy-only decoder (`why` it is) refuses temperature, top_p and sampled_scores."""
+        """A greedy-only decoder (`why` it is) refuses a temperature (top_p and sampled_scores at
+        temperature 0 every decoder refuses: `refuse_idle_sampling_options`)."""
         if self.temperature != 0.0:
             raise DecoderSpecError(f"{self.name} is greedy (temperature=0): {why}")
-        if self.top_p != 1.0 or self.sampled_scores:
-            raise DecoderSpecError(f"{self.name} is greedy ({why}): top_p and sampled_scores shape sampling, which "
-                                   "it never does; remove them")
 
     def scores_from_hidden(self, model) -> bool:
         """Whether this decoder's rounds need greedy scores only, never the logits (greedy), and

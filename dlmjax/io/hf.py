@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dlmjax.config import ConfigError, FAMILIES, ModelConfig, from_hf_config, to_hf_config
+from dlmjax.config import DTYPES, ConfigError, FAMILIES, ModelConfig, from_hf_config, to_hf_config
 from dlmjax.io import moe_weights
 from dlmjax.io.files import staged_dir, write_atomic
-from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
+from dlmjax.io.safetensors import SAFETENSORS_DTYPES, CheckpointError, SafetensorsFile, save_file
 from dlmjax.models.fused import GATE_UP, QKV, FusedLayout
 from dlmjax.models.transformer import Transformer, abstract_model
 from dlmjax.sharding import DEFAULT_RULES, ShardingRules, param_sharding, put_array, unsplit_weights
@@ -350,9 +350,6 @@ def load_config(ckpt_dir: str | Path, *, family: str | None = None, dtype: str |
     return cfg.replace(dtype=dtype) if dtype else cfg
 
 
-STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
 def stored_dtype(ckpt_dir: Path) -> str | None:
     """The floating dtype that holds most of a checkpoint's weight bytes (transformers' dtype "auto"
     falls back to the weights' dtype where config.json names none); None without weights to read."""
@@ -361,7 +358,8 @@ def stored_dtype(ckpt_dir: Path) -> str | None:
     counts: dict[str, int] = defaultdict(int)
     for name, shard in open_shards(ckpt_dir).items():
         counts[shard.stored_dtype(name)] += shard.nbytes(name)
-    floating = {STORED_DTYPES[code]: n for code, n in counts.items() if code in STORED_DTYPES}
+    names = {code: SAFETENSORS_DTYPES[code].name for code in counts if code in SAFETENSORS_DTYPES}
+    floating = {names[code]: n for code, n in counts.items() if names.get(code) in DTYPES}  # F64: no model dtype
     return max(floating, key=floating.get) if floating else None
 
 
