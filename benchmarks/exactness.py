@@ -15,7 +15,8 @@ in the fast mode and in the invariant mode.
     PYTHONPATH=. python benchmarks/exactness.py --shape sdar-1.7b --skip-cost --modes fast --prompts 16 \
         --max-new 32 --batches 16                                          # one part, one mode (a short GPU call)
 
-Each agreement row is printed as soon as it is measured (a call stopped at its time limit keeps them).
+Each row is printed as soon as it is measured, and a run stopped at its time limit (SIGINT) still writes
+the rows it measured, with `finished: false`.
 
 On CPU wall time is not the target; the agreement is (the CPU's fast mode already rounds
 differently by batch shape in fp32, so it can flip near-ties too).
@@ -110,9 +111,12 @@ def agreement(rows, reference_rows) -> tuple[float, float]:
             sum(token_agreement(a, b) for a, b in pairs) / len(pairs))
 
 
-def agreement_runs(model, head, tokenizer, prompts, max_new: int, batch: int, block: int):
-    """(comparison, identical rows, token agreement) of the three comparisons in the current mode, each
-    as soon as it is measured."""
+COMPARISONS = ("psd", "batch", "mrp-spec")
+
+
+def agreement_runs(model, head, tokenizer, prompts, max_new: int, batch: int, comparisons=COMPARISONS):
+    """(comparison, identical rows, token agreement) of `comparisons` in the current mode, each as soon as
+    it is measured (mrp-spec only with a head)."""
     def run(decoder, batch_prompts):
         return generate(model, batch_prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new,
                         head=head).rows
@@ -121,12 +125,15 @@ def agreement_runs(model, head, tokenizer, prompts, max_new: int, batch: int, bl
         return [row for s in range(0, len(prompts), batch) for row in run(decoder, prompts[s:s + batch])]
 
     threshold = "threshold:tau=0.9"
-    threshold_rows = batched(threshold)
-    yield (f"psd:policy=threshold,tau=0.9,depth=3 vs {threshold}",
-           *agreement(batched("psd:policy=threshold,tau=0.9,depth=3"), threshold_rows))
-    alone = [run(threshold, [p])[0] for p in prompts]
-    yield f"{threshold} batch {batch} vs batch 1", *agreement(threshold_rows, alone)
-    if head is not None:
+    if "psd" in comparisons or "batch" in comparisons:
+        threshold_rows = batched(threshold)
+    if "psd" in comparisons:
+        yield (f"psd:policy=threshold,tau=0.9,depth=3 vs {threshold}",
+               *agreement(batched("psd:policy=threshold,tau=0.9,depth=3"), threshold_rows))
+    if "batch" in comparisons:
+        alone = [run(threshold, [p])[0] for p in prompts]
+        yield f"{threshold} batch {batch} vs batch 1", *agreement(threshold_rows, alone)
+    if "mrp-spec" in comparisons and head is not None:
         yield "mrp-spec:drafts=3 vs static", *agreement(batched("mrp-spec:drafts=3"), batched("static"))
 
 
@@ -142,6 +149,8 @@ def main():
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES),
                    help="the numerics modes whose agreement is measured (the cost compares both)")
+    p.add_argument("--comparisons", nargs="+", choices=COMPARISONS, default=list(COMPARISONS),
+                   help="the agreement part's comparisons: PSD vs its policy, batch N vs batch 1, mrp-spec vs static")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results/exactness)")
     args = p.parse_args()
     device = jax.devices()[0]
@@ -163,37 +172,42 @@ def main():
     if not args.skip_cost:
         lines += ["", f"Decode-step forward ({block} tokens against {args.prompt_len} cached), median of {args.repeats}:",
                   "", "| batch | fast ms | invariant ms | invariant / fast |", "|---:|---:|---:|---:|"]
-    costs = []
-    for batch in [] if args.skip_cost else args.batches:
-        block_bk, cache = step_inputs(model, batch, args.prompt_len, block)
-        ms = {}
-        for mode, setting in MODES.items():
-            with dlmjax.numerics(**setting):
-                ms[mode] = step_ms(model, block_bk, cache, args.repeats)
-        costs.append(dict(batch=batch, **{f"{m}_ms": v for m, v in ms.items()}))
-        lines.append(f"| {batch} | {ms['fast']:.2f} | {ms['invariant']:.2f} | {ms['invariant'] / ms['fast']:.2f}x |")
-        print(lines[-1], flush=True)
-    agreements = []
-    if not args.skip_agreement:
-        batch = max(args.batches)
-        lines += ["", f"Token agreement over {len(prompts)} prompts, {max_new} new tokens, batch {batch}:", "",
-                  "| mode | comparison | identical rows | token agreement |", "|---|---|---:|---:|"]
-        for mode in args.modes:
-            with dlmjax.numerics(**MODES[mode]):
-                for comparison, rows_same, tokens_same in agreement_runs(model, head, tokenizer, prompts, max_new,
-                                                                         batch, block):
-                    agreements.append(dict(mode=mode, comparison=comparison, identical_rows=rows_same,
-                                           token_agreement=tokens_same))
-                    lines.append(f"| {mode} | {comparison} | {100 * rows_same:.1f}% | {100 * tokens_same:.2f}% |")
-                    print(lines[-1], flush=True)
-    out = Path(args.out or Path(__file__).parent / "results" / "exactness")
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f"{device.platform}-{args.shape or 'toy-sdar'}"
-    (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
-                                                     device=f"{device.platform} {device.device_kind}",
-                                                     step_cost=costs, agreement=agreements), indent=2))
-    (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / tag}.json and .md")
+    costs, agreements, finished = [], [], False
+    try:  # a run stopped at its time limit (SIGINT) still writes what it measured
+        for batch in [] if args.skip_cost else args.batches:
+            block_bk, cache = step_inputs(model, batch, args.prompt_len, block)
+            ms = {}
+            for mode, setting in MODES.items():
+                with dlmjax.numerics(**setting):
+                    ms[mode] = step_ms(model, block_bk, cache, args.repeats)
+            costs.append(dict(batch=batch, **{f"{m}_ms": v for m, v in ms.items()}))
+            lines.append(f"| {batch} | {ms['fast']:.2f} | {ms['invariant']:.2f} | {ms['invariant'] / ms['fast']:.2f}x |")
+            print(lines[-1], flush=True)
+        if not args.skip_agreement:
+            batch = max(args.batches)
+            lines += ["", f"Token agreement over {len(prompts)} prompts, {max_new} new tokens, batch {batch}:", "",
+                      "| mode | comparison | identical rows | token agreement |", "|---|---|---:|---:|"]
+            for mode in args.modes:
+                with dlmjax.numerics(**MODES[mode]):
+                    for comparison, rows_same, tokens_same in agreement_runs(model, head, tokenizer, prompts, max_new,
+                                                                             batch, args.comparisons):
+                        agreements.append(dict(mode=mode, comparison=comparison, identical_rows=rows_same,
+                                               token_agreement=tokens_same))
+                        lines.append(f"| {mode} | {comparison} | {100 * rows_same:.1f}% | {100 * tokens_same:.2f}% |")
+                        print(lines[-1], flush=True)
+        finished = True
+    finally:
+        if not finished:
+            lines += ["", "Stopped before the end: the rows above are the ones measured."]
+        out = Path(args.out or Path(__file__).parent / "results" / "exactness")
+        out.mkdir(parents=True, exist_ok=True)
+        tag = f"{device.platform}-{args.shape or 'toy-sdar'}"
+        (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
+                                                         device=f"{device.platform} {device.device_kind}",
+                                                         step_cost=costs, agreement=agreements,
+                                                         finished=finished), indent=2))
+        (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+        print(f"wrote {out / tag}.json and .md")
 
 
 if __name__ == "__main__":

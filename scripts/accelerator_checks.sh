@@ -21,7 +21,7 @@
 #      default llada-moe-7b-a1b, blocks of 32): the step against the active-expert roofline, prefill,
 #      and tokens/s of DECODERS (issue 21);
 #   6. agreement and exactness-buffers, named in STAGES only (issue 16): the fast mode's token agreement
-#      at SDAR-1.7B shape (PSD vs policy, batch 16 vs 1, mrp-spec vs static; ~200 s), and the invariant
+#      at SDAR-1.7B shape (PSD vs policy, batch 16 vs 1, mrp-spec vs static, or those COMPARISONS names; ~200 s), and the invariant
 #      mode's cost at batch 1 and 16 with XLA's command buffers taking while loops and conditionals
 #      (compare with the exactness stage's rows: is its cost the loops' host round trips?).
 # Each stage has its own time limit (seconds: TEST_S, TILES_S, STEP_S, DECODERS_S, PREFILL_8B_S, MOE_S,
@@ -92,7 +92,7 @@ stage bench-moe "${MOE_S:-240}" "$PY" benchmarks/decode_gpu.py --shape "${MOE_SH
   --repeats 10 --kernels auto --skip tiles argmax transformers --batches 1 16 --prefill 2048 --prompts 16 \
   --max-new 64 --decoders ${DECODERS:-threshold:tau=0.9} --out "$BENCH_OUT/bench-moe"
 stage agreement "${AGREEMENT_S:-240}" "$PY" benchmarks/exactness.py --shape sdar-1.7b --skip-cost --modes fast \
-  --prompts 16 --max-new 32 --batches 16 --out "$BENCH_OUT/agreement"
+  --prompts 16 --max-new 32 --batches 16 --comparisons ${COMPARISONS:-psd batch mrp-spec} --out "$BENCH_OUT/agreement"
 stage exactness-buffers "${BUFFERS_S:-200}" env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
   "$PY" benchmarks/exactness.py --shape sdar-1.7b --skip-agreement --repeats 10 --batches 1 16 \
   --out "$BENCH_OUT/exactness-buffers"

@@ -214,3 +214,38 @@ def test_the_drafter_benchmark_reads_the_shipped_gsm8k():
     assert bench.GSM8K.resolve() == GSM8K_TEST.parent.resolve()
     assert bench.questions("train", 2)[0].startswith("Natalia sold clips to 48 of her friends")
     assert len(bench.questions("test", 3)) == 3
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+
+
+def test_the_exactness_benchmark_stopped_at_its_limit_writes_the_rows_it_measured(tmp_path):
+    """A lent machine's stage ends the benchmark with SIGINT at its time limit: the agreement rows
+    measured before it are kept in the results file, marked unfinished (toy-sdar, CPU)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.Popen(
+        [sys.executable, "benchmarks/exactness.py", "--skip-cost", "--modes", "fast", "--prompts", "2",
+         "--max-new", "8", "--batches", "2", "--comparisons", "psd", "batch", "mrp-spec", "--out", str(tmp_path)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    printed = []
+    for line in run.stdout:  # the first agreement row, then stop it as `timeout -s INT` would
+        printed.append(line)
+        if line.startswith("| fast |"):
+            run.send_signal(signal.SIGINT)
+            break
+    printed += run.stdout.readlines()
+    run.wait(timeout=120)
+    assert any(line.startswith("wrote ") for line in printed), "".join(printed)
+    results = json.loads((tmp_path / "cpu-toy-sdar.json").read_text())
+    assert results["finished"] is False
+    assert [row["comparison"] for row in results["agreement"]] == [
+        "psd:policy=threshold,tau=0.9,depth=3 vs threshold:tau=0.9"]
+    assert results["agreement"][0]["identical_rows"] == 1.0  # lossless by construction
+    assert "Stopped before the end" in (tmp_path / "cpu-toy-sdar.md").read_text()
