@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import dlmjax
 from dlmjax.decoding.ar import generate_ar
 from dlmjax.decoding.speculative import generate_with_drafter
 from dlmjax.io.dflash import load_drafter
@@ -224,7 +225,8 @@ def test_the_training_loss_makes_logits_a_chunk_at_a_time(target_dir, monkeypatc
     positions of each row at a time here (8 block positions a row: 3 chunks, the last padded),
     made again in the backward pass. Loss and gradient equal those of one chunk holding every
     position's logits, and the compiled loss-and-gradient holds no vocabulary-wide array beyond
-    one chunk's (2 rows x 3)."""
+    one chunk's (2 rows x 3; the invariant numerics mode, on an accelerator, computes whole tiles of
+    rows: 2 here)."""
     from dlmjax import losses
     from dlmjax.heads.drafter import DrafterConfig, init_drafter
     from dlmjax.train.drafter import DrafterTrainSpec, drafter_train_loss
@@ -249,7 +251,8 @@ def test_the_training_loss_makes_logits_a_chunk_at_a_time(target_dir, monkeypatc
     for width in (3, 8):
         monkeypatch.setattr(losses, "LOGITS_CHUNK_BYTES", 2 * width * 4 * vocab)
         run = jax.jit(lambda state: loss_and_grad(state))  # a new function: traced again under the new size
-        runs[width] = run(state), logits_rows(run.lower(state).compile().as_text(), target.config)
+        with dlmjax.numerics(row_tile=2):
+            runs[width] = run(state), logits_rows(run.lower(state).compile().as_text(), target.config)
     (loss, grads), made = runs[3]
     (whole_loss, whole_grads), whole_made = runs[8]
     assert max(made) == 6 and max(whole_made) == 16

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import dlmjax
 from dlmjax.config import ModelConfig
 from dlmjax.io.hf import load_model
 from dlmjax.io.tokenizer import load_tokenizer
@@ -103,7 +104,8 @@ def test_the_losses_hold_a_chunk_of_logits_and_equal_full_cross_entropy(tokenize
     """Both objectives read log p(token) and the argmax a chunk of positions' logits at a time
     (losses.label_scores_from_hidden; 7 positions of each of the 2 rows here): loss, accuracy and
     gradient equal one chunk over every position, the compiled loss-and-gradient holds no wider
-    vocabulary array, and the next-token loss equals optax's cross-entropy of the model's logits."""
+    vocabulary array, and the next-token loss equals optax's cross-entropy of the model's logits.
+    (The invariant numerics mode, on an accelerator, computes whole tiles of rows: 2 here.)"""
     import optax
 
     from dlmjax import losses
@@ -122,7 +124,8 @@ def test_the_losses_hold_a_chunk_of_logits_and_equal_full_cross_entropy(tokenize
     for width in (7, 64):  # 64: every position of a row in one chunk
         monkeypatch.setattr(losses, "LOGITS_CHUNK_BYTES", 2 * width * 4 * cfg.vocab_size)
         run = jax.jit(lambda st: jax.value_and_grad(lambda x: loss_fn(nnx.merge(graphdef, x)), has_aux=True)(st))
-        runs[width] = run(state), max(logits_rows(run.lower(state).compile().as_text(), cfg))
+        with dlmjax.numerics(row_tile=2):
+            runs[width] = run(state), max(logits_rows(run.lower(state).compile().as_text(), cfg))
     ((loss, metrics), grads), made = runs[7]
     ((whole, whole_metrics), whole_grads), whole_made = runs[64]
     assert made == 14 and whole_made > 14
