@@ -38,6 +38,7 @@ kernel modes both run the references (dlmjax.kernels), so "auto" and "off" time 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -64,7 +65,7 @@ from dlmjax.heads.mrp import init_head
 from dlmjax.kernels.attention import attention
 from dlmjax.kernels.residual_argmax import residual_argmax
 from dlmjax.models.layers import Visibility
-from dlmjax.models.moe import MoE
+from dlmjax.models.moe import EXPERT_IMPLEMENTATIONS, MoE, set_expert_implementation
 
 # dense, by the first key that is a substring of device_kind (a v5e reports "TPU v5 lite" or "TPU v5e", a v5p
 # "TPU v5" or "TPU v5p": the lite and e names come first)
@@ -223,6 +224,28 @@ def path_of(kernel: str, refused_before: int) -> str:
     return kernels.choose(kernel) or "reference"
 
 
+def variants(model, args, modes):
+    """(kernel mode, expert implementation, label) of each timed row: an MoE model's rows once per
+    --moe-experts (`experts_path`), other models' once."""
+    if not any(isinstance(m, MoE) for _, m in nnx.iter_graph(model)):
+        return [(mode, None, mode) for mode in modes]
+    return [(mode, experts, f"{mode}, experts {experts}") for mode in modes for experts in args.moe_experts]
+
+
+@contextlib.contextmanager
+def experts_path(model, experts: str | None):
+    """An MoE model's layers on the `experts` implementation (a split inside compiles that path),
+    back to "auto" after; nothing for None."""
+    if experts is None:
+        yield
+        return
+    set_expert_implementation(model, experts)
+    try:
+        yield
+    finally:
+        set_expert_implementation(model, "auto")
+
+
 def section_step(model, args, bw, modes):
     cfg = model.config
     experts = "" if not cfg.num_experts else ("; of each MoE layer's experts, those that random routing of the "
@@ -235,21 +258,21 @@ def section_step(model, args, bw, modes):
     for batch in args.batches:
         roof = 1e3 * (weight_bytes(model, tokens=batch * args.block) + kv_bytes(cfg, batch, args.prompt_len)) / bw
         block_bk, cache = step_inputs(model, batch, args.prompt_len, args.block)
-        for mode in modes:
-            with kernels.use(mode):
-                trace = None if args.profile is None else str(Path(args.profile) / f"step-batch{batch}-{mode}")
+        for mode, experts, label in variants(model, args, modes):
+            with experts_path(model, experts), kernels.use(mode):
+                name = f"step-batch{batch}-{mode}" + (f"-{experts}" if experts else "")
+                trace = None if args.profile is None else str(Path(args.profile) / name)
                 before = len(kernels.refusals("attention"))
                 ms = step_ms(model, block_bk, cache, args.repeats, trace_dir=trace)
                 path = path_of("attention", before)
-            records.append(dict(batch=batch, kernels=mode, path=path, ms=ms, roofline_ms=roof))
-            lines.append(f"| {batch} | {mode} | {path} | {ms:.3f} | {roof:.3f} | {100 * roof / ms:.0f}% |")
+            records.append(dict(batch=batch, kernels=mode, experts=experts, path=path, ms=ms, roofline_ms=roof))
+            lines.append(f"| {batch} | {label} | {path} | {ms:.3f} | {roof:.3f} | {100 * roof / ms:.0f}% |")
             print(lines[-1], flush=True)
     return lines, records
 
 
 def section_prefill(model, args, peak, modes):
     cfg = model.config
-    graphdef, state = nnx.split(model)
     lines = [f"Prefill (batch 1, one forward writing the KV cache), peak {peak or '?'} TFLOP/s; memory budget "
              "(computed, GiB): weights + KV cache + largest layer's activations with flash attention, and the XLA "
              "einsum's per-layer scores for comparison:", "",
@@ -265,8 +288,9 @@ def section_prefill(model, args, peak, modes):
     records = [dict(budget=b) for b in budgets]
     for length in args.prefill:
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size - 2, (1, length)), jnp.int32)
-        for mode in modes:
-            with kernels.use(mode):
+        for mode, experts, label in variants(model, args, modes):
+            with experts_path(model, experts), kernels.use(mode):
+                graphdef, state = nnx.split(model)
                 before = len(kernels.refusals("attention"))
                 try:
                     ms = timed(lambda: _prefill(graphdef, state, tokens, jnp.zeros(length)), max(1, args.repeats // 4))
@@ -277,13 +301,13 @@ def section_prefill(model, args, peak, modes):
                 path = path_of("attention", before)
             peak_gib = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30
             tflops = None if ms is None else prefill_flops(cfg, length) / (ms / 1e3) / 1e12
-            records.append(dict(tokens=length, kernels=mode, path=path, ms=ms, tflops=tflops, status=status,
-                                device_peak_gib=peak_gib))
+            records.append(dict(tokens=length, kernels=mode, experts=experts, path=path, ms=ms, tflops=tflops,
+                                status=status, device_peak_gib=peak_gib))
             if ms is None:
-                lines.append(f"| {length} | {mode} | {path} | {status} | | | {peak_gib:.1f} |")
+                lines.append(f"| {length} | {label} | {path} | {status} | | | {peak_gib:.1f} |")
             else:
                 share = f"{100 * tflops / peak:.0f}%" if peak else "?"
-                lines.append(f"| {length} | {mode} | {path} | {ms:.1f} | {tflops:.3g} | {share} | {peak_gib:.1f} |")
+                lines.append(f"| {length} | {label} | {path} | {ms:.1f} | {tflops:.3g} | {share} | {peak_gib:.1f} |")
             print(lines[-1], flush=True)
     return lines, records
 
@@ -498,6 +522,9 @@ def parse_args(argv=None):
     p.add_argument("--decoders", nargs="+",
                    default=["static", "threshold:tau=0.9", "psd:policy=threshold,tau=0.9,depth=3", "mrp-spec:drafts=3"])
     p.add_argument("--decoder-kernels", default="auto", choices=kernels.MODES)
+    p.add_argument("--moe-experts", nargs="+", default=["auto"], choices=["auto", *EXPERT_IMPLEMENTATIONS],
+                   help="an MoE shape's step and prefill rows once per expert implementation (dlmjax.models.moe."
+                        "resolve_implementation: auto is dense on GPU, grouped elsewhere); decoders run auto")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=20)

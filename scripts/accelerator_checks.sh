@@ -18,8 +18,12 @@
 #   4. benchmarks/exactness.py's cost part at SDAR-1.7B shape: the invariant mode's decode step
 #      against the fast mode's at batch 1/16/64 (exactness/);
 #   5. bench-moe, named in STAGES only (not in the default plan): decode_gpu.py at an MoE shape (MOE_SHAPE,
-#      default llada-moe-7b-a1b, blocks of 32): the step against the active-expert roofline, prefill,
-#      and tokens/s of DECODERS (issue 21);
+#      default llada-moe-7b-a1b, blocks of 32): the step against the active-expert roofline and prefill,
+#      each with the experts dense (GPU's "auto") and grouped (ragged_dot; MOE_EXPERTS), then tokens/s of
+#      DECODERS (issue 21). On an H100 (2026-11-27) grouped ran at the FLOPs of XLA's ragged_dot
+#      rewrite (every row against every expert); XLA's cuDNN ragged-dot fusion
+#      (XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true, where the jaxlib knows the flag) is
+#      the next thing to try for grouped;
 #   6. agreement and exactness-buffers, named in STAGES only (issue 16): the fast mode's token agreement
 #      at SDAR-1.7B shape (PSD vs policy, batch 16 vs 1, mrp-spec vs static, or those COMPARISONS names; ~200 s), and the invariant
 #      mode's cost at batch 1 and 16 with XLA's command buffers taking while loops and conditionals
@@ -47,6 +51,13 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTH
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/dlmjax-jax-cache}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-1}"
 cd "$ROOT"
+# A lent machine's python lacks some of dlmjax's dependencies (tensorboardX for training's metrics log,
+# gguf for test_smollm2) and cannot fetch them: wheels carried in .whl/ (pip download --no-deps
+# tensorboardX gguf, here) are installed beside it
+if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/dlmjax-wheels "$ROOT"/.whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/dlmjax-wheels"
+fi
 STAGES="${STAGES:-tests bench-tiles bench-step bench-decoders bench-8b exactness}"
 stage() {  # stage NAME SECONDS COMMAND...: run under a time limit (SIGINT first, so pytest prints its summary)
   local name=$1 limit=$2; shift 2
@@ -90,10 +101,11 @@ stage exactness "${EXACTNESS_S:-60}" "$PY" benchmarks/exactness.py --shape sdar-
   --out "$BENCH_OUT/exactness"
 stage bench-moe "${MOE_S:-240}" "$PY" benchmarks/decode_gpu.py --shape "${MOE_SHAPE:-llada-moe-7b-a1b}" --block 32 \
   --repeats 10 --kernels auto --skip tiles argmax transformers --batches 1 16 --prefill 2048 --prompts 16 \
-  --max-new 64 --decoders ${DECODERS:-threshold:tau=0.9} --out "$BENCH_OUT/bench-moe"
+  --max-new 64 --moe-experts ${MOE_EXPERTS:-dense grouped} --decoders ${DECODERS:-threshold:tau=0.9} \
+  --out "$BENCH_OUT/bench-moe"
 stage agreement "${AGREEMENT_S:-240}" "$PY" benchmarks/exactness.py --shape sdar-1.7b --skip-cost --modes fast \
   --prompts 16 --max-new 32 --batches 16 --comparisons ${COMPARISONS:-psd batch mrp-spec} --out "$BENCH_OUT/agreement"
 stage exactness-buffers "${BUFFERS_S:-200}" env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
   "$PY" benchmarks/exactness.py --shape sdar-1.7b --skip-agreement --repeats 10 --batches 1 16 \
   --out "$BENCH_OUT/exactness-buffers"
-cat "$OUT/stages.txt"
+[ -f "$OUT/stages.txt" ] && cat "$OUT/stages.txt"

@@ -733,8 +733,11 @@ def test_the_gpu_benchmark_runs_the_moe_shapes(tmp_path, decode_gpu):
     assert sizes == {"llada-moe-7b-a1b": (7.4, 1.4), "llada2.0-mini": (16.3, 1.1)}  # total; active (lm_head in)
 
     results = decode_gpu.main(["--tiny", "--shape", "tiny-moe", "--batches", "1", "--skip", "prefill", "tiles",
-                               "argmax", "--out", str(tmp_path)])
-    assert [r["kernels"] for r in results["step"]] == ["auto", "off"] and all(r["ms"] > 0 for r in results["step"])
+                               "argmax", "--moe-experts", "grouped", "dense", "--out", str(tmp_path)])
+    assert [(r["kernels"], r["experts"]) for r in results["step"]] == [
+        ("auto", "grouped"), ("auto", "dense"), ("off", "grouped"), ("off", "dense")]
+    assert all(r["ms"] > 0 for r in results["step"])
+    assert "| 1 | auto, experts dense | " in (tmp_path / "cpu-tiny-moe.md").read_text()
     assert results["decoders"][0]["tokens_per_s"] > 0 and results["transformers"] == []
     model, _, name = decode_gpu.build_model("tiny-moe")
     cfg = model.config

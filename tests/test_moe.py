@@ -1,12 +1,15 @@
 """The dropless MoE layer (dlmjax.models.moe): routers, grouped experts == all experts, batch invariance."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import dlmjax
 from dlmjax.config import ConfigError
 from dlmjax.models import moe
+from dlmjax.validation import InputError
 
 E, D, F = 16, 24, 12
 
@@ -80,6 +83,37 @@ def test_tiled_rows_use_only_the_chosen_experts():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(6, D)), jnp.float32)
     poisoned = moe.tiled_rows(x, expert_m, gate_up.at[unused].set(jnp.nan), down.at[unused].set(jnp.nan))
     np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(moe.tiled_rows(x, expert_m, gate_up, down)))
+
+
+def test_dense_experts_in_chunks_equal_one_chunk(monkeypatch):
+    """GPU's path: every expert on every token, in chunks of tokens (here 3 tokens a chunk, the last
+    part padding) that hold its float32 intermediates to DENSE_CHUNK_BYTES, equals one chunk."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(11, D)), jnp.float32)
+    experts_tk = jnp.asarray(rng.integers(0, E, size=(11, 4)), jnp.int32)
+    gate_up, down = expert_weights()
+    whole = moe.dense_expert_outputs(x, experts_tk, gate_up, down)
+    monkeypatch.setattr(moe, "DENSE_CHUNK_BYTES", 3 * E * (gate_up.shape[2] + D) * 4)
+    chunked = jax.jit(moe.dense_expert_outputs)(x, experts_tk, gate_up, down)
+    assert "while" in jax.jit(moe.dense_expert_outputs).lower(x, experts_tk, gate_up, down).as_text()
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=2e-6, rtol=1e-5)
+
+
+def test_auto_runs_experts_grouped_on_cpu_and_tpu_and_dense_on_gpu(monkeypatch):
+    """XLA's GPU backend rewrites ragged_dot into every row against every expert (k times dense's
+    FLOPs): "auto" runs dense there. Unknown names are refused, by the setter too."""
+    assert moe.resolve_implementation("auto") == "grouped"  # this CPU
+    for backend, want in (("gpu", "dense"), ("tpu", "grouped"), ("cpu", "grouped")):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        assert moe.resolve_implementation("auto") == want
+        assert moe.resolve_implementation("grouped") == "grouped"
+    with pytest.raises(InputError, match="choose one of auto, grouped, dense"):
+        moe.resolve_implementation("ragged")
+    layer = moe.MoE(moe_config(), shared=None, rngs=nnx.Rngs(0))
+    assert layer.implementation == "auto"
+    assert moe.set_expert_implementation(layer, "dense") is layer and layer.implementation == "dense"
+    with pytest.raises(InputError, match="expert implementation 'fast'"):
+        moe.set_expert_implementation(layer, "fast")
 
 
 def test_router_ties_go_to_the_lower_expert_and_routing_is_per_token():

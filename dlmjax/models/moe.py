@@ -14,12 +14,13 @@ Routers (`ModelConfig.router`), each as its family's modeling code computes it:
   are the unbiased sigmoids of the chosen experts, renormalised (`norm_topk_prob`), times
   `routed_scaling_factor`.
 
-Experts are computed grouped: the T*k (token, expert) assignments are sorted by expert and each
-expert's rows go through one `jax.lax.ragged_dot` against the stacked expert weights on GPU/TPU,
-and in tiles through a scan that reads only the chosen experts on CPU (`grouped_rows`). Nothing is
-dropped and there is no capacity: a token's output depends on its own hidden state only, never on
-which or how many tokens share the batch. `dense_expert_outputs` runs every expert on every token
-(the reference in tests and the baseline of benchmarks/moe_cpu.py).
+Experts are computed grouped on CPU and TPU: the T*k (token, expert) assignments are sorted by
+expert and each expert's rows go through one `jax.lax.ragged_dot` against the stacked expert
+weights on TPU, and in tiles through a scan that reads only the chosen experts on CPU
+(`grouped_rows`). On GPU every expert runs on every token (`dense_expert_outputs`, in chunks of
+tokens), which costs k times fewer FLOPs there than XLA's rewrite of ragged_dot
+(`resolve_implementation`). Nothing is dropped and there is no capacity: a token's output depends
+on its own hidden state only, never on which or how many tokens share the batch.
 
 In the batch-invariant numerics mode (`dlmjax.numerics(invariant=True)`) tokens go through the
 experts in fixed tiles of `row_tile` tokens, one compiled shape whatever the batch.
@@ -177,8 +178,28 @@ def grouped_expert_outputs(x_td, experts_tk, gate_up_ed2f, down_efd):
     return y_md.reshape(t, k, -1)
 
 
+DENSE_CHUNK_BYTES = 256 << 20  # `dense_expert_outputs`' float32 intermediates per chunk of tokens
+
+
 def dense_expert_outputs(x_td, experts_tk, gate_up_ed2f, down_efd):
-    """The reference: every expert on every token, then each assignment's own output [T, k, D]."""
+    """Every expert on every token, then each assignment's own output [T, k, D] (unweighted): the
+    reference in tests, and what "auto" runs on GPU (`resolve_implementation`). Tokens go through in
+    chunks that hold its float32 intermediates, [tokens, E, 2F] and [tokens, E, D], to about
+    DENSE_CHUNK_BYTES."""
+    num_experts, d, f2 = gate_up_ed2f.shape
+    per_token = num_experts * (f2 + d) * 4
+    chunk = max(1, DENSE_CHUNK_BYTES // per_token)
+    t = x_td.shape[0]
+    if t <= chunk:
+        return _every_expert(x_td, experts_tk, gate_up_ed2f, down_efd)
+    n = -(-t // chunk)
+    pad = ((0, n * chunk - t), (0, 0))
+    y_ctkd = jax.lax.map(lambda xe: _every_expert(*xe, gate_up_ed2f, down_efd),
+                         (jnp.pad(x_td, pad).reshape(n, chunk, -1), jnp.pad(experts_tk, pad).reshape(n, chunk, -1)))
+    return y_ctkd.reshape(n * chunk, *y_ctkd.shape[2:])[:t]
+
+
+def _every_expert(x_td, experts_tk, gate_up_ed2f, down_efd):
     h_te2f = jnp.einsum("td,edf->tef", x_td, gate_up_ed2f, preferred_element_type=jnp.float32)
     y_ted = jnp.einsum("tef,efd->ted", _swiglu(h_te2f).astype(x_td.dtype), down_efd,
                        preferred_element_type=jnp.float32)
@@ -186,6 +207,21 @@ def dense_expert_outputs(x_td, experts_tk, gate_up_ed2f, down_efd):
 
 
 EXPERT_IMPLEMENTATIONS = {"grouped": grouped_expert_outputs, "dense": dense_expert_outputs}
+
+
+def resolve_implementation(implementation: str) -> str:
+    """"grouped" or "dense" as named; "auto" picks by the backend, at trace time: "dense" on GPU,
+    "grouped" elsewhere. XLA's GPU backend (jax 0.11) rewrites ragged_dot into a dot of every row
+    against every expert, so grouped there costs k times dense's FLOPs (k rows per token, each
+    against all E experts, where dense runs each token once against all E): on an H100 at
+    LLaDA-MoE-7B-A1B's shape its timings matched that rewrite's FLOPs at ~700 TFLOP/s
+    (benchmarks/results/decode_gpu/gpu-h100.md)."""
+    if implementation == "auto":
+        return "dense" if jax.default_backend() == "gpu" else "grouped"
+    if implementation not in EXPERT_IMPLEMENTATIONS:
+        raise InputError(f"expert implementation {implementation!r}: choose one of auto, "
+                         f"{', '.join(EXPERT_IMPLEMENTATIONS)}")
+    return implementation
 
 
 def combine(y_tkd, weights_tk):
@@ -212,14 +248,15 @@ def _routed(rows_td, router_de, bias_e, gate_up, down, cfg: ModelConfig, experts
     return combine(experts_fn(rows_td, experts_tk, gate_up, down), weights_tk)
 
 
-def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfig, implementation: str = "grouped",
+def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfig, implementation: str = "auto",
                 dispatch: str = "auto"):
     """The routed experts' contribution [T, D] for tokens x [T, D] (no shared expert).
 
     dispatch (only matters where the experts' mesh has an 'expert' axis > 1; see `resolve_dispatch`):
-    "all_to_all", "gather", "xla" or "auto". `implementation` "dense" applies to the local, "xla"
-    and "gather" paths; the all-to-all path always runs its experts grouped."""
-    experts_fn = EXPERT_IMPLEMENTATIONS[implementation]
+    "all_to_all", "gather", "xla" or "auto". `implementation` ("auto", "grouped" or "dense";
+    `resolve_implementation`) applies to the local, "xla" and "gather" paths; the all-to-all path
+    always runs its experts grouped."""
+    experts_fn = EXPERT_IMPLEMENTATIONS[resolve_implementation(implementation)]
     mesh = _expert_mesh(gate_up_ed2f)
     mode = resolve_dispatch(dispatch, x_td.shape[0], cfg, mesh)
     if mode in ("local", "xla"):
@@ -385,11 +422,20 @@ def set_expert_dispatch(model: nnx.Module, dispatch: str) -> nnx.Module:
     return model
 
 
+def set_expert_implementation(model: nnx.Module, implementation: str) -> nnx.Module:
+    """Set every MoE layer's `implementation` ("auto", "grouped" or "dense") in place; returns the model."""
+    resolve_implementation(implementation)  # refuses an unknown name
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, MoE):
+            module.implementation = implementation
+    return model
+
+
 class MoE(nnx.Module):
     """Router [D, E] and expert bias [E] (float32, as the families keep them), stacked experts
     gate_up [E, D, 2F] (gate columns first) and down [E, F, D], and `shared` (an MLP or None)."""
 
-    implementation = "grouped"  # or "dense": every expert on every token (tests, benchmarks)
+    implementation = "auto"  # "grouped" or "dense" (every expert on every token): `resolve_implementation`
     expert_dispatch = "auto"  # with experts split over a mesh 'expert' axis: see `resolve_dispatch`
 
     def __init__(self, cfg: ModelConfig, *, shared: nnx.Module | None, rngs: nnx.Rngs):
