@@ -108,4 +108,4 @@ stage agreement "${AGREEMENT_S:-240}" "$PY" benchmarks/exactness.py --shape sdar
 stage exactness-buffers "${BUFFERS_S:-200}" env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
   "$PY" benchmarks/exactness.py --shape sdar-1.7b --skip-agreement --repeats 10 --batches 1 16 \
   --out "$BENCH_OUT/exactness-buffers"
-[ -f "$OUT/stages.txt" ] && cat "$OUT/stages.txt"
+[ ! -f "$OUT/stages.txt" ] || cat "$OUT/stages.txt"
