@@ -756,6 +756,23 @@ def test_the_gpu_benchmark_runs_the_moe_shapes(tmp_path, decode_gpu):
         decode_gpu.parse_args(["--shape", "llada-moe"])
 
 
+def test_the_gpu_benchmark_stopped_at_its_limit_writes_the_sections_it_finished(tmp_path, monkeypatch, decode_gpu):
+    """A lent machine's stage stops the benchmark with SIGINT at its time limit: the results files
+    are written all the same, with the sections finished before it, marked unfinished."""
+    import json
+
+    def stopped(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(decode_gpu, "section_decoders", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        decode_gpu.main(["--tiny", "--batches", "1", "--kernels", "off", "--skip", "prefill", "tiles", "argmax",
+                         "transformers", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "cpu-tiny.json").read_text())
+    assert results["finished"] is False and "decoders" not in results and results["step"][0]["ms"] > 0
+    assert "Stopped before the end" in (tmp_path / "cpu-tiny.md").read_text()
+
+
 def test_the_gpu_benchmark_reports_a_kernel_the_device_refused(monkeypatch, decode_gpu):
     """Where the dispatcher chooses a kernel but the device's compile probe refused it in the call
     measured (so the reference ran), decode_gpu's path column says so instead of "kernel"; a
