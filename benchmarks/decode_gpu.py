@@ -524,7 +524,8 @@ def parse_args(argv=None):
     p.add_argument("--decoder-kernels", default="auto", choices=kernels.MODES)
     p.add_argument("--moe-experts", nargs="+", default=["auto"], choices=["auto", *EXPERT_IMPLEMENTATIONS],
                    help="an MoE shape's step and prefill rows once per expert implementation (dlmjax.models.moe."
-                        "resolve_implementation: auto is dense on GPU, grouped elsewhere); decoders run auto")
+                        "resolve_implementation: auto is dense on GPU, grouped elsewhere; grouped runs through the "
+                        "grouped_matmul kernel where --kernels on or interpret); decoders run auto")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=20)

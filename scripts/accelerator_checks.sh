@@ -19,11 +19,12 @@
 #      against the fast mode's at batch 1/16/64 (exactness/);
 #   5. bench-moe, named in STAGES only (not in the default plan): decode_gpu.py at an MoE shape (MOE_SHAPE,
 #      default llada-moe-7b-a1b, blocks of 32): the step against the active-expert roofline and prefill,
-#      each with the experts dense (GPU's "auto") and grouped (ragged_dot; MOE_EXPERTS), then tokens/s of
-#      DECODERS (issue 21). On an H100 (2026-11-27) grouped ran at the FLOPs of XLA's ragged_dot
-#      rewrite (every row against every expert); XLA's cuDNN ragged-dot fusion
-#      (XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true, where the jaxlib knows the flag) is
-#      the next thing to try for grouped;
+#      kernels on, each with the experts dense (GPU's default) and grouped (through dlmjax's
+#      grouped_matmul kernel, which "on" runs; MOE_EXPERTS), then tokens/s of DECODERS (issue 21). On an
+#      H100 (2026-11-27) grouped through ragged_dot ran at the FLOPs of XLA's rewrite (every row
+#      against every expert); XLA's cuDNN ragged-dot fusion
+#      (XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true, where the jaxlib knows the flag,
+#      with --kernels auto) is another grouped path to time;
 #   6. agreement and exactness-buffers, named in STAGES only (issue 16): the fast mode's token agreement
 #      at SDAR-1.7B shape (PSD vs policy, batch 16 vs 1, mrp-spec vs static, or those COMPARISONS names; ~200 s), and the invariant
 #      mode's cost at batch 1 and 16 with XLA's command buffers taking while loops and conditionals
@@ -100,7 +101,7 @@ stage bench-8b "${PREFILL_8B_S:-45}" "$PY" benchmarks/decode_gpu.py --shape sdar
 stage exactness "${EXACTNESS_S:-60}" "$PY" benchmarks/exactness.py --shape sdar-1.7b --skip-agreement --repeats 10 \
   --out "$BENCH_OUT/exactness"
 stage bench-moe "${MOE_S:-240}" "$PY" benchmarks/decode_gpu.py --shape "${MOE_SHAPE:-llada-moe-7b-a1b}" --block 32 \
-  --repeats 10 --kernels auto --skip tiles argmax transformers --batches 1 16 --prefill 2048 --prompts 16 \
+  --repeats 10 --kernels on --skip tiles argmax transformers --batches 1 16 --prefill 2048 --prompts 16 \
   --max-new 64 --moe-experts ${MOE_EXPERTS:-dense grouped} --decoders ${DECODERS:-threshold:tau=0.9} \
   --out "$BENCH_OUT/bench-moe"
 stage agreement "${AGREEMENT_S:-240}" "$PY" benchmarks/exactness.py --shape sdar-1.7b --skip-cost --modes fast \

@@ -790,6 +790,59 @@ def test_the_gpu_benchmark_reports_a_kernel_the_device_refused(monkeypatch, deco
         assert decode_gpu.path_of("residual_argmax", 0) == "kernel"
 
 
+# ------------------------------------------------------------------------------------------------ grouped_matmul
+
+
+@st.composite
+def grouped_cases(draw):
+    """Rows routed to a few of the experts (most experts get none), some past the last expert
+    (padding: in no tile), one expert's rows spanning several tiles."""
+    return dict(rows=draw(st.sampled_from([1, 7, 40])), experts=draw(st.sampled_from([3, 8])),
+                tile_m=draw(st.sampled_from([4, 16])), k=draw(st.sampled_from([16, 24])),
+                n=draw(st.sampled_from([16, 48])), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=8, deadline=None)
+@given(grouped_cases(), st.sampled_from(["float32", "bfloat16"]))
+def test_grouped_matmul_equals_its_reference(case, dtype):
+    from dlmjax.kernels import grouped_matmul as gm
+
+    rng = np.random.default_rng(case["seed"])
+    m, e, t = case["rows"], case["experts"], case["tile_m"]
+    expert_m = rng.integers(0, e + 1, m)  # e: padding
+    expert_m[: m // 2] = 1  # expert 1 takes half the rows: several tiles when they exceed one
+    row_it, tiles_end_e = gm.tile_layout(jnp.asarray(expert_m, jnp.int32), e, t)
+    x = jnp.asarray(rng.normal(size=(row_it.size, case["k"])), dtype)
+    w = jnp.asarray(rng.normal(size=(e, case["k"], case["n"])) * 0.3, dtype)
+    want = gm.reference(x, tiles_end_e, w, tile_m=t)
+    with kernels.use(KERNEL):
+        got = jax.jit(functools.partial(gm.grouped_matmul, tile_m=t))(x, tiles_end_e, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=TOL[dtype], atol=TOL[dtype])
+    rows = np.asarray(row_it)
+    assert sorted(rows[rows < m].tolist()) == [r for r in range(m) if expert_m[r] < e], "each routed row in one slot"
+    for tile, owner in enumerate(np.asarray(gm.tile_expert(tiles_end_e, rows.shape[0]))):
+        assert all(expert_m[r] == owner for r in rows[tile] if r < m), "a tile holds its expert's rows only"
+
+
+def test_grouped_matmul_gradient_is_the_references():
+    """The kernel path is differentiable (an MoE backbone or head trains with kernels on): its
+    gradient is the reference's."""
+    from dlmjax.kernels import grouped_matmul as gm
+
+    rng = np.random.default_rng(0)
+    row_it, tiles_end_e = gm.tile_layout(jnp.asarray([2, 0, 2, 2, 5], jnp.int32), 5, 4)
+    x = jnp.asarray(rng.normal(size=(row_it.size, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(5, 16, 16)), jnp.float32)
+
+    def loss(fn):
+        return jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, tiles_end_e, w, tile_m=4))), argnums=(0, 1))(x, w)
+
+    with kernels.use(KERNEL):
+        got = loss(gm.grouped_matmul)
+    for g, want in zip(got, loss(gm.reference)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_flash_attention_memory_is_linear_in_length():
     """Compiled scratch memory of one attention at L and 2L keys (block-causal self-attention): the
     XLA einsum's grows 4x (its [H, L, L] scores), the flash kernel's (interpret mode) 2x."""

@@ -57,10 +57,17 @@ def test_grouped_experts_equal_all_experts(router, tokens):
         assert len(used) < E, "some expert must receive no token"
 
 
-@pytest.mark.parametrize("rows_fn", [moe.tiled_rows, moe.ragged_rows], ids=["tiled", "ragged"])
+def kernel_rows_interpreted(*args):
+    """`moe.kernel_rows` with the grouped_matmul kernel in Pallas interpret mode (CPU)."""
+    with dlmjax.kernels.use("interpret"):
+        return moe.kernel_rows(*args)
+
+
+@pytest.mark.parametrize("rows_fn", [moe.tiled_rows, moe.ragged_rows, kernel_rows_interpreted],
+                         ids=["tiled", "ragged", "kernel"])
 @pytest.mark.parametrize("rows", [1, 9, 70, 300])
 def test_grouped_rows_equal_each_row_through_its_own_expert(rows_fn, rows):
-    """Both grouped implementations against one row at a time: experts with no row, expert 2 with
+    """The grouped implementations against one row at a time: experts with no row, expert 2 with
     more rows than a tile (so its rows span tiles, the last one part empty), padding rows (id E)."""
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.normal(size=(rows, D)), jnp.float32)
@@ -101,12 +108,15 @@ def test_dense_experts_in_chunks_equal_one_chunk(monkeypatch):
 
 def test_auto_runs_experts_grouped_on_cpu_and_tpu_and_dense_on_gpu(monkeypatch):
     """XLA's GPU backend rewrites ragged_dot into every row against every expert (k times dense's
-    FLOPs): "auto" runs dense there. Unknown names are refused, by the setter too."""
+    FLOPs): "auto" runs dense there, unless the grouped_matmul kernel runs. Unknown names are
+    refused, by the setter too."""
     assert moe.resolve_implementation("auto") == "grouped"  # this CPU
     for backend, want in (("gpu", "dense"), ("tpu", "grouped"), ("cpu", "grouped")):
         monkeypatch.setattr(jax, "default_backend", lambda: backend)
         assert moe.resolve_implementation("auto") == want
         assert moe.resolve_implementation("grouped") == "grouped"
+        with dlmjax.kernels.use("on"):  # the grouped_matmul kernel asked for: grouped, through it on GPU
+            assert moe.resolve_implementation("auto") == "grouped"
     with pytest.raises(InputError, match="choose one of auto, grouped, dense"):
         moe.resolve_implementation("ragged")
     layer = moe.MoE(moe_config(), shared=None, rngs=nnx.Rngs(0))

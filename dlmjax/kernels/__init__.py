@@ -13,7 +13,7 @@ Modes:
 - "interpret": the kernels in Pallas interpret mode on any device (slow; tests on CPU).
 - "off": the references everywhere.
 
-Each kernel lives in its own folder (`residual_argmax/`, `attention/`) as `reference.py` (pure
+Each kernel lives in its own folder (`residual_argmax/`, `attention/`, `grouped_matmul/`) as `reference.py` (pure
 jnp, the definition), `kernel.py` (Pallas for GPU, through Triton, and for interpret mode),
 `kernel_tpu.py` (Pallas for TPU, in the block shapes Mosaic compiles) and `__init__.py` (the
 dispatcher). A real kernel call is compile-probed once per shape first. A dispatcher runs
@@ -40,7 +40,8 @@ ACCELERATORS = ("gpu", "tpu")
 # (benchmarks/decode_gpu.py). On an H200, residual_argmax's Triton kernel took 1.5 to 2.3x the XLA
 # path's time at 64 to 1,024 positions of a 151,936-column vocabulary, while flash attention was
 # 1.1 to 2.5x faster (benchmarks/results/decode_gpu/gpu-h200.md); on GPU "on" still runs both.
-AUTO = {"attention": ("gpu", "tpu"), "residual_argmax": ("tpu",)}
+# grouped_matmul (the MoE layer's experts) has not been timed on a device yet: "on" runs it.
+AUTO = {"attention": ("gpu", "tpu"), "residual_argmax": ("tpu",), "grouped_matmul": ()}
 
 log = logging.getLogger("dlmjax.kernels")
 

@@ -41,8 +41,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dlmjax import arithmetic
+from dlmjax import arithmetic, kernels
 from dlmjax.config import ModelConfig
+from dlmjax.kernels import grouped_matmul
 from dlmjax.sharding import DEFAULT_RULES
 from dlmjax.validation import InputError
 
@@ -103,10 +104,40 @@ def _swiglu(h_m2f):
 def grouped_rows(x_md, expert_m, gate_up_ed2f, down_efd):
     """Each row's output [M, D] through its own expert (unweighted), rows kept in their order. A
     row whose expert id is E (one past the last) is padding: it falls in no group and gives zeros.
-    On CPU `tiled_rows` (jax lowers ragged_dot there to a dense dot over every expert), elsewhere
+    Through the grouped_matmul kernel where `dlmjax.kernels` picks it (`kernel_rows`), else on CPU
+    `tiled_rows` (jax lowers ragged_dot there to a dense dot over every expert), elsewhere
     `ragged_rows`."""
+    if _kernel_serves(x_md, gate_up_ed2f, down_efd):
+        return kernel_rows(x_md, expert_m, gate_up_ed2f, down_efd)
     rows_fn = tiled_rows if jax.default_backend() == "cpu" else ragged_rows
     return rows_fn(x_md, expert_m, gate_up_ed2f, down_efd)
+
+
+def _kernel_serves(x_md, gate_up_ed2f, down_efd) -> bool:
+    """Whether the grouped_matmul kernel runs the experts' two matmuls (the mode, device, numerics
+    and widths allow it; `kernels.choose` logs why not)."""
+    interpret = kernels.current() == "interpret"
+    reason = (grouped_matmul.unsupported(x_md.shape[1], gate_up_ed2f.shape[2], interpret)
+              or grouped_matmul.unsupported(down_efd.shape[1], down_efd.shape[2], interpret))
+    return kernels.choose("grouped_matmul", reason) is not None
+
+
+def _kernel_tile(num_rows: int, num_experts: int) -> int:
+    return max(grouped_matmul.MIN_TILE, expert_tile(num_rows, num_experts))
+
+
+def kernel_rows(x_md, expert_m, gate_up_ed2f, down_efd):
+    """`grouped_rows` through the grouped_matmul kernel: the rows gathered into tiles of one expert
+    each (`tile_layout`), both projections computed by the kernel for the chosen experts only, the
+    rows put back in their order."""
+    m, num_experts = expert_m.shape[0], gate_up_ed2f.shape[0]
+    tile = _kernel_tile(m, num_experts)
+    row_it, tiles_end_e = grouped_matmul.tile_layout(expert_m, num_experts, tile)
+    row_r = row_it.reshape(-1)
+    x_rd = jnp.where((row_r < m)[:, None], x_md[jnp.minimum(row_r, m - 1)], 0)
+    h_r2f = grouped_matmul.grouped_matmul(x_rd, tiles_end_e, gate_up_ed2f, tile_m=tile)
+    y_rd = grouped_matmul.grouped_matmul(_swiglu(h_r2f).astype(x_md.dtype), tiles_end_e, down_efd, tile_m=tile)
+    return jnp.zeros((m, y_rd.shape[-1]), jnp.float32).at[row_r].set(y_rd, mode="drop").astype(x_md.dtype)
 
 
 def ragged_rows(x_md, expert_m, gate_up_ed2f, down_efd):
@@ -137,22 +168,14 @@ def expert_tile(num_rows: int, num_experts: int) -> int:
 
 def tiled_rows(x_md, expert_m, gate_up_ed2f, down_efd):
     """`grouped_rows` reading only the chosen experts: each expert's rows cut into tiles of
-    `expert_tile` rows (its last tile part empty), and a scan over the tiles that computes a used tile
-    against its one expert's weights and skips the unused ones. At most ceil(M / t) + min(E, M)
-    tiles exist, so the work is about the assignments', not every expert's on every row."""
+    `expert_tile` rows (its last tile part empty; `tile_layout`), and a scan over the tiles that
+    computes a used tile against its one expert's weights and skips the unused ones. At most
+    ceil(M / t) + min(E, M) tiles exist, so the work is about the assignments', not every expert's
+    on every row."""
     m, num_experts = expert_m.shape[0], gate_up_ed2f.shape[0]
-    t = expert_tile(m, num_experts)
-    max_tiles = -(-m // t) + min(num_experts, m)
-    order_m, sizes_e = _expert_groups(expert_m, num_experts)
-    tiles_e = -(-sizes_e // t)
-    tiles_end_e = jnp.cumsum(tiles_e)
-    tile_i = jnp.arange(max_tiles, dtype=jnp.int32)
-    expert_i = jnp.minimum(jnp.searchsorted(tiles_end_e, tile_i, side="right"), num_experts - 1).astype(jnp.int32)
-    used_i = tile_i < tiles_end_e[-1]
-    within_it = (tile_i - (tiles_end_e - tiles_e)[expert_i])[:, None] * t + jnp.arange(t, dtype=jnp.int32)
-    valid_it = used_i[:, None] & (within_it < sizes_e[expert_i][:, None])
-    sorted_it = (jnp.cumsum(sizes_e) - sizes_e)[expert_i][:, None] + within_it
-    row_it = jnp.where(valid_it, order_m[jnp.where(valid_it, sorted_it, 0)], m)  # m: no row
+    row_it, tiles_end_e = grouped_matmul.tile_layout(expert_m, num_experts, expert_tile(m, num_experts))
+    tile_i = jnp.arange(row_it.shape[0], dtype=jnp.int32)
+    expert_i, used_i = grouped_matmul.tile_expert(tiles_end_e, tile_i.shape[0]), tile_i < tiles_end_e[-1]
 
     def tile_output(x_td, expert):
         h_t2f = jnp.dot(x_td, gate_up_ed2f[expert], preferred_element_type=jnp.float32)
@@ -210,14 +233,17 @@ EXPERT_IMPLEMENTATIONS = {"grouped": grouped_expert_outputs, "dense": dense_expe
 
 
 def resolve_implementation(implementation: str) -> str:
-    """"grouped" or "dense" as named; "auto" picks by the backend, at trace time: "dense" on GPU,
-    "grouped" elsewhere. XLA's GPU backend (jax 0.11) rewrites ragged_dot into a dot of every row
+    """"grouped" or "dense" as named; "auto" picks at trace time: on GPU "dense", or "grouped"
+    where the grouped_matmul kernel runs (`dlmjax.kernels`: "on" today; "auto" once a GPU measures
+    it faster); elsewhere "grouped". XLA's GPU backend (jax 0.11) rewrites ragged_dot into a dot of every row
     against every expert, so grouped there costs k times dense's FLOPs (k rows per token, each
     against all E experts, where dense runs each token once against all E): on an H100 at
     LLaDA-MoE-7B-A1B's shape its timings matched that rewrite's FLOPs at ~700 TFLOP/s
     (benchmarks/results/decode_gpu/gpu-h100.md)."""
     if implementation == "auto":
-        return "dense" if jax.default_backend() == "gpu" else "grouped"
+        if jax.default_backend() != "gpu":
+            return "grouped"
+        return "grouped" if kernels.choose("grouped_matmul") is not None else "dense"
     if implementation not in EXPERT_IMPLEMENTATIONS:
         raise InputError(f"expert implementation {implementation!r}: choose one of auto, "
                          f"{', '.join(EXPERT_IMPLEMENTATIONS)}")
