@@ -843,6 +843,28 @@ def test_grouped_matmul_gradient_is_the_references():
         np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_the_grouped_matmul_kernel_lowers_to_triton_at_moe_shapes():
+    """Without a GPU: the kernel lowers through Pallas' Triton backend (jax.export for CUDA) at
+    LLaDA-MoE-7B-A1B's and LLaDA2.0-mini's expert shapes, bf16, a batch-16 decode step's rows: its
+    dynamic expert loop, scalar reads and tile writes are all ops that backend lowers (a GPU still
+    compiles the Triton IR to PTX)."""
+    from jax import export
+
+    from dlmjax.kernels.grouped_matmul import kernel as gm_kernel
+
+    allow = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    for experts, d, f in ((64, 2048, 1024), (256, 2048, 512)):
+        tile = 64 if experts == 64 else 16
+        rows = (16 * 32 * 8 // tile + experts) * tile
+        for k, n in ((d, 2 * f), (f, d)):
+            call = functools.partial(gm_kernel.grouped_matmul, tile_m=tile, tile_n=128, tile_k=64, interpret=False,
+                                     triton=True)
+            specs = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((experts,), jnp.int32),
+                     jax.ShapeDtypeStruct((experts, k, n), jnp.bfloat16))
+            text = export.export(jax.jit(call), platforms=["cuda"], disabled_checks=allow)(*specs).mlir_module()
+            assert "__gpu$xla.gpu.triton" in text and f"grid_x = {experts}" in text
+
+
 def test_flash_attention_memory_is_linear_in_length():
     """Compiled scratch memory of one attention at L and 2L keys (block-causal self-attention): the
     XLA einsum's grows 4x (its [H, L, L] scores), the flash kernel's (interpret mode) 2x."""
