@@ -577,19 +577,7 @@ def main(argv=None):
                     tiles=lambda: section_tiles(model, args, peak),
                     decoders=lambda: section_decoders(model, head, args),
                     transformers=lambda: section_transformers(model, args))
-    finished = False
-    try:  # a run stopped at its time limit (SIGINT) still writes the sections it finished
-        for key, run in sections.items():
-            if key in args.skip:
-                continue
-            section_lines, records = run()
-            lines += section_lines + [""]
-            results[key] = records
-        finished = True
-    finally:
-        if not finished:
-            lines.append("Stopped before the end: the sections above are the ones finished (the log holds the rows "
-                         "of the one cut off).")
+    def write(finished: bool):
         out = Path(args.out or Path(__file__).parent / "results" / "decode_gpu")
         out.mkdir(parents=True, exist_ok=True)
         tag = f"{device.platform}-{shape_name(args.shape)}"
@@ -598,6 +586,20 @@ def main(argv=None):
                                                          finished=finished, **results), indent=2))
         (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
         print(f"wrote {out / tag}.json and .md")
+
+    try:
+        for key, run in sections.items():
+            if key in args.skip:
+                continue
+            section_lines, records = run()
+            lines += section_lines + [""]
+            results[key] = records
+    except KeyboardInterrupt:  # a stage stopped at its time limit (SIGINT): keep the sections finished
+        lines.append("Stopped before the end: the sections above are the ones finished (the log holds the rows of "
+                     "the one cut off).")
+        write(finished=False)
+        raise
+    write(finished=True)
     return results
 
 

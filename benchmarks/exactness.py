@@ -16,7 +16,7 @@ in the fast mode and in the invariant mode.
         --max-new 32 --batches 16                                          # one part, one mode (a short GPU call)
 
 Each row is printed as soon as it is measured, and a run stopped at its time limit (SIGINT) still writes
-the rows it measured, with `finished: false`.
+the rows it measured, with `finished: false` (a run that fails writes nothing).
 
 On CPU wall time is not the target; the agreement is (the CPU's fast mode already rounds
 differently by batch shape in fp32, so it can flip near-ties too).
@@ -172,8 +172,20 @@ def main():
     if not args.skip_cost:
         lines += ["", f"Decode-step forward ({block} tokens against {args.prompt_len} cached), median of {args.repeats}:",
                   "", "| batch | fast ms | invariant ms | invariant / fast |", "|---:|---:|---:|---:|"]
-    costs, agreements, finished = [], [], False
-    try:  # a run stopped at its time limit (SIGINT) still writes what it measured
+    costs, agreements = [], []
+
+    def write(finished: bool):
+        out = Path(args.out or Path(__file__).parent / "results" / "exactness")
+        out.mkdir(parents=True, exist_ok=True)
+        tag = f"{device.platform}-{args.shape or 'toy-sdar'}"
+        (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
+                                                         device=f"{device.platform} {device.device_kind}",
+                                                         step_cost=costs, agreement=agreements, finished=finished),
+                                                    indent=2))
+        (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+        print(f"wrote {out / tag}.json and .md")
+
+    try:
         for batch in [] if args.skip_cost else args.batches:
             block_bk, cache = step_inputs(model, batch, args.prompt_len, block)
             ms = {}
@@ -195,19 +207,11 @@ def main():
                                                token_agreement=tokens_same))
                         lines.append(f"| {mode} | {comparison} | {100 * rows_same:.1f}% | {100 * tokens_same:.2f}% |")
                         print(lines[-1], flush=True)
-        finished = True
-    finally:
-        if not finished:
-            lines += ["", "Stopped before the end: the rows above are the ones measured."]
-        out = Path(args.out or Path(__file__).parent / "results" / "exactness")
-        out.mkdir(parents=True, exist_ok=True)
-        tag = f"{device.platform}-{args.shape or 'toy-sdar'}"
-        (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
-                                                         device=f"{device.platform} {device.device_kind}",
-                                                         step_cost=costs, agreement=agreements,
-                                                         finished=finished), indent=2))
-        (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
-        print(f"wrote {out / tag}.json and .md")
+    except KeyboardInterrupt:  # a stage stopped at its time limit (SIGINT): keep the rows measured
+        lines.extend(["", "Stopped before the end: the rows above are the ones measured."])
+        write(finished=False)
+        raise
+    write(finished=True)
 
 
 if __name__ == "__main__":

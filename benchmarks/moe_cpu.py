@@ -1,5 +1,5 @@
 """CPU: one MoE layer at LLaDA-MoE-7B-A1B shape: the grouped experts as they run on CPU (tiled),
-through ragged_dot (what runs on GPU/TPU), and every expert on every token (dense).
+through ragged_dot (what runs on TPU), and every expert on every token (dense: what runs on GPU).
 
 LLaDA-MoE-7B-A1B's MoE layer: hidden 2048, 64 experts of width 1024, top-8, softmax router with no
 renormalisation. For each count of `--tokens` tokens it times the routed layer (router, experts,

@@ -758,16 +758,24 @@ def test_the_gpu_benchmark_runs_the_moe_shapes(tmp_path, decode_gpu):
 
 def test_the_gpu_benchmark_stopped_at_its_limit_writes_the_sections_it_finished(tmp_path, monkeypatch, decode_gpu):
     """A lent machine's stage stops the benchmark with SIGINT at its time limit: the results files
-    are written all the same, with the sections finished before it, marked unfinished."""
+    are written all the same, with the sections finished before it, marked unfinished. A run that
+    fails writes none."""
     import json
 
     def stopped(*args):
         raise KeyboardInterrupt
 
+    def failed(*args):
+        raise ValueError("a bad --decoders spec")
+
+    argv = ["--tiny", "--batches", "1", "--kernels", "off", "--skip", "prefill", "tiles", "argmax", "transformers"]
+    monkeypatch.setattr(decode_gpu, "section_decoders", failed)
+    with pytest.raises(ValueError):  # a failed run writes nothing (the committed results stay)
+        decode_gpu.main([*argv, "--out", str(tmp_path / "failed")])
+    assert not (tmp_path / "failed").exists()
     monkeypatch.setattr(decode_gpu, "section_decoders", stopped)
     with pytest.raises(KeyboardInterrupt):
-        decode_gpu.main(["--tiny", "--batches", "1", "--kernels", "off", "--skip", "prefill", "tiles", "argmax",
-                         "transformers", "--out", str(tmp_path)])
+        decode_gpu.main([*argv, "--out", str(tmp_path)])
     results = json.loads((tmp_path / "cpu-tiny.json").read_text())
     assert results["finished"] is False and "decoders" not in results and results["step"][0]["ms"] > 0
     assert "Stopped before the end" in (tmp_path / "cpu-tiny.md").read_text()

@@ -104,26 +104,64 @@ def test_dense_experts_in_chunks_equal_one_chunk(monkeypatch):
     chunked = jax.jit(moe.dense_expert_outputs)(x, experts_tk, gate_up, down)
     assert "while" in jax.jit(moe.dense_expert_outputs).lower(x, experts_tk, gate_up, down).as_text()
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), atol=2e-6, rtol=1e-5)
+    to_bf16 = lambda a: a.astype(jnp.bfloat16)  # noqa: E731  a bf16 model's experts run on CPU too
+    bf16 = jax.jit(moe.dense_expert_outputs)(to_bf16(x), experts_tk, to_bf16(gate_up), to_bf16(down))
+    np.testing.assert_allclose(np.asarray(bf16, np.float32), np.asarray(whole), atol=0.1, rtol=0.05)
 
 
 def test_auto_runs_experts_grouped_on_cpu_and_tpu_and_dense_on_gpu(monkeypatch):
     """XLA's GPU backend rewrites ragged_dot into every row against every expert (k times dense's
-    FLOPs): "auto" runs dense there, unless the grouped_matmul kernel runs. Unknown names are
-    refused, by the setter too."""
-    assert moe.resolve_implementation("auto") == "grouped"  # this CPU
+    FLOPs): "auto" runs dense there, unless the grouped_matmul kernel runs the rows; where it is
+    asked for but refused, dense, not ragged_dot. Unknown names are refused, by the setter too."""
+    gate_up, down = expert_weights()
+    shapes = (64, jnp.float32, gate_up, down)  # 64 assignment rows
+    assert moe.resolve_implementation("auto", *shapes) == "grouped"  # this CPU
     for backend, want in (("gpu", "dense"), ("tpu", "grouped"), ("cpu", "grouped")):
         monkeypatch.setattr(jax, "default_backend", lambda: backend)
-        assert moe.resolve_implementation("auto") == want
-        assert moe.resolve_implementation("grouped") == "grouped"
-        with dlmjax.kernels.use("on"):  # the grouped_matmul kernel asked for: grouped, through it on GPU
-            assert moe.resolve_implementation("auto") == "grouped"
+        assert moe.resolve_implementation("auto", *shapes) == want
+        assert moe.resolve_implementation("grouped", *shapes) == "grouped"
+        with dlmjax.kernels.use("interpret"):  # the kernel runs: grouped, through it
+            assert moe.resolve_implementation("auto", *shapes) == "grouped"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with dlmjax.kernels.use("on"):  # asked for on "gpu", but widths 24 -> 24 are refused (and this CPU
+        assert moe.resolve_implementation("auto", *shapes) == "dense"  # compiles no Triton): dense
     with pytest.raises(InputError, match="choose one of auto, grouped, dense"):
-        moe.resolve_implementation("ragged")
+        moe.resolve_implementation("ragged", *shapes)
     layer = moe.MoE(moe_config(), shared=None, rngs=nnx.Rngs(0))
     assert layer.implementation == "auto"
     assert moe.set_expert_implementation(layer, "dense") is layer and layer.implementation == "dense"
     with pytest.raises(InputError, match="expert implementation 'fast'"):
         moe.set_expert_implementation(layer, "fast")
+
+
+def test_dense_chunks_keep_tokens_split_over_devices_and_bound_the_backward_pass(monkeypatch):
+    """Chunk c takes tokens c, c + n, ...: with the tokens split over 8 devices (data parallel), the
+    compiled chunked path gathers no tokens and leaves the output split (each device computes its
+    own tokens). Under grad each chunk's intermediates are recomputed, not all held at once."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    gate_up, down = expert_weights()
+    rng = np.random.default_rng(0)
+    chunk = 16
+    monkeypatch.setattr(moe, "DENSE_CHUNK_BYTES", chunk * E * (gate_up.shape[2] + D) * 4)
+    x = jnp.asarray(rng.normal(size=(200, D)), jnp.float32)
+    experts_tk = jnp.asarray(rng.integers(0, E, (200, 4)), jnp.int32)
+    if len(jax.devices()) >= 8:
+        split = NamedSharding(Mesh(np.array(jax.devices()[:8]), ("data",)), P("data", None))
+        xs, es = jax.device_put(x, split), jax.device_put(experts_tk, split)
+        compiled = jax.jit(moe.dense_expert_outputs).lower(xs, es, gate_up, down).compile()
+        assert "all-gather" not in compiled.as_text()
+        assert compiled.output_shardings.spec[0] == "data"
+        np.testing.assert_allclose(np.asarray(compiled(xs, es, gate_up, down)),
+                                   np.asarray(moe._every_expert(x, experts_tk, gate_up, down)), atol=2e-6, rtol=1e-5)
+
+    def temp_bytes(fn):
+        loss = lambda x: jnp.sum(fn(x, experts_tk, gate_up, down))  # noqa: E731
+        return jax.jit(jax.grad(loss)).lower(x).compile().memory_analysis().temp_size_in_bytes
+
+    whole = temp_bytes(moe._every_expert)
+    assert temp_bytes(moe.dense_expert_outputs) < whole / 2, "the backward pass holds every chunk's intermediates"
 
 
 def test_router_ties_go_to_the_lower_expert_and_routing_is_per_token():

@@ -114,7 +114,8 @@ def choose(kernel: str, unsupported: str | None = None) -> str | None:
             fallback(kernel, f"no Pallas kernel on {backend}")
         return None
     if mode == "auto" and backend not in AUTO[kernel.split("/")[0]]:
-        fallback(kernel, f"on {backend} the reference measured faster (kernels.AUTO); --kernels on runs the kernel")
+        why = "measured faster" if AUTO[kernel.split("/")[0]] else "runs until a device times the kernel"
+        fallback(kernel, f"on {backend} the reference {why} (kernels.AUTO); --kernels on runs the kernel")
         return None
     if unsupported is not None:
         fallback(kernel, unsupported)

@@ -104,22 +104,23 @@ def _swiglu(h_m2f):
 def grouped_rows(x_md, expert_m, gate_up_ed2f, down_efd):
     """Each row's output [M, D] through its own expert (unweighted), rows kept in their order. A
     row whose expert id is E (one past the last) is padding: it falls in no group and gives zeros.
-    Through the grouped_matmul kernel where `dlmjax.kernels` picks it (`kernel_rows`), else on CPU
-    `tiled_rows` (jax lowers ragged_dot there to a dense dot over every expert), elsewhere
-    `ragged_rows`."""
-    if _kernel_serves(x_md, gate_up_ed2f, down_efd):
+    Through the grouped_matmul kernel where it runs (`kernel_serves`), else on CPU `tiled_rows`
+    (jax lowers ragged_dot there to a dense dot over every expert), elsewhere `ragged_rows`."""
+    if kernel_serves(x_md.shape[0], x_md.dtype, gate_up_ed2f, down_efd):
         return kernel_rows(x_md, expert_m, gate_up_ed2f, down_efd)
     rows_fn = tiled_rows if jax.default_backend() == "cpu" else ragged_rows
     return rows_fn(x_md, expert_m, gate_up_ed2f, down_efd)
 
 
-def _kernel_serves(x_md, gate_up_ed2f, down_efd) -> bool:
-    """Whether the grouped_matmul kernel runs the experts' two matmuls (the mode, device, numerics
-    and widths allow it; `kernels.choose` logs why not)."""
-    interpret = kernels.current() == "interpret"
-    reason = (grouped_matmul.unsupported(x_md.shape[1], gate_up_ed2f.shape[2], interpret)
-              or grouped_matmul.unsupported(down_efd.shape[1], down_efd.shape[2], interpret))
-    return kernels.choose("grouped_matmul", reason) is not None
+def kernel_serves(num_rows: int, dtype, gate_up_ed2f, down_efd) -> bool:
+    """Whether the grouped_matmul kernel runs both of the experts' matmuls for `num_rows` rows (the
+    kernel mode, device, numerics and widths allow it and the device compiles it;
+    `grouped_matmul.runs` logs why not)."""
+    num_experts, d, f2 = gate_up_ed2f.shape
+    tile = _kernel_tile(num_rows, num_experts)
+    rows = (-(-num_rows // tile) + min(num_experts, num_rows)) * tile  # `tile_layout`'s tiles
+    return all(grouped_matmul.runs(rows, k, n, num_experts, tile, dtype) is not None
+               for k, n in ((d, f2), (down_efd.shape[1], d)))
 
 
 def _kernel_tile(num_rows: int, num_experts: int) -> int:
@@ -208,46 +209,57 @@ def dense_expert_outputs(x_td, experts_tk, gate_up_ed2f, down_efd):
     """Every expert on every token, then each assignment's own output [T, k, D] (unweighted): the
     reference in tests, and what "auto" runs on GPU (`resolve_implementation`). Tokens go through in
     chunks that hold its float32 intermediates, [tokens, E, 2F] and [tokens, E, D], to about
-    DENSE_CHUNK_BYTES."""
+    DENSE_CHUNK_BYTES, in the backward pass too (a chunk's are recomputed there). Chunk c holds
+    tokens c, c + n, c + 2n, ... (n chunks), so tokens split over devices stay split: each device
+    computes its own tokens' share of every chunk."""
     num_experts, d, f2 = gate_up_ed2f.shape
-    per_token = num_experts * (f2 + d) * 4
-    chunk = max(1, DENSE_CHUNK_BYTES // per_token)
+    chunk = max(1, DENSE_CHUNK_BYTES // (num_experts * (f2 + d) * 4))
     t = x_td.shape[0]
     if t <= chunk:
         return _every_expert(x_td, experts_tk, gate_up_ed2f, down_efd)
     n = -(-t // chunk)
     pad = ((0, n * chunk - t), (0, 0))
-    y_ctkd = jax.lax.map(lambda xe: _every_expert(*xe, gate_up_ed2f, down_efd),
-                         (jnp.pad(x_td, pad).reshape(n, chunk, -1), jnp.pad(experts_tk, pad).reshape(n, chunk, -1)))
-    return y_ctkd.reshape(n * chunk, *y_ctkd.shape[2:])[:t]
+    strided = lambda a: jnp.pad(a, pad).reshape(chunk, n, -1).swapaxes(0, 1)  # noqa: E731  [n, chunk, .]
+    y_nckd = jax.lax.map(jax.checkpoint(lambda xe: _every_expert(*xe, gate_up_ed2f, down_efd)),
+                         (strided(x_td), strided(experts_tk)))
+    return y_nckd.swapaxes(0, 1).reshape(n * chunk, *y_nckd.shape[2:])[:t]
 
 
 def _every_expert(x_td, experts_tk, gate_up_ed2f, down_efd):
-    h_te2f = jnp.einsum("td,edf->tef", x_td, gate_up_ed2f, preferred_element_type=jnp.float32)
-    y_ted = jnp.einsum("tef,efd->ted", _swiglu(h_te2f).astype(x_td.dtype), down_efd,
-                       preferred_element_type=jnp.float32)
+    # XLA:CPU has no bf16 x bf16 -> f32 batched dot: float32 operands there (the products of bf16
+    # values are exact in float32, so only the summation order can differ)
+    operands = jnp.float32 if jax.default_backend() == "cpu" else x_td.dtype
+    h_te2f = jnp.einsum("td,edf->tef", x_td.astype(operands), gate_up_ed2f.astype(operands),
+                        preferred_element_type=jnp.float32)
+    y_ted = jnp.einsum("tef,efd->ted", _swiglu(h_te2f).astype(x_td.dtype).astype(operands),
+                       down_efd.astype(operands), preferred_element_type=jnp.float32)
     return jnp.take_along_axis(y_ted, experts_tk[:, :, None], axis=1).astype(x_td.dtype)
 
 
 EXPERT_IMPLEMENTATIONS = {"grouped": grouped_expert_outputs, "dense": dense_expert_outputs}
 
 
-def resolve_implementation(implementation: str) -> str:
-    """"grouped" or "dense" as named; "auto" picks at trace time: on GPU "dense", or "grouped"
-    where the grouped_matmul kernel runs (`dlmjax.kernels`: "on" today; "auto" once a GPU measures
-    it faster); elsewhere "grouped". XLA's GPU backend (jax 0.11) rewrites ragged_dot into a dot of every row
-    against every expert, so grouped there costs k times dense's FLOPs (k rows per token, each
-    against all E experts, where dense runs each token once against all E): on an H100 at
-    LLaDA-MoE-7B-A1B's shape its timings matched that rewrite's FLOPs at ~700 TFLOP/s
-    (benchmarks/results/decode_gpu/gpu-h100.md)."""
-    if implementation == "auto":
-        if jax.default_backend() != "gpu":
-            return "grouped"
-        return "grouped" if kernels.choose("grouped_matmul") is not None else "dense"
-    if implementation not in EXPERT_IMPLEMENTATIONS:
+def check_implementation(implementation: str) -> str:
+    """`implementation` if it names one ("auto", "grouped" or "dense"), else an InputError."""
+    if implementation != "auto" and implementation not in EXPERT_IMPLEMENTATIONS:
         raise InputError(f"expert implementation {implementation!r}: choose one of auto, "
                          f"{', '.join(EXPERT_IMPLEMENTATIONS)}")
     return implementation
+
+
+def resolve_implementation(implementation: str, num_rows: int, dtype, gate_up_ed2f, down_efd) -> str:
+    """"grouped" or "dense" as named; "auto" picks at trace time, for `num_rows` assignment rows: on
+    GPU "grouped" where the grouped_matmul kernel runs them (`kernel_serves`: `dlmjax.kernels` "on"
+    today, "auto" once a GPU measures it faster), else "dense"; elsewhere "grouped". XLA's GPU
+    backend (jax 0.11) rewrites ragged_dot into a dot of every row against every expert, so grouped
+    through it costs k times dense's FLOPs (k rows per token, each against all E experts, where
+    dense runs each token once against all E): on an H100 at LLaDA-MoE-7B-A1B's shape its timings
+    matched that rewrite's FLOPs at ~700 TFLOP/s (benchmarks/results/decode_gpu/gpu-h100.md)."""
+    if check_implementation(implementation) != "auto":
+        return implementation
+    if jax.default_backend() != "gpu":
+        return "grouped"
+    return "grouped" if kernel_serves(num_rows, dtype, gate_up_ed2f, down_efd) else "dense"
 
 
 def combine(y_tkd, weights_tk):
@@ -282,7 +294,9 @@ def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfi
     "all_to_all", "gather", "xla" or "auto". `implementation` ("auto", "grouped" or "dense";
     `resolve_implementation`) applies to the local, "xla" and "gather" paths; the all-to-all path
     always runs its experts grouped."""
-    experts_fn = EXPERT_IMPLEMENTATIONS[resolve_implementation(implementation)]
+    rows = x_td.shape[0] * cfg.num_experts_per_tok
+    experts_fn = EXPERT_IMPLEMENTATIONS[resolve_implementation(implementation, rows, x_td.dtype, gate_up_ed2f,
+                                                               down_efd)]
     mesh = _expert_mesh(gate_up_ed2f)
     mode = resolve_dispatch(dispatch, x_td.shape[0], cfg, mesh)
     if mode in ("local", "xla"):
@@ -450,7 +464,7 @@ def set_expert_dispatch(model: nnx.Module, dispatch: str) -> nnx.Module:
 
 def set_expert_implementation(model: nnx.Module, implementation: str) -> nnx.Module:
     """Set every MoE layer's `implementation` ("auto", "grouped" or "dense") in place; returns the model."""
-    resolve_implementation(implementation)  # refuses an unknown name
+    check_implementation(implementation)
     for _, module in nnx.iter_graph(model):
         if isinstance(module, MoE):
             module.implementation = implementation

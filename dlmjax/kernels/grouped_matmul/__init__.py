@@ -17,7 +17,7 @@ from dlmjax.kernels.grouped_matmul import kernel as _kernel
 from dlmjax.kernels.grouped_matmul.reference import grouped_matmul as reference
 from dlmjax.kernels.grouped_matmul.reference import tile_expert, tile_layout
 
-__all__ = ["MIN_TILE", "grouped_matmul", "reference", "tile_expert", "tile_layout", "unsupported"]
+__all__ = ["MIN_TILE", "grouped_matmul", "reference", "runs", "tile_expert", "tile_layout", "unsupported"]
 
 TILE_N, TILE_K = 128, 64
 MIN_TILE = 16  # GPU dots need >= 16 along every dimension
@@ -40,23 +40,36 @@ def unsupported(k: int, n: int, interpret: bool) -> str | None:
     return None
 
 
-def grouped_matmul(x_rk, tiles_end_e, w_ekn, *, tile_m: int):
-    """[I * tile_m, N] float32: each tile's rows of x [I * tile_m, K] times its expert's w [E, K, N]
-    (the tiles of `tile_layout`), 0 in the unused tiles' rows. The kernel where `kernels.choose`
-    picks it and the device compiles it, else the reference (the reason logged). Differentiable:
-    the gradient is the reference's (a Pallas call has none of its own)."""
-    k, n = x_rk.shape[1], w_ekn.shape[2]
+def runs(rows: int, k: int, n: int, num_experts: int, tile_m: int, dtype) -> str | None:
+    """How the kernel runs for x [rows, k] and weights [num_experts, k, n] of `dtype` in tiles of
+    `tile_m` rows: "kernel" (the device compiles it: probed once per shape), "interpret", or None
+    for the reference (the reason logged)."""
     how = kernels.choose("grouped_matmul", unsupported(k, n, kernels.current() == "interpret"))
-    if how is None:
-        return reference(x_rk, tiles_end_e, w_ekn, tile_m=tile_m)
-    call = functools.partial(_kernel.grouped_matmul, tile_m=tile_m, tile_n=_tile(n, TILE_N), tile_k=_tile(k, TILE_K),
-                             interpret=how == "interpret", triton=how == "kernel")
     if how == "kernel":
-        error = kernels.compile_error("grouped_matmul", call, x_rk, tiles_end_e, w_ekn)
+        specs = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+                 jax.ShapeDtypeStruct((num_experts, k, n), dtype))
+        error = kernels.compile_error("grouped_matmul", _call(k, n, tile_m, how), *specs)
         if error is not None:
             kernels.fallback("grouped_matmul", error)
-            return reference(x_rk, tiles_end_e, w_ekn, tile_m=tile_m)
-    return _with_reference_gradient(call, tile_m)(x_rk, tiles_end_e, w_ekn)
+            return None
+    return how
+
+
+def grouped_matmul(x_rk, tiles_end_e, w_ekn, *, tile_m: int):
+    """[I * tile_m, N] float32: each tile's rows of x [I * tile_m, K] times its expert's w [E, K, N]
+    (the tiles of `tile_layout`), 0 in the unused tiles' rows. The kernel where `runs` says so, else
+    the reference. Differentiable: the gradient is the reference's (a Pallas call has none of its
+    own)."""
+    (rows, k), (num_experts, _, n) = x_rk.shape, w_ekn.shape
+    how = runs(rows, k, n, num_experts, tile_m, x_rk.dtype)
+    if how is None:
+        return reference(x_rk, tiles_end_e, w_ekn, tile_m=tile_m)
+    return _with_reference_gradient(_call(k, n, tile_m, how), tile_m)(x_rk, tiles_end_e, w_ekn)
+
+
+def _call(k: int, n: int, tile_m: int, how: str):
+    return functools.partial(_kernel.grouped_matmul, tile_m=tile_m, tile_n=_tile(n, TILE_N), tile_k=_tile(k, TILE_K),
+                             interpret=how == "interpret", triton=how == "kernel")
 
 
 def _tile(width: int, tile: int) -> int:
