@@ -577,6 +577,7 @@ def main(argv=None):
                     tiles=lambda: section_tiles(model, args, peak),
                     decoders=lambda: section_decoders(model, head, args),
                     transformers=lambda: section_transformers(model, args))
+
     def write(finished: bool):
         out = Path(args.out or Path(__file__).parent / "results" / "decode_gpu")
         out.mkdir(parents=True, exist_ok=True)

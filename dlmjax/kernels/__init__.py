@@ -13,10 +13,10 @@ Modes:
 - "interpret": the kernels in Pallas interpret mode on any device (slow; tests on CPU).
 - "off": the references everywhere.
 
-Each kernel lives in its own folder (`residual_argmax/`, `attention/`, `grouped_matmul/`) as `reference.py` (pure
-jnp, the definition), `kernel.py` (Pallas for GPU, through Triton, and for interpret mode),
-`kernel_tpu.py` (Pallas for TPU, in the block shapes Mosaic compiles) and `__init__.py` (the
-dispatcher). A real kernel call is compile-probed once per shape first. A dispatcher runs
+Each kernel lives in its own folder (`residual_argmax/`, `attention/`, `grouped_matmul/`) as
+`reference.py` (pure jnp, the definition), `kernel.py` (Pallas for GPU, through Triton, and for
+interpret mode), `kernel_tpu.py` (Pallas for TPU, in the block shapes Mosaic compiles; none for
+grouped_matmul, as TPU computes ragged_dot grouped) and `__init__.py` (the dispatcher). A real kernel call is compile-probed once per shape first. A dispatcher runs
 the reference, and logs why once per reason (logger "dlmjax.kernels"), when the mode, the
 device, the numerics or the shapes rule the kernel out. In the batch-invariant numerics mode
 (`dlmjax.numerics(invariant=True)`) the references run: their fixed-tile paths are what the
