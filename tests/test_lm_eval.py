@@ -454,8 +454,9 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
     masked[:, 40:] = rng.random((5, 6)) < 0.5
     masked[:, 41] = True
     got = []
-    hlo, _, _ = first_program(monkeypatch, likelihood, "_masked_scores",
-                              lambda: got.append(masked_logprobs(model, clean, masked, mask_id=mask_id)))
+    with dlmjax.numerics(row_tile=16):  # the invariant mode (on an accelerator) makes whole tiles of rows
+        hlo, _, _ = first_program(monkeypatch, likelihood, "_masked_scores",
+                                  lambda: got.append(masked_logprobs(model, clean, masked, mask_id=mask_id)))
     got = got[0]
     made = logits_rows(hlo, model.config)
     assert made and max(made) <= 5 * 16, made
@@ -463,14 +464,15 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
     width = likelihood._bucket(46)
     tokens, valid = likelihood._pad_rows([clean.tolist()] * 5, width, 0)
     mask = np.pad(masked, ((0, 0), (0, width - 46)))
-    if block:  # the whole [noisy ; clean] rows through the same scorer
-        whole = likelihood._masked_scores(*nnx.split(model), tokens, mask, valid, np.zeros(5, np.int32),
-                                          np.zeros_like(mask), span=width,
-                                          block_size=block, mask_id=mask_id)
-    else:  # the model's own (for Dream, shifted) logits of the whole noisy rows
-        logits = model(jnp.where(mask, mask_id, tokens), valid_bl=jnp.asarray(valid)).logits
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        whole = jnp.take_along_axis(logp, jnp.asarray(tokens)[..., None], axis=-1)[..., 0]
+    with dlmjax.numerics(row_tile=16):
+        if block:  # the whole [noisy ; clean] rows through the same scorer
+            whole = likelihood._masked_scores(*nnx.split(model), tokens, mask, valid, np.zeros(5, np.int32),
+                                              np.zeros_like(mask), span=width,
+                                              block_size=block, mask_id=mask_id)
+        else:  # the model's own (for Dream, shifted) logits of the whole noisy rows
+            logits = model(jnp.where(mask, mask_id, tokens), valid_bl=jnp.asarray(valid)).logits
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            whole = jnp.take_along_axis(logp, jnp.asarray(tokens)[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(got, np.where(masked, np.asarray(whole)[:, :46], 0.0), rtol=0, atol=1e-5)
     assert np.count_nonzero(got) == masked.sum()
     nothing = masked_logprobs(model, clean, np.zeros_like(masked), mask_id=mask_id)  # no column to score
