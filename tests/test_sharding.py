@@ -53,7 +53,8 @@ def test_sharded_forward_equals_single_device(tmp_path, caplog):
     tokens_sharded = jax.device_put(tokens, batch_sharding(mesh, 2))
     with jax.set_mesh(mesh):
         got = forward(sharded, tokens_sharded)
-    assert got.sharding.spec[0] == "data"
+    if not dlmjax.arithmetic.current().invariant:  # the invariant mode's row tiles come out replicated (a
+        assert got.sharding.spec[0] == "data"  # known cost of that mode on several devices, README's Numerics)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)
 
 
