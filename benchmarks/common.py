@@ -1,10 +1,14 @@
 """Shared by the benchmarks: random models whose head is scaled up so that their distributions
 are peaked, as a trained model's are (confidence-based decoders then commit several tokens per
-step instead of one); random prompts; how to hand transformers' models their KV cache."""
+step instead of one); random prompts; how to hand transformers' models their KV cache; results
+files (JSON + markdown) that a run stopped at its time limit still writes."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
+from pathlib import Path
 
 import numpy as np
 
@@ -44,3 +48,26 @@ def peaked_random_model(family: str, args, *, num_kv_heads: int) -> dlmjax.Trans
     model = dlmjax.init_model(cfg, seed=0)
     model.lm_head.kernel[...] = model.lm_head.kernel[...] * args.head_scale
     return model
+
+
+def write_results(out: Path, tag: str, record: dict, lines: list[str]) -> None:
+    """`out`/`tag`.json (the record) and `out`/`tag`.md (the lines), and say so."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{tag}.json").write_text(json.dumps(record, indent=2))
+    (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / tag}.json and .md")
+
+
+@contextlib.contextmanager
+def written_when_done_or_stopped(write, lines: list[str], stopped: list[str]):
+    """Around a benchmark's measurements: `write(finished=True)` after them; where a lent machine's
+    stage stops the run at its time limit (SIGINT), `stopped` is added to the lines and
+    `write(finished=False)` keeps what was measured before the interrupt goes on. A run that fails
+    writes nothing (the committed results stay)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        lines.extend(stopped)
+        write(finished=False)
+        raise
+    write(finished=True)

@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 
 import dlmjax
-from benchmarks.common import random_prompt, torch_cache_name
+from benchmarks.common import random_prompt, torch_cache_name, write_results, written_when_done_or_stopped
 from benchmarks.decode_throughput import SHAPES, random_sdar, run_batches
 from benchmarks.exactness import _prefill, step_inputs, step_ms
 from dlmjax import kernels
@@ -579,28 +579,20 @@ def main(argv=None):
                     transformers=lambda: section_transformers(model, args))
 
     def write(finished: bool):
-        out = Path(args.out or Path(__file__).parent / "results" / "decode_gpu")
-        out.mkdir(parents=True, exist_ok=True)
-        tag = f"{device.platform}-{shape_name(args.shape)}"
-        (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
-                                                         device=f"{device.platform} {device.device_kind}",
-                                                         finished=finished, **results), indent=2))
-        (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
-        print(f"wrote {out / tag}.json and .md")
+        write_results(Path(args.out or Path(__file__).parent / "results" / "decode_gpu"),
+                      f"{device.platform}-{shape_name(args.shape)}",
+                      dict(command=command, jax=jax.__version__, model=name,
+                           device=f"{device.platform} {device.device_kind}", finished=finished, **results), lines)
 
-    try:
+    stopped = ["Stopped before the end: the sections above are the ones finished (the log holds the rows of the one "
+               "cut off)."]
+    with written_when_done_or_stopped(write, lines, stopped):
         for key, run in sections.items():
             if key in args.skip:
                 continue
             section_lines, records = run()
             lines += section_lines + [""]
             results[key] = records
-    except KeyboardInterrupt:  # a stage stopped at its time limit (SIGINT): keep the sections finished
-        lines.append("Stopped before the end: the sections above are the ones finished (the log holds the rows of "
-                     "the one cut off).")
-        write(finished=False)
-        raise
-    write(finished=True)
     return results
 
 

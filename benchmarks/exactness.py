@@ -25,7 +25,6 @@ differently by batch shape in fp32, so it can flip near-ties too).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -39,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 import dlmjax
+from benchmarks.common import write_results, written_when_done_or_stopped
 from benchmarks.decode_throughput import SHAPES, random_sdar
 from dlmjax import arithmetic
 from dlmjax.decoding import engine
@@ -175,17 +175,13 @@ def main():
     costs, agreements = [], []
 
     def write(finished: bool):
-        out = Path(args.out or Path(__file__).parent / "results" / "exactness")
-        out.mkdir(parents=True, exist_ok=True)
-        tag = f"{device.platform}-{args.shape or 'toy-sdar'}"
-        (out / f"{tag}.json").write_text(json.dumps(dict(command=command, jax=jax.__version__, model=name,
-                                                         device=f"{device.platform} {device.device_kind}",
-                                                         step_cost=costs, agreement=agreements, finished=finished),
-                                                    indent=2))
-        (out / f"{tag}.md").write_text("\n".join(lines) + "\n")
-        print(f"wrote {out / tag}.json and .md")
+        write_results(Path(args.out or Path(__file__).parent / "results" / "exactness"),
+                      f"{device.platform}-{args.shape or 'toy-sdar'}",
+                      dict(command=command, jax=jax.__version__, model=name,
+                           device=f"{device.platform} {device.device_kind}", step_cost=costs, agreement=agreements,
+                           finished=finished), lines)
 
-    try:
+    with written_when_done_or_stopped(write, lines, ["", "Stopped before the end: the rows above are the ones measured."]):
         for batch in [] if args.skip_cost else args.batches:
             block_bk, cache = step_inputs(model, batch, args.prompt_len, block)
             ms = {}
@@ -207,11 +203,6 @@ def main():
                                                token_agreement=tokens_same))
                         lines.append(f"| {mode} | {comparison} | {100 * rows_same:.1f}% | {100 * tokens_same:.2f}% |")
                         print(lines[-1], flush=True)
-    except KeyboardInterrupt:  # a stage stopped at its time limit (SIGINT): keep the rows measured
-        lines.extend(["", "Stopped before the end: the rows above are the ones measured."])
-        write(finished=False)
-        raise
-    write(finished=True)
 
 
 if __name__ == "__main__":
