@@ -118,7 +118,7 @@ def kernel_serves(num_rows: int, dtype, gate_up_ed2f, down_efd) -> bool:
     `grouped_matmul.runs` logs why not)."""
     num_experts, d, f2 = gate_up_ed2f.shape
     tile = _kernel_tile(num_rows, num_experts)
-    rows = (-(-num_rows // tile) + min(num_experts, num_rows)) * tile  # `tile_layout`'s tiles
+    rows = grouped_matmul.tile_count(num_rows, num_experts, tile) * tile  # `tile_layout`'s rows
     return all(grouped_matmul.runs(rows, k, n, num_experts, tile, dtype) is not None
                for k, n in ((d, f2), (down_efd.shape[1], d)))
 
@@ -175,8 +175,9 @@ def tiled_rows(x_md, expert_m, gate_up_ed2f, down_efd):
     on every row."""
     m, num_experts = expert_m.shape[0], gate_up_ed2f.shape[0]
     row_it, tiles_end_e = grouped_matmul.tile_layout(expert_m, num_experts, expert_tile(m, num_experts))
-    tile_i = jnp.arange(row_it.shape[0], dtype=jnp.int32)
-    expert_i, used_i = grouped_matmul.tile_expert(tiles_end_e, tile_i.shape[0]), tile_i < tiles_end_e[-1]
+    num_tiles = row_it.shape[0]
+    expert_i = grouped_matmul.tile_expert(tiles_end_e, num_tiles)
+    used_i = grouped_matmul.used_tiles(tiles_end_e, num_tiles)
 
     def tile_output(x_td, expert):
         h_t2f = jnp.dot(x_td, gate_up_ed2f[expert], preferred_element_type=jnp.float32)

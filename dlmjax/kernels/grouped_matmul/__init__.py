@@ -15,9 +15,10 @@ import jax.numpy as jnp
 from dlmjax import kernels
 from dlmjax.kernels.grouped_matmul import kernel as _kernel
 from dlmjax.kernels.grouped_matmul.reference import grouped_matmul as reference
-from dlmjax.kernels.grouped_matmul.reference import tile_expert, tile_layout
+from dlmjax.kernels.grouped_matmul.reference import tile_count, tile_expert, tile_layout, used_tiles
 
-__all__ = ["MIN_TILE", "grouped_matmul", "reference", "runs", "tile_expert", "tile_layout", "unsupported"]
+__all__ = ["MIN_TILE", "grouped_matmul", "reference", "runs", "tile_count", "tile_expert", "tile_layout",
+           "unsupported", "used_tiles"]
 
 TILE_N, TILE_K = 128, 64
 MIN_TILE = 16  # GPU dots need >= 16 along every dimension
@@ -79,7 +80,7 @@ def _tile(width: int, tile: int) -> int:
 
 def _with_reference_gradient(call, tile_m: int):
     def masked(x_rk, tiles_end_e, w_ekn):  # the unused tiles' rows, which the kernel leaves unwritten, at 0
-        used = jnp.arange(x_rk.shape[0] // tile_m) < tiles_end_e[-1]
+        used = used_tiles(tiles_end_e, x_rk.shape[0] // tile_m)
         return jnp.where(jnp.repeat(used, tile_m)[:, None], call(x_rk, tiles_end_e, w_ekn), 0.0)
 
     @jax.custom_vjp

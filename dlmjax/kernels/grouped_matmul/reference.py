@@ -13,7 +13,7 @@ def tile_layout(expert_m, num_experts: int, tile_m: int):
     slot's row, M where none. I = ceil(M / tile_m) + min(E, M) tiles, enough for any routing; the
     tiles past tiles_end_e[-1] are unused."""
     m = expert_m.shape[0]
-    max_tiles = -(-m // tile_m) + min(num_experts, m)
+    max_tiles = tile_count(m, num_experts, tile_m)
     order_m = jnp.argsort(expert_m, stable=True)
     sizes_e = jnp.bincount(expert_m, length=num_experts).astype(jnp.int32)
     tiles_e = -(-sizes_e // tile_m)
@@ -21,9 +21,20 @@ def tile_layout(expert_m, num_experts: int, tile_m: int):
     tile_i = jnp.arange(max_tiles, dtype=jnp.int32)
     expert_i = tile_expert(tiles_end_e, max_tiles)
     within_it = (tile_i - (tiles_end_e - tiles_e)[expert_i])[:, None] * tile_m + jnp.arange(tile_m, dtype=jnp.int32)
-    valid_it = (tile_i < tiles_end_e[-1])[:, None] & (within_it < sizes_e[expert_i][:, None])
+    valid_it = used_tiles(tiles_end_e, max_tiles)[:, None] & (within_it < sizes_e[expert_i][:, None])
     sorted_it = (jnp.cumsum(sizes_e) - sizes_e)[expert_i][:, None] + within_it
     return jnp.where(valid_it, order_m[jnp.where(valid_it, sorted_it, 0)], m), tiles_end_e
+
+
+def tile_count(num_rows: int, num_experts: int, tile_m: int) -> int:
+    """Tiles of `tile_layout` for `num_rows` rows: ceil(rows / tile_m) + min(E, rows), enough for any
+    routing (each expert's last tile may be part empty)."""
+    return -(-num_rows // tile_m) + min(num_experts, num_rows)
+
+
+def used_tiles(tiles_end_e, num_tiles: int):
+    """[I] whether each tile holds an expert's rows (the tiles past the last expert's end do not)."""
+    return jnp.arange(num_tiles) < tiles_end_e[-1]
 
 
 def tile_expert(tiles_end_e, num_tiles: int):
@@ -39,5 +50,4 @@ def grouped_matmul(x_rk, tiles_end_e, w_ekn, *, tile_m: int):
     expert_i = tile_expert(tiles_end_e, num_tiles)
     out = jnp.einsum("itk,ikn->itn", x_rk.reshape(num_tiles, tile_m, -1), w_ekn[expert_i],
                      preferred_element_type=jnp.float32)
-    used = jnp.arange(num_tiles) < tiles_end_e[-1]
-    return jnp.where(used[:, None, None], out, 0.0).reshape(num_tiles * tile_m, -1)
+    return jnp.where(used_tiles(tiles_end_e, num_tiles)[:, None, None], out, 0.0).reshape(num_tiles * tile_m, -1)
