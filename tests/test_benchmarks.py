@@ -249,3 +249,20 @@ def test_the_exactness_benchmark_stopped_at_its_limit_writes_the_rows_it_measure
         "psd:policy=threshold,tau=0.9,depth=3 vs threshold:tau=0.9"]
     assert results["agreement"][0]["identical_rows"] == 1.0  # lossless by construction
     assert "Stopped before the end" in (tmp_path / "cpu-toy-sdar.md").read_text()
+
+
+def test_the_exactness_benchmark_runs_the_comparisons_asked_for():
+    """--comparisons mrp-spec measures mrp-spec against static alone (a lent machine's short call),
+    lossless on toy-sdar."""
+    import importlib.util
+    from pathlib import Path
+
+    from dlmjax.presets import load_checkpoint
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "exactness.py"
+    spec = importlib.util.spec_from_file_location("exactness", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    _, model, tokenizer, head = load_checkpoint("toy-sdar")
+    rows = list(bench.agreement_runs(model, head, tokenizer, ["1+2=", "3+4="], 8, 2, ("mrp-spec",)))
+    assert rows == [("mrp-spec:drafts=3 vs static", 1.0, 1.0)]
