@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 
+from dlmjax import sharding
 from dlmjax.validation import InputError
 
 PRECISIONS = ("default", "highest")
@@ -161,7 +162,13 @@ def rowwise(fn, *arrays):
     setting = current()
     if not setting.invariant:
         return fn(*arrays)
-    lead, tile = arrays[0].shape[:-1], setting.row_tile
+    if arrays[0].ndim > 1:  # on a mesh, each device tiles its own rows
+        return sharding.over_batch_shards(functools.partial(_rowwise_tiled, fn, setting.row_tile), *arrays)
+    return _rowwise_tiled(fn, setting.row_tile, *arrays)
+
+
+def _rowwise_tiled(fn, tile: int, *arrays):
+    lead = arrays[0].shape[:-1]
     m = math.prod(lead)
     tiled = [row_tiles(a.reshape(m, a.shape[-1]), tile) for a in arrays]
 
@@ -178,7 +185,13 @@ def matmul(x_mk, w_kn, preferred_element_type=None):
     setting = current()
     if not setting.invariant:
         return jnp.matmul(x_mk, w_kn, preferred_element_type=preferred_element_type)
-    tiles = row_tiles(x_mk, setting.row_tile)
+    tiled = functools.partial(_matmul_tiled, w_kn=w_kn, tile=setting.row_tile,
+                              preferred_element_type=preferred_element_type)
+    return sharding.over_batch_shards(tiled, x_mk)  # on a mesh, each device tiles its own rows
+
+
+def _matmul_tiled(x_mk, w_kn, tile: int, preferred_element_type):
+    tiles = row_tiles(x_mk, tile)
 
     def one_tile(x_tk):
         # The barriers keep XLA from fusing the dot with what surrounds it differently per shape,

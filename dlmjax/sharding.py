@@ -266,6 +266,42 @@ def shard_batch(tree, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
                         tree)
 
 
+def mesh_of(x):
+    """The (abstract) mesh `x` is computed on: the active one (`jax.set_mesh`), else the one its
+    sharding names (a jit argument placed with a NamedSharding carries it); None without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return None if mesh is None or mesh.empty else mesh
+
+
+def split_batch_axes(x, rules: ShardingRules = DEFAULT_RULES) -> tuple[str, ...]:
+    """The mesh axes of the 'batch' rule that `x`'s leading axis splits over: those of `x`'s mesh
+    with size > 1 that its rows divide, leaving out axes already split by hand (inside a
+    shard_map). () without a mesh or where none divides."""
+    mesh = mesh_of(x)
+    if mesh is None or x.ndim == 0:
+        return ()
+    manual = jax.sharding.AxisType.Manual
+    sizes = {a: n for a, n, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types) if kind != manual and n > 1}
+    axis = rules.spec(("batch",), (x.shape[0],), sizes)[0]
+    axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+    return tuple(a for a in axes if a in sizes)
+
+
+def over_batch_shards(fn, *arrays, rules: ShardingRules = DEFAULT_RULES):
+    """fn(*arrays) with each device running fn on its own rows: the arrays' leading axis (the
+    batch) split over `split_batch_axes` under shard_map, the other mesh axes left to the compiler.
+    fn treats each row on its own and returns arrays (or a tuple of them) with that leading axis.
+    Without a mesh, or where the rows do not divide, it is fn(*arrays)."""
+    axes = split_batch_axes(arrays[0], rules)
+    if not axes:
+        return fn(*arrays)
+    spec = P(axes[0] if len(axes) == 1 else axes)
+    return jax.shard_map(fn, mesh=mesh_of(arrays[0]), in_specs=(spec,) * len(arrays), out_specs=spec,
+                         axis_names=set(axes))(*arrays)
+
+
 def constrain(x, logical_axes, rules: ShardingRules = DEFAULT_RULES):
     """with_sharding_constraint under an active mesh (`jax.set_mesh`); a no-op without one."""
     mesh = jax.sharding.get_abstract_mesh()

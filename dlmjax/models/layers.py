@@ -6,11 +6,13 @@ weights. Softmax and normalisation statistics are computed in float32.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlmjax import arithmetic
+from dlmjax import arithmetic, sharding
 # imported with the model, not inside the first trace: Pallas registers jax config state on import,
 # which would change every jit cache key and recompile what a warm-up already compiled
 from dlmjax.kernels.attention import attention as kernel_attention
@@ -160,7 +162,9 @@ def attention(q_blhd, kv_parts, query_group: int | None = None):
         parts = [(k, v, visible_matrix(vis)) for k, v, vis in kv_parts]
         if len(parts) == 1:  # see `_hidden_key`
             parts.append(_hidden_key(*parts[0]))
-        return _attention_tiled(q_blhd, parts, query_group or setting.query_tile, setting.sequence_tile)
+        tiled = functools.partial(_attention_tiled, tile=query_group or setting.query_tile,
+                                  sequences=setting.sequence_tile)
+        return sharding.over_batch_shards(tiled, q_blhd, parts)  # on a mesh, each device tiles its own rows
     return kernel_attention(q_blhd, kv_parts)
 
 

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from dlmjax import arithmetic, kernels
 from dlmjax.config import ModelConfig
 from dlmjax.kernels import grouped_matmul
-from dlmjax.sharding import DEFAULT_RULES
+from dlmjax.sharding import DEFAULT_RULES, mesh_of
 from dlmjax.validation import InputError
 
 _INIT_STD = 0.02
@@ -319,15 +319,9 @@ EXPERT_AXIS = "expert"
 
 
 def _expert_mesh(experts):
-    """The (abstract) mesh the experts live on: the active one (`jax.set_mesh`), else the one their
-    sharding names; None without one."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        sharding = getattr(jax.typeof(experts), "sharding", None)
-        mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or EXPERT_AXIS not in mesh.axis_names:
-        return None
-    return mesh
+    """The (abstract) mesh the experts live on (`sharding.mesh_of`) if it has an expert axis, else None."""
+    mesh = mesh_of(experts)
+    return mesh if mesh is not None and EXPERT_AXIS in mesh.axis_names else None
 
 
 def _sizes(mesh) -> dict[str, int]:
