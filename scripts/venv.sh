@@ -11,9 +11,15 @@ if [ -n "${DLMJAX_PYTHON:-}" ]; then
   return 0 2>/dev/null || exit 0
 fi
 VENV="${DLMJAX_VENV:-$ROOT/.venv}"
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 stamp="$VENV/.dlmjax-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/venv.sh" | sha1sum | cut -c1-16)"
+if [ ! -x "$PY" ]; then
+  python3 -m venv "$VENV"
+elif [ ! -f "$stamp" ] && ! "$PY" -m pip --version >/dev/null 2>&1; then
+  # a run stopped while the virtualenv was being made leaves it without pip: make it again
+  echo "scripts/venv.sh: $VENV has no working pip (an interrupted first run?); recreating it" >&2
+  python3 -m venv --clear "$VENV"
+fi
 pip_install() {
   "$PY" -m pip install -q "$@" || {
     echo "scripts/venv.sh: pip could not install $* into $VENV (is a package index reachable?). On a machine" \
