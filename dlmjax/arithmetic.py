@@ -153,27 +153,31 @@ def row_tiles(a_mk, tile: int):
     return jnp.pad(a_mk, ((0, n * tile - m), (0, 0))).reshape(n, tile, a_mk.shape[-1])
 
 
-def rowwise(fn, *arrays):
-    """fn(*arrays) for a function that treats each row (each index of the leading axes; the last
-    axis is the row) on its own, e.g. a norm or a softmax over the last axis. In invariant mode the
-    rows go through fixed tiles of `row_tile` rows, so that a row's result never depends on how
-    many rows there are (XLA picks reduction code by shape). fn returns arrays (or a tuple of
-    them) with the rows' leading axes, optionally a last axis of their own."""
+def rowwise(fn, *arrays, weights=()):
+    """fn(*arrays, *weights) for a function that treats each row (each index of the arrays' leading
+    axes; the last axis is the row) on its own, e.g. a norm or a softmax over the last axis.
+    `weights` are what fn applies to every row (parameters): pass them here, not in fn's closure
+    (see `sharding.over_batch_shards`). In invariant mode the rows go through fixed tiles of
+    `row_tile` rows, so that a row's result never depends on how many rows there are (XLA picks
+    reduction code by shape), and on a mesh each device tiles its own rows. fn returns arrays (or
+    a tuple of them) with the rows' leading axes, optionally a last axis of their own."""
     setting = current()
     if not setting.invariant:
-        return fn(*arrays)
-    if arrays[0].ndim > 1:  # on a mesh, each device tiles its own rows
-        return sharding.over_batch_shards(functools.partial(_rowwise_tiled, fn, setting.row_tile), *arrays)
-    return _rowwise_tiled(fn, setting.row_tile, *arrays)
+        return fn(*arrays, *weights)
+    tiled = functools.partial(_rowwise_tiled, fn, setting.row_tile, len(arrays))
+    if arrays[0].ndim > 1:
+        return sharding.over_batch_shards(tiled, *arrays, weights=weights)
+    return tiled(*arrays, *weights)
 
 
-def _rowwise_tiled(fn, tile: int, *arrays):
+def _rowwise_tiled(fn, tile: int, num_arrays: int, *args):
+    arrays, weights = args[:num_arrays], args[num_arrays:]
     lead = arrays[0].shape[:-1]
     m = math.prod(lead)
     tiled = [row_tiles(a.reshape(m, a.shape[-1]), tile) for a in arrays]
 
     def one_tile(xs):
-        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(xs)))
+        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(xs), *weights))
 
     out = jax.lax.map(one_tile, tiled)
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:m].reshape(*lead, *y.shape[2:]), out)
@@ -185,9 +189,8 @@ def matmul(x_mk, w_kn, preferred_element_type=None):
     setting = current()
     if not setting.invariant:
         return jnp.matmul(x_mk, w_kn, preferred_element_type=preferred_element_type)
-    tiled = functools.partial(_matmul_tiled, w_kn=w_kn, tile=setting.row_tile,
-                              preferred_element_type=preferred_element_type)
-    return sharding.over_batch_shards(tiled, x_mk)  # on a mesh, each device tiles its own rows
+    tiled = functools.partial(_matmul_tiled, tile=setting.row_tile, preferred_element_type=preferred_element_type)
+    return sharding.over_batch_shards(tiled, x_mk, weights=(w_kn,))  # on a mesh, each device tiles its own rows
 
 
 def _matmul_tiled(x_mk, w_kn, tile: int, preferred_element_type):

@@ -289,17 +289,28 @@ def split_batch_axes(x, rules: ShardingRules = DEFAULT_RULES) -> tuple[str, ...]
     return tuple(a for a in axes if a in sizes)
 
 
-def over_batch_shards(fn, *arrays, rules: ShardingRules = DEFAULT_RULES):
-    """fn(*arrays) with each device running fn on its own rows: the arrays' leading axis (the
-    batch) split over `split_batch_axes` under shard_map, the other mesh axes left to the compiler.
-    fn treats each row on its own and returns arrays (or a tuple of them) with that leading axis.
-    Without a mesh, or where the rows do not divide, it is fn(*arrays)."""
-    axes = split_batch_axes(arrays[0], rules)
+def over_batch_shards(fn, *arrays, weights=()):
+    """fn(*arrays, *weights) with each device running fn on its own rows: the arrays' leading axis
+    (the batch) split over `split_batch_axes` under shard_map, `weights` (pytrees) whole on those
+    axes, the other mesh axes left to the compiler. fn treats each row on its own and returns
+    arrays (or a tuple of them) with that leading axis. Arrays that need gradients go in `weights`,
+    not in fn's closure: the gradient of a closed-over array is made on the mesh outside the
+    shard_map, which jax refuses. Without a mesh, or where the rows do not divide, it is
+    fn(*arrays, *weights)."""
+    axes = split_batch_axes(arrays[0])
     if not axes:
-        return fn(*arrays)
+        return fn(*arrays, *weights)
     spec = P(axes[0] if len(axes) == 1 else axes)
-    return jax.shard_map(fn, mesh=mesh_of(arrays[0]), in_specs=(spec,) * len(arrays), out_specs=spec,
-                         axis_names=set(axes))(*arrays)
+
+    def per_device(*args):
+        # The weights marked as varying over the batch axes before fn runs: their gradients are
+        # then summed over the devices once, here, not inside fn's loops and branches (a sum in a
+        # branch that some devices do not take never completes).
+        rows, whole = args[:len(arrays)], args[len(arrays):]
+        return fn(*rows, *jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), whole))
+
+    return jax.shard_map(per_device, mesh=mesh_of(arrays[0]), out_specs=spec, axis_names=set(axes),
+                         in_specs=(spec,) * len(arrays) + (P(),) * len(weights))(*arrays, *weights)
 
 
 def constrain(x, logical_axes, rules: ShardingRules = DEFAULT_RULES):

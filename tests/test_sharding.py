@@ -86,6 +86,30 @@ def test_invariant_mode_splits_its_row_tiles_over_data_and_keeps_every_row_bitwi
     assert any(r.tokens for r in on_mesh.rows)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_invariant_mode_trains_on_a_mesh_as_on_one_device(tmp_path, family):
+    """Gradients through the invariant mode's per-device tiles (the weights enter the shard_map as
+    arguments, so their gradients are summed over the devices) equal one device's."""
+    cfg = dlmjax.ModelConfig(family=family, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                             num_heads=4, num_kv_heads=2, head_dim=8, attention="causal", qk_norm=True,
+                             **(dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                     moe_layers=(0, 1)) if family == "qwen3_moe" else {}))
+    path = dlmjax.export_model(dlmjax.init_model(cfg, seed=4), tmp_path / "ckpt")
+    tokens = jnp.asarray(np.random.RandomState(2).randint(0, 64, (8, 6)), jnp.int32)
+    mesh = make_mesh(data=8)
+
+    def gradients(model, tokens):
+        graphdef, state = nnx.split(model, nnx.Param)
+        loss = lambda s, t: jnp.mean(jax.nn.log_softmax(nnx.merge(graphdef, s)(t).logits) ** 2)
+        return jax.jit(jax.grad(loss))(state, tokens)
+
+    with dlmjax.numerics(invariant=True):
+        expected = gradients(dlmjax.load_model(path), tokens)
+        got = gradients(dlmjax.load_model(path, mesh=mesh), jax.device_put(tokens, batch_sharding(mesh, 2)))
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("model_axis", [2, 4])
 def test_fused_projections_split_into_whole_kv_groups_and_gate_up_pairs(tmp_path, model_axis):
     """The fused qkv splits over 'model' into whole KV groups (their query heads, k and v) and

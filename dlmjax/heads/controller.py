@@ -77,12 +77,13 @@ def mlp_outputs(params: dict, x):
     """The controller's pure numerics: params {fc1_w [H, F], fc1_b, fc2_w [O, H], fc2_b, mean, std,
     lo, hi} (PyTorch layout), x [..., F] raw features -> logits [..., O] (float32). Row by row
     (`arithmetic.rowwise`): in invariant mode a row's output does not depend on its batch."""
-    def rows(x):
-        x = (jnp.clip(x.astype(jnp.float32), params["lo"], params["hi"]) - params["mean"]) / params["std"]
-        h = jax.nn.gelu(x @ params["fc1_w"].T + params["fc1_b"], approximate=True)
-        return h @ params["fc2_w"].T + params["fc2_b"]
+    return arithmetic.rowwise(_mlp_rows, x, weights=(params,))
 
-    return arithmetic.rowwise(rows, x)
+
+def _mlp_rows(x, params: dict):
+    x = (jnp.clip(x.astype(jnp.float32), params["lo"], params["hi"]) - params["mean"]) / params["std"]
+    h = jax.nn.gelu(x @ params["fc1_w"].T + params["fc1_b"], approximate=True)
+    return h @ params["fc2_w"].T + params["fc2_b"]
 
 
 def mlp_logits(params: dict, x):

@@ -186,7 +186,7 @@ def tiled_rows(x_md, expert_m, gate_up_ed2f, down_efd):
     def step(_, tile):
         row_t, expert, used = tile
         x_td = x_md[jnp.minimum(row_t, m - 1)]
-        y_td = jax.lax.cond(used, tile_output, lambda x, e: jnp.zeros(x.shape, jnp.float32), x_td, expert)
+        y_td = jax.lax.cond(used, tile_output, lambda x, e: jnp.zeros_like(x, jnp.float32), x_td, expert)
         return None, y_td
 
     _, y_itd = jax.lax.scan(step, None, (row_it, expert_i, used_i))
@@ -301,10 +301,11 @@ def moe_forward(x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg: ModelConfi
     mesh = _expert_mesh(gate_up_ed2f)
     mode = resolve_dispatch(dispatch, x_td.shape[0], cfg, mesh)
     if mode in ("local", "xla"):
-        def routed(rows_td):
-            return _routed(rows_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, experts_fn)
+        def routed(rows_td, weights):
+            return _routed(rows_td, *weights, cfg, experts_fn)
 
-        return arithmetic.rowwise(routed, x_td)  # invariant mode: fixed tiles of rows, one shape whatever T
+        # invariant mode: fixed tiles of rows, one shape whatever T
+        return arithmetic.rowwise(routed, x_td, weights=((router_de, bias_e, gate_up_ed2f, down_efd),))
     return _shard_mapped(mode, x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, mesh, experts_fn)
 
 

@@ -39,7 +39,8 @@ def used_tiles(tiles_end_e, num_tiles: int):
 
 def tile_expert(tiles_end_e, num_tiles: int):
     """[I] the expert that owns each tile (the last expert for the unused tiles past the end)."""
-    owner = jnp.searchsorted(tiles_end_e, jnp.arange(num_tiles, dtype=jnp.int32), side="right")
+    # searchsorted(side="right") as a count, which jax 0.10 also differentiates inside a shard_map
+    owner = jnp.sum(tiles_end_e[None, :] <= jnp.arange(num_tiles, dtype=tiles_end_e.dtype)[:, None], axis=1)
     return jnp.minimum(owner, tiles_end_e.shape[0] - 1).astype(jnp.int32)
 
 
