@@ -109,6 +109,7 @@ def test_dense_experts_in_chunks_equal_one_chunk(monkeypatch):
     np.testing.assert_allclose(np.asarray(bf16, np.float32), np.asarray(whole), atol=0.1, rtol=0.05)
 
 
+@pytest.mark.usefixtures("kernel_numerics")  # the fast numerics, where the kernel may run
 def test_auto_runs_experts_grouped_on_cpu_and_tpu_and_dense_on_gpu(monkeypatch):
     """XLA's GPU backend rewrites ragged_dot into every row against every expert (k times dense's
     FLOPs): "auto" runs dense there, unless the grouped_matmul kernel runs the rows; where it is
@@ -125,6 +126,8 @@ def test_auto_runs_experts_grouped_on_cpu_and_tpu_and_dense_on_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with dlmjax.kernels.use("on"):  # asked for on "gpu", but widths 24 -> 24 are refused (and this CPU
         assert moe.resolve_implementation("auto", *shapes) == "dense"  # compiles no Triton): dense
+    with dlmjax.kernels.use("interpret"), dlmjax.numerics(invariant=True):  # kernels keep out of the invariant
+        assert moe.resolve_implementation("auto", *shapes) == "dense"  # numerics: dense on "gpu"
     with pytest.raises(InputError, match="choose one of auto, grouped, dense"):
         moe.resolve_implementation("ragged", *shapes)
     layer = moe.MoE(moe_config(), shared=None, rngs=nnx.Rngs(0))
