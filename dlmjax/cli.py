@@ -291,8 +291,9 @@ def add_numerics_args(parser: argparse.ArgumentParser):
                        help="batch-invariant numerics: a row's logits are bitwise the same alone, in any batch and "
                             "as a packed copy, so lossless decoders stay lossless on accelerators (slower)")
     group.add_argument("--kernels", choices=kernels.MODES, default=None,
-                       help="Pallas kernels (dlmjax.kernels): auto (default: each where it was measured faster, "
-                            "kernels.AUTO; the XLA references on CPU), on, interpret (any device, slow), off")
+                       help="Pallas kernels (dlmjax.kernels): auto (default: each where kernels.AUTO names it, on GPU "
+                            "where it was measured faster; the XLA references on CPU), on, interpret (any device, "
+                            "slow), off")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -318,7 +318,10 @@ def test_empty_prompt(sdar):
 
 
 def test_prompt_beyond_max_length(sdar):
-    with pytest.raises(ValueError, match="exceeds the model's maximum length 128"):
+    """A prompt that fits leaves room for a smaller budget, named; one that does not says so."""
+    with pytest.raises(ValueError, match="exceeds the model's maximum length 128; lower max_new_tokens to at most 4"):
+        generate(sdar, [[3] * 124], max_new_tokens=8)
+    with pytest.raises(ValueError, match="a prompt of 145 tokens leaves no room in the model's maximum length 128"):
         generate(sdar, [list(range(1, 30)) * 5], max_new_tokens=8)
 
 

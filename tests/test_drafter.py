@@ -181,6 +181,12 @@ def test_incompatible_target_is_refused_with_both_values(target, tmp_path):
         (dict(num_target_layers=8), r"num_target_layers 8 != target num_hidden_layers 6"),
         (dict(vocab_size=151936), r"vocab_size 151936 != target vocab_size 96"),
     ]
+    broken = tiny_drafter_config()
+    broken.pop("num_target_layers")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps(broken))
+    with pytest.raises(ConfigError, match=f"drafter {tmp_path / 'broken' / 'config.json'} is missing required keys"):
+        load_drafter(tmp_path / "broken", ours.config)  # the file named: a model, drafter and head have one each
     for i, (change, message) in enumerate(cases):
         raw = tiny_drafter_config()
         raw.update(change)

@@ -159,5 +159,5 @@ def test_traces_are_refused_where_no_trace_aware_decoder_would_run():
     with pytest.raises(TraceError, match="shifted-logit"):
         collect_traces(fast, [[3, 4, 5]], max_new_tokens=8)
     limit = toy.config.max_position_embeddings
-    with pytest.raises(InputError, match=f"exceeds the model's maximum length {limit}"):
+    with pytest.raises(InputError, match=f"leaves no room in the model's maximum length {limit}"):
         collect_traces(toy, [[3, 4, 5], [3] * limit], max_new_tokens=8)

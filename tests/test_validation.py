@@ -209,7 +209,7 @@ def test_config_json_values_are_typed(checkpoint, change, message):
     (checkpoint / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ConfigError) as err:
         dlmjax.load_model(checkpoint)
-    assert message in str(err.value)
+    assert message.replace("config.json", str(checkpoint / "config.json")) in str(err.value)  # which file
 
 
 def test_a_key_given_twice_in_a_run_config_is_refused_naming_the_line(tmp_path, capsys):
@@ -231,8 +231,17 @@ def test_run_config_seeds_are_32_bit(override, message):
     """jax keeps a seed's low 32 bits: seed 2**32 + 1 was the run of seed 1, 2**63 an internal error."""
     from dlmjax.train.config import RunConfigError, load_run_config
 
-    with pytest.raises(RunConfigError, match=message):
-        load_run_config("configs/toy-sdar.yaml", [override])
+    with pytest.raises(RunConfigError, match=f"^configs/toy-sdar.yaml with the overrides {override}: {message}"):
+        load_run_config("configs/toy-sdar.yaml", [override])  # the override named, not the file alone
+
+
+def test_a_run_config_error_in_the_file_names_the_file_alone(tmp_path):
+    from dlmjax.train.config import RunConfigError, load_run_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text("objective: block_diffusion\ntrain:\n  steps: abc\n")
+    with pytest.raises(RunConfigError, match=f"^{config}: train.steps='abc' must be an integer"):
+        load_run_config(config, ["train.lr=0.001"])
 
 
 def test_mrp_temperature_is_refused_where_the_loss_does_not_read_it():

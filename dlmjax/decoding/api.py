@@ -198,10 +198,16 @@ def _head_for(decoder, model: Transformer, head: MRPHead | None):
 
 def check_length(model: Transformer, prompt_len: int, max_new_tokens: int):
     limit = model.config.max_position_embeddings
+    if prompt_len >= limit:
+        raise InputError(
+            f"a prompt of {prompt_len} tokens leaves no room in the model's maximum length {limit}: no "
+            "max_new_tokens fits; shorten the prompt (in eval: a task with shorter prompts, or a model with a "
+            "longer context)"
+        )
     if prompt_len + max_new_tokens > limit:
         raise InputError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's maximum "
-            f"length {limit}; shorten the prompt or lower max_new_tokens"
+            f"length {limit}; lower max_new_tokens to at most {limit - prompt_len} or shorten the prompt"
         )
 
 

@@ -41,8 +41,8 @@ from dlmjax.heads.drafter import (
 )
 from dlmjax.io.files import write_atomic
 from dlmjax.io.hf import (
-    TRANSPOSE, FusedParams, KeyRule, expected_fields, gate_up_parts, layer_rules, open_shards, qkv_parts, read_config,
-    tensor_shape, to_hf_tensors,
+    TRANSPOSE, FusedParams, KeyRule, expected_fields, gate_up_parts, layer_rules, naming_the_file, open_shards,
+    qkv_parts, read_config, tensor_shape, to_hf_tensors,
 )
 from dlmjax.io.safetensors import CheckpointError, save_file
 from dlmjax.io.torch_file import read_pt, write_pt
@@ -257,7 +257,8 @@ def load_drafter(ckpt_dir: str | Path, target_config: ModelConfig | None = None,
     """Read a DFlash drafter directory (a published one as it is). With `target_config`, refuse a
     drafter made for another target (both values named). `dtype` overrides the parameter dtype."""
     ckpt_dir = Path(ckpt_dir)
-    cfg = from_dflash_config(read_config(ckpt_dir))
+    with naming_the_file(ckpt_dir):
+        cfg = from_dflash_config(read_config(ckpt_dir))
     if dtype:
         cfg = cfg.replace(dtype=dtype)
     if target_config is not None:

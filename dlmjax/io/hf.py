@@ -18,6 +18,7 @@ the code; every family loads back into dlmjax.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -259,6 +260,18 @@ def _refuse_a_training_run(ckpt_dir: Path) -> None:
                               "directory")
 
 
+@contextlib.contextmanager
+def naming_the_file(ckpt_dir: str | Path):
+    """ConfigErrors raised inside name the checkpoint's config.json by its path (a model, its
+    drafter and its head each have one)."""
+    try:
+        yield
+    except ConfigError as err:
+        message, path = str(err), str(Path(ckpt_dir) / "config.json")
+        named = message.replace("config.json", path, 1) if "config.json" in message else f"{path}: {message}"
+        raise ConfigError(named) from None
+
+
 def read_config(ckpt_dir: str | Path) -> dict:
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
@@ -344,7 +357,8 @@ def load_config(ckpt_dir: str | Path, *, family: str | None = None, dtype: str |
     if isinstance(raw, dict) and raw.get("architectures") == ["DFlashDraftModel"]:
         raise CheckpointError(f"{ckpt_dir} holds a DFlash drafter, not a model: pass it as --drafter DIR (model_args "
                               "drafter=DIR) beside its target model")
-    cfg = from_hf_config(raw, family=family)
+    with naming_the_file(ckpt_dir):
+        cfg = from_hf_config(raw, family=family)
     if dtype is None and isinstance(raw, dict) and raw.get("dtype", raw.get("torch_dtype")) is None:
         dtype = stored_dtype(ckpt_dir)  # config.json names none (LLaDA-8B's): what the weights are stored in
     return cfg.replace(dtype=dtype) if dtype else cfg

@@ -31,6 +31,7 @@ per-objective rules below would stay ours anyway.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -536,9 +537,22 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
             raise RunConfigError(f"config file {path} not found; see configs/ for examples")
         raw = read_yaml(path)
         raw = {} if raw is None else raw
+    from_file = copy.deepcopy(raw)
     try:
         for override in overrides:
             apply_override(_mapping(None, raw), override)
         return from_dict(raw)
     except RunConfigError as err:
+        if overrides and not _refuses_the_same(from_file, err):  # the overrides' fault: name them
+            where = f"{path} with the overrides {' '.join(overrides)}" if path is not None else ' '.join(overrides)
+            raise RunConfigError(f"{where}: {err}") from None
         raise RunConfigError(f"{path}: {err}" if path is not None else str(err)) from None
+
+
+def _refuses_the_same(raw: dict, err: RunConfigError) -> bool:
+    """Whether the config without its overrides is refused with the same error."""
+    try:
+        from_dict(raw)
+    except RunConfigError as alone:
+        return str(alone) == str(err)
+    return False

@@ -465,10 +465,10 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         frozen_sh = placement(frozen, mesh, trainee.frozen.config if isinstance(trainee.frozen, Transformer) else None)
     check_training_memory(run, mesh, cfg=getattr(trainee.frozen or trainee.abstract, "config", None),
                           abstract=abstract, frozen=frozen, frozen_shardings=frozen_sh, show=main)
-    if main and cfg.warmup_steps >= cfg.steps > 0:
-        print(f"note: train.warmup_steps={cfg.warmup_steps} >= train.steps={cfg.steps}: the learning rate rises for "
-              f"the whole run and peaks at {float(schedule(cfg.steps - 1)):.3g}, not train.lr={cfg.lr:g}; set "
-              "train.warmup_steps below train.steps for the schedule the config names", file=sys.stderr)
+    if main and cfg.warmup_steps > cfg.steps > 0:  # step s applies schedule(s) (`make_optimizer`)
+        print(f"note: train.warmup_steps={cfg.warmup_steps} > train.steps={cfg.steps}: the learning rate rises for "
+              f"the whole run and peaks at {float(schedule(cfg.steps)):.3g}, not train.lr={cfg.lr:g}; set "
+              "train.warmup_steps to at most train.steps for the schedule the config names", file=sys.stderr)
     if start:  # resume: restore into the abstract structure (no init, `init_from` not read again)
         restored = unfused.restore(manager, start, abstract, trainee.abstract)  # a pre-fusion run converted
         params, opt_state = restored["params"], restored["opt_state"]
