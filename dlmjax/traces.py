@@ -245,8 +245,10 @@ def load_traces(path: str | Path, *, expect_model: dict | None = None) -> tuple[
                          f"v{TRACE_VERSION}; collect them again with `dlmjax traces`")
     if expect_model is not None and meta["model"] != expect_model:
         diff = {k: (meta["model"].get(k), v) for k, v in expect_model.items() if meta["model"].get(k) != v}
-        raise TraceError(f"{path} holds traces of another model ({diff}: traces vs expected); collect traces "
-                         "with the model the controller is for")
+        source = meta.get("model_source")
+        fix = (f"train on the model they are of (backbone={source}), or " if source else "") + \
+            "collect traces with the model the controller is for (`dlmjax traces --model MODEL`)"
+        raise TraceError(f"{path} holds traces of {source or 'another model'} ({diff}: traces vs expected); {fix}")
     with np.load(path / "traces.npz") as f:
         arrays = {n: f[n] for n in FIELDS}
     return arrays, meta

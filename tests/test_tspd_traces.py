@@ -115,6 +115,11 @@ def test_sharded_traces_equal_single_device(sdar, tmp_path):
     other = dict(model_fingerprint(sdar.config), hidden_size=64)
     with pytest.raises(TraceError, match="another model"):
         load_traces(out, expect_model=other)
+    named = save_traces(single, tmp_path / "named", {"model": model_fingerprint(sdar.config), "num_prompts": 6,
+                                                     "model_source": "random-sdar"})
+    with pytest.raises(TraceError, match=r"holds traces of random-sdar .*train on the model they are of "
+                                         r"\(backbone=random-sdar\)"):  # the fix `dlmjax train` takes
+        load_traces(named, expect_model=other)
     with pytest.raises(TraceError, match="dlmjax traces"):
         load_traces(tmp_path)
 

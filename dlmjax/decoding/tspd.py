@@ -293,11 +293,12 @@ class _ControllerOptions(DiffusionDecoder):
                 raise DecoderSpecError(
                     "learn2pd needs controller=PATH: a block filter (features block_confidence), e.g. the toy one "
                     "in a checkout, controller=benchmarks/results/tspd_toy/learn2pd_filter.safetensors; train one "
-                    "with `dlmjax traces` then `dlmjax train configs/tspd/toy-sdar.yaml "
-                    "\"tspd.features=[block_confidence]\"`")
+                    "with `dlmjax traces --model MODEL --out DIR` then `dlmjax train configs/tspd/toy-sdar.yaml "
+                    "backbone=MODEL tspd.traces=DIR \"tspd.features=[block_confidence]\"`")
             raise DecoderSpecError(
                 f"{self.name} needs controller=PATH: a tspd_controller.safetensors (toy-sdar ships one: "
-                f"controller=toy-sdar); train one with `dlmjax traces` then `dlmjax train configs/tspd/toy-sdar.yaml`")
+                f"controller=toy-sdar); train one with `dlmjax traces --model MODEL --out DIR` then `dlmjax train "
+                f"configs/tspd/toy-sdar.yaml backbone=MODEL tspd.traces=DIR`")
         names = _parse_features(self.features)
         try:
             weights = load_controller(self.controller)
