@@ -21,6 +21,8 @@ import os
 import sys
 import traceback
 
+import jax
+
 from dlmjax import kernels
 from dlmjax.arithmetic import PRECISIONS, numerics
 from dlmjax.decoding.spec import decoder_names
@@ -79,7 +81,28 @@ def _cli_mesh(spec: str | None):
     return None if spec is None else parse_mesh(spec)
 
 
+def add_distributed_args(parser) -> None:
+    dist = parser.add_argument_group("multi-process (docs/launch.md; default: DLMJAX_* variables, SLURM, a TPU pod, "
+                                     "or one process)")
+    dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                      help="address of process 0 and a free port (or DLMJAX_COORDINATOR)")
+    dist.add_argument("--num-processes", type=count_arg, default=None, help="processes in the run (or "
+                      "DLMJAX_NUM_PROCESSES)")
+    dist.add_argument("--process-id", type=int, default=None, help="this process, 0..N-1 (or DLMJAX_PROCESS_ID, "
+                      "or SLURM_PROCID)")
+
+
+def _join_processes(args) -> bool:
+    """Join the multi-process run the flags or the environment describe (before anything touches a
+    device); whether this is process 0, the one that prints and writes."""
+    from dlmjax.distributed import initialize, is_main
+
+    initialize(args.coordinator, args.num_processes, args.process_id)
+    return is_main()
+
+
 def cmd_generate(args) -> int:
+    main = _join_processes(args)
     from dlmjax.decoding.api import generate
     from dlmjax.evaluation.runner import default_decoders, replicate_on
     from dlmjax.presets import load_checkpoint
@@ -100,6 +123,8 @@ def cmd_generate(args) -> int:
         model, head, drafter = (replicate_on(m, mesh) for m in (model, head, drafter))
     result = generate(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=args.max_new_tokens,
                       seed=args.seed, head=head, drafter=drafter, mesh=mesh)
+    if not main:  # every process decodes its part; process 0 prints
+        return 0
     for row in result.rows:
         if args.json:
             print(json.dumps({**row.to_json(), "batch_forwards": result.forwards, "batch_tpf": result.batch_tpf}))
@@ -146,7 +171,11 @@ def cmd_export(args) -> int:
 
 def cmd_eval(args) -> int:
     check_output_dir(args.out)
+    main = _join_processes(args)
     if args.backend == "lm-eval":
+        if jax.process_count() > 1:
+            raise InputError("--backend lm-eval runs in one process; a multi-process evaluation takes the native "
+                             "backend (drop --backend lm-eval)")
         if args.preset is not None:
             raise InputError("--preset sets up the native backend's tasks and decoders; drop --backend lm-eval")
         args.model, args.batch_size = args.model or "toy-sdar", args.batch_size or 64
@@ -201,7 +230,7 @@ def cmd_eval(args) -> int:
     eval_sets = [load_eval_set(t, data=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens or lengths.get(t),
                                strict=args.strict_data) for t in tasks]
     for eval_set in eval_sets:
-        for problem in eval_set.skipped:
+        for problem in eval_set.skipped if main else ():
             print(f"{eval_set.task}: skipped {problem}", file=sys.stderr)
     decoders = args.decoder or default_decoders(model, head, drafter)
     if args.compare_to is not None and args.compare_to not in decoders:
@@ -209,9 +238,11 @@ def cmd_eval(args) -> int:
     decoders = _with_controller(decoders, args.model, path, args.tspd_controller)
     records, outputs = run_eval(
         model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
-        mesh=mesh, seed=args.seed, chat=args.chat, progress=not args.no_progress, head=head,
+        mesh=mesh, seed=args.seed, chat=args.chat, progress=main and not args.no_progress, head=head,
         drafter=drafter,
     )
+    if not main:  # every process decodes its part of each batch (and scores it all); process 0 writes
+        return 0
     if args.compare_to is not None:
         records = compare_to(records, outputs, _with_controller([args.compare_to], args.model, path,
                                                                 args.tspd_controller)[0])
@@ -254,15 +285,13 @@ def _train_mesh_overrides(args) -> list[str]:
 
 
 def cmd_train(args) -> int:
-    from dlmjax.distributed import initialize, is_main
+    main = _join_processes(args)
     from dlmjax.train.config import load_run_config
     from dlmjax.train.loop import train
 
-    initialize(args.coordinator, args.num_processes, args.process_id)  # before anything touches a device
-
     run = load_run_config(args.config, args.overrides + _train_mesh_overrides(args))
     result = train(run, args.out, progress=not args.no_progress)
-    if result.model_dir is not None and is_main():
+    if result.model_dir is not None and main:
         print(f"trained {result.step} steps; model written to {result.model_dir}")
     return 0
 
@@ -369,14 +398,6 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
     tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics, exported model)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
-    dist = tr.add_argument_group("multi-process (docs/launch.md; default: DLMJAX_* variables, SLURM, a TPU pod, or one "
-                                 "process)")
-    dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                      help="address of process 0 and a free port (or DLMJAX_COORDINATOR)")
-    dist.add_argument("--num-processes", type=count_arg, default=None, help="processes in the run (or "
-                      "DLMJAX_NUM_PROCESSES)")
-    dist.add_argument("--process-id", type=int, default=None, help="this process, 0..N-1 (or DLMJAX_PROCESS_ID, "
-                      "or SLURM_PROCID)")
     tr.add_argument("--mesh", default=None,
                     help="device mesh AXIS=N,... (axes data, fsdp, expert, model): the batch split over data x fsdp, "
                          "a backbone's weights tensor-parallel over model and sharded over fsdp, trained heads "
@@ -389,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_traces_parser(sub)
     for name in ("generate", "eval", "train", "traces"):
         add_numerics_args(sub.choices[name])
+    for name in ("generate", "eval", "train"):
+        add_distributed_args(sub.choices[name])
 
     # Never parsed here: `main` hands everything after `lm-eval` to lm-eval's own parser.
     sub.add_parser("lm-eval", add_help=False,

@@ -313,6 +313,21 @@ def over_batch_shards(fn, *arrays, weights=()):
                          in_specs=(spec,) * len(arrays) + (P(),) * len(weights))(*arrays, *weights)
 
 
+def to_host(tree):
+    """`jax.device_get` that also takes arrays spread over several processes (a multi-host mesh):
+    every process gets each array's whole value."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def fetch(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.device_get(x)
+
+    return jax.tree.map(fetch, tree)
+
+
 def constrain(x, logical_axes, rules: ShardingRules = DEFAULT_RULES):
     """with_sharding_constraint under an active mesh (`jax.set_mesh`); a no-op without one."""
     mesh = jax.sharding.get_abstract_mesh()

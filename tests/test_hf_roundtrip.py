@@ -319,7 +319,8 @@ def test_export_refuses_a_config_its_familys_checkpoint_cannot_hold(family, chan
 def test_a_toy_backbone_its_family_cannot_export_is_refused_before_training(tmp_path):
     from dlmjax.train.config import RunConfigError, load_run_config
 
-    with pytest.raises(RunConfigError, match="configs/toy-sdar.yaml: model: family qwen3's config.json cannot "
+    with pytest.raises(RunConfigError, match="configs/toy-sdar.yaml with the overrides model.family=qwen3 train.init_from=null: model: family qwen3's "
+                                             "config.json cannot "
                                              "express .*family sdar"):  # refused where the file is read
         load_run_config("configs/toy-sdar.yaml", ["model.family=qwen3", "train.init_from=null"])
 

@@ -246,3 +246,30 @@ def test_two_processes_train_stop_and_resume(tmp_path, single_device_run):
     print("largest difference from the single-device params:", max(np.abs(got[k] - v).max() for k, v in params.items()))
     for name, value in params.items():
         np.testing.assert_allclose(got[name], value, atol=2e-6, rtol=0, err_msg=name)
+
+
+def test_two_processes_evaluate_as_one_process(tmp_path):
+    """`dlmjax eval` on 2 processes x 4 devices (the default mesh: data=8 over both): each process
+    decodes its rows of every batch, and process 0 alone prints and writes results whose outputs
+    and accuracy equal one process's on 8 devices."""
+    from dlmjax.evaluation.runner import run_eval
+    from dlmjax.evaluation.tasks import load_eval_set
+    from dlmjax.presets import load_checkpoint
+
+    out = tmp_path / "eval"
+    args = ["eval", "--model", "toy-sdar", "--task", "toy-arith", "--limit", "12", "--decoder", "threshold",
+            "--batch-size", "8", "--save-outputs", "--no-progress", "--out", str(out)]
+    outs = _launch(lambda coordinator: [[sys.executable, "-m", "dlmjax.cli", *args, "--coordinator", coordinator,
+                                         "--num-processes", "2", "--process-id", str(i)] for i in range(2)], tmp_path)
+    assert "wrote " in outs[0] and "| toy-arith |" in outs[0]
+    assert "wrote " not in outs[1] and "| toy-arith |" not in outs[1]  # process 0 alone reports
+    got = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    results = json.loads((out / "results.json").read_text())
+
+    mesh = make_mesh(data=8)
+    _, model, tokenizer, _ = load_checkpoint("toy-sdar", mesh=mesh)
+    records, expected = run_eval(model, tokenizer, [load_eval_set("toy-arith", limit=12)], ["threshold"],
+                                 model_name="toy-sdar", batch_size=8, mesh=mesh, progress=False, warmup=False)
+    assert [(o["index"], o["tokens"]) for o in got] == [(o["index"], o["tokens"]) for o in expected]
+    assert results["runs"][0]["accuracy"] == records[0].accuracy
+    assert results["settings"]["devices"] == {**results["settings"]["devices"], "count": 8, "processes": 2}

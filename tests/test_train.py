@@ -161,7 +161,7 @@ def test_config_overrides_and_errors(tmp_path):
                                                        "tokenizer"),
                                ("model.eos_token_ids=[3]", r"\['eos_token_ids'\] come from the toy"),
                                ("model.family=qwen", r"model: model.family='qwen' is unknown; families: qwen3, "),
-                               ("model.num_heads=3", r"configs/toy-sdar.yaml: model: num_attention_heads=3 is not a "
+                               ("model.num_heads=3", r"configs/toy-sdar.yaml with the overrides model.num_heads=3: model: num_attention_heads=3 is not a "
                                                      "multiple")]:
         with pytest.raises(RunConfigError, match=message):
             load_run_config("configs/toy-sdar.yaml", [override])

@@ -271,7 +271,8 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path, capsys):
 def test_yaml_semantic_errors_name_file_key_and_allowed_values(override, message):
     with pytest.raises(RunConfigError) as err:
         load_run_config(REPO / "configs" / "toy-sdar.yaml", [override])
-    assert str(err.value).startswith(f"{REPO / 'configs' / 'toy-sdar.yaml'}: ") and message in str(err.value)
+    where = f"{REPO / 'configs' / 'toy-sdar.yaml'} with the overrides {override}: "  # the override at fault
+    assert str(err.value).startswith(where) and message in str(err.value)
 
 
 # -- checkpoint files -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dlmjax.decoding.speculative import generate_with_drafter
 from dlmjax.heads.mrp import MRPHead, check_compatible
 from dlmjax.io.tokenizer import Tokenizer, decode_stop_ids
 from dlmjax.models.transformer import Transformer
-from dlmjax.sharding import shard_batch
+from dlmjax.sharding import shard_batch, to_host
 from dlmjax.validation import InputError, check_seed, positive_int
 
 DEFAULT_BIDIRECTIONAL_BLOCK = 32
@@ -315,7 +315,7 @@ def generate(
         out = generate_with_drafter(model, drafter, req.ids, max_new_tokens=max_new_tokens, block=decoder.block,
                                     temperature=decoder.temperature, top_p=decoder.top_p, seed=seed, eos_ids=req.eos,
                                     pad_id=req.pad, row_ids=row_ids, mesh=mesh)
-        out = jax.device_get(out)
+        out = to_host(out)
         counts = np.asarray(out.num_generated)
         lengths = out.accepted_lengths()
         # Every token comes from a target forward; the prefill gives the first. NFE = target forwards.
@@ -324,7 +324,7 @@ def generate(
     elif req.causal:
         out = generate_ar(model, req.ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
                           top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, row_ids=row_ids, mesh=mesh)
-        out = jax.device_get(out)
+        out = to_host(out)
         # Each token comes from one forward (the prefill gives the first): TPF is 1 by definition.
         counts = np.asarray(out.num_generated)
         nfe_rows, committed, forwards = counts, counts, int(out.nfe)
@@ -335,7 +335,7 @@ def generate(
         graphdef, params = nnx.split(model)
         out = engine.decode(graphdef, params, canvas, rows, jax.random.key(seed), req.head_split[1],
                             **req.engine_args())
-        out = jax.device_get(out)
+        out = to_host(out)
         counts, nfe_rows, committed = map(np.asarray, (out.num_generated, out.nfe, out.committed))
         forwards = int(out.forwards)
     wall = time.perf_counter() - start
@@ -462,7 +462,7 @@ class Stream:
             before = int(state.forwards)
             stop_at = min(r, len(queue)) if queue else b
             state, out = engine.decode_until(graphdef, params, state, rows, key, stop_at, req.head_split[1], **args)
-            out, done = jax.device_get((out, state.done))
+            out, done = to_host((out, state.done))
             yield None, None, int(out.forwards) - before, (int(out.forwards) - before) * b, 0
             for slot in np.flatnonzero(done):
                 if slot_prompt[slot] is not None:
