@@ -38,9 +38,9 @@ MODES = ("auto", "on", "interpret", "off")
 ACCELERATORS = ("gpu", "tpu")
 # Where "auto" runs each kernel: on GPU where its measured cost beats the reference's
 # (benchmarks/decode_gpu.py); on TPU where the kernels are expected to (Mosaic TPU's flash
-# attention and the fused vocabulary scan), not yet timed on a TPU. On an H200, residual_argmax's Triton kernel took 1.5 to 2.3x the XLA
-# path's time at 64 to 1,024 positions of a 151,936-column vocabulary, while flash attention was
-# 1.1 to 2.5x faster (benchmarks/results/decode_gpu/gpu-h200.md); on GPU "on" still runs both.
+# attention and the fused vocabulary scan), not yet timed on a TPU. On an H200, residual_argmax's
+# Triton kernel took 1.5 to 2.3x the XLA path's time at 64 to 1,024 positions of a 151,936-column
+# vocabulary, while flash attention was 1.1 to 2.5x faster (benchmarks/results/decode_gpu/gpu-h200.md); on GPU "on" still runs both.
 # grouped_matmul (the MoE layer's experts) has not been timed on a device yet: "on" runs it.
 AUTO = {"attention": ("gpu", "tpu"), "residual_argmax": ("tpu",), "grouped_matmul": ()}
 
