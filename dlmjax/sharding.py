@@ -275,16 +275,15 @@ def mesh_of(x):
     return None if mesh is None or mesh.empty else mesh
 
 
-def split_batch_axes(x, rules: ShardingRules = DEFAULT_RULES) -> tuple[str, ...]:
-    """The mesh axes of the 'batch' rule that `x`'s leading axis splits over: those of `x`'s mesh
-    with size > 1 that its rows divide, leaving out axes already split by hand (inside a
-    shard_map). () without a mesh or where none divides."""
-    mesh = mesh_of(x)
+def split_batch_axes(x, mesh) -> tuple[str, ...]:
+    """The axes of `mesh` (`x`'s, `mesh_of`) in the 'batch' rule that `x`'s leading axis splits
+    over: those with size > 1 that its rows divide, leaving out axes already split by hand (inside
+    a shard_map). () without a mesh or where none divides."""
     if mesh is None or x.ndim == 0:
         return ()
     manual = jax.sharding.AxisType.Manual
     sizes = {a: n for a, n, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types) if kind != manual and n > 1}
-    axis = rules.spec(("batch",), (x.shape[0],), sizes)[0]
+    axis = DEFAULT_RULES.spec(("batch",), (x.shape[0],), sizes)[0]
     axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
     return tuple(a for a in axes if a in sizes)
 
@@ -297,7 +296,8 @@ def over_batch_shards(fn, *arrays, weights=()):
     not in fn's closure: the gradient of a closed-over array is made on the mesh outside the
     shard_map, which jax refuses. Without a mesh, or where the rows do not divide, it is
     fn(*arrays, *weights)."""
-    axes = split_batch_axes(arrays[0])
+    mesh = mesh_of(arrays[0])
+    axes = split_batch_axes(arrays[0], mesh)
     if not axes:
         return fn(*arrays, *weights)
     spec = P(axes[0] if len(axes) == 1 else axes)
@@ -309,7 +309,7 @@ def over_batch_shards(fn, *arrays, weights=()):
         rows, whole = args[:len(arrays)], args[len(arrays):]
         return fn(*rows, *jax.tree.map(lambda w: jax.lax.pcast(w, axes, to="varying"), whole))
 
-    return jax.shard_map(per_device, mesh=mesh_of(arrays[0]), out_specs=spec, axis_names=set(axes),
+    return jax.shard_map(per_device, mesh=mesh, out_specs=spec, axis_names=set(axes),
                          in_specs=(spec,) * len(arrays) + (P(),) * len(weights))(*arrays, *weights)
 
 

@@ -199,18 +199,23 @@ def test_malformed_math500_rows_are_reported_with_line_numbers_and_skipped(tmp_p
 # ------------------------------------------------------------------------------------------------ GSM8K
 
 
-def test_the_drafter_benchmark_reads_the_shipped_gsm8k():
-    """benchmarks/drafter_smollm2.py takes its questions from dlmjax's own GSM8K files (a clone
-    without ../shared runs it)."""
+def benchmark_module(name: str):
+    """benchmarks/`name`.py as a module (the benchmarks are scripts, not a package)."""
     import importlib.util
     from pathlib import Path
 
-    from dlmjax.evaluation.tasks import GSM8K_TEST
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "drafter_smollm2.py"
-    spec = importlib.util.spec_from_file_location("drafter_smollm2", path)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_drafter_benchmark_reads_the_shipped_gsm8k():
+    """benchmarks/drafter_smollm2.py takes its questions from dlmjax's own GSM8K files (a clone
+    without ../shared runs it)."""
+    from dlmjax.evaluation.tasks import GSM8K_TEST
+
+    bench = benchmark_module("drafter_smollm2")
     assert bench.GSM8K.resolve() == GSM8K_TEST.parent.resolve()
     assert bench.questions("train", 2)[0].startswith("Natalia sold clips to 48 of her friends")
     assert len(bench.questions("test", 3)) == 3
@@ -224,14 +229,9 @@ def test_the_exactness_benchmark_stopped_at_its_limit_writes_the_rows_it_measure
     as KeyboardInterrupt: the agreement rows measured before it are kept in the results file, marked
     unfinished (toy-sdar, CPU). The interrupt comes right after the first row, in the process (a
     signal sent from outside raced with the benchmark's last rows on a loaded machine)."""
-    import importlib.util
     import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "exactness.py"
-    spec = importlib.util.spec_from_file_location("exactness", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("exactness")
     measure = bench.agreement_runs
 
     def stopped_after_the_first_row(*args, **kwargs):
@@ -255,15 +255,9 @@ def test_the_exactness_benchmark_stopped_at_its_limit_writes_the_rows_it_measure
 def test_the_exactness_benchmark_runs_the_comparisons_asked_for():
     """--comparisons mrp-spec measures mrp-spec against static alone (a lent machine's short call),
     lossless on toy-sdar."""
-    import importlib.util
-    from pathlib import Path
-
     from dlmjax.presets import load_checkpoint
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "exactness.py"
-    spec = importlib.util.spec_from_file_location("exactness", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("exactness")
     _, model, tokenizer, head = load_checkpoint("toy-sdar")
     rows = list(bench.agreement_runs(model, head, tokenizer, ["1+2=", "3+4="], 8, 2, ("mrp-spec",)))
     assert rows == [("mrp-spec:drafts=3 vs static", 1.0, 1.0)]
