@@ -17,9 +17,9 @@ from pathlib import Path
 
 from dlmjax.config import ModelConfig
 from dlmjax.heads.mrp import MRPHead, has_head, load_head
-from dlmjax.io.hf import export_model, load_model
+from dlmjax.io.hf import export_model, load_config, load_model
 from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
-from dlmjax.models.moe import set_expert_dispatch
+from dlmjax.models.moe import dispatch_mismatch, set_expert_dispatch
 from dlmjax.models.transformer import Transformer, init_model
 from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, InputError, check_fields, check_value
@@ -100,6 +100,9 @@ def load_checkpoint(name_or_dir: str | os.PathLike, *, dtype: str | None = None,
     over 'expert'). `expert_dispatch`: how an MoE model's tokens meet experts split over 'expert'
     (dlmjax.models.moe.EXPERT_DISPATCH; default each layer's "auto")."""
     path = resolve_model(name_or_dir)
+    if expert_dispatch is not None and (why := dispatch_mismatch(expert_dispatch, load_config(path), mesh,
+                                                                         "--mesh expert=N")):
+        raise InputError(f"--expert-dispatch {expert_dispatch} would be ignored: {why}")
     model = load_model(path, dtype=dtype, mesh=mesh)
     if expert_dispatch is not None:
         set_expert_dispatch(model, expert_dispatch)

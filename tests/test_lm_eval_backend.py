@@ -425,3 +425,6 @@ def test_lm_model_on_an_expert_mesh_equals_one_device(tmp_path, monkeypatch):
     assert responses(mesh_data=2, mesh_fsdp=2, mesh_model=2)[0] == single
     with pytest.raises(ModelArgsError, match="expert_dispatch='ragged': choose one of auto, all_to_all"):
         DlmjaxLM(pretrained="random-sdar-moe", mesh_data=1, expert_dispatch="ragged")
+    with pytest.raises(ModelArgsError, match="expert_dispatch=gather would be ignored: without an expert axis every "
+                                             "device holds all 8 experts .* split them with mesh_expert=N"):
+        DlmjaxLM(pretrained="random-sdar-moe", mesh_data=1, expert_dispatch="gather")

@@ -216,8 +216,15 @@ def test_cli_expert_dispatch_on_an_expert_mesh_equals_one_device(tmp_path, monke
     assert len(single) == 2
     for dispatch in ("all_to_all", "gather"):
         assert rows("--mesh", "expert=4,data=2", "--expert-dispatch", dispatch) == single
-    assert main([*common, "--mesh", "expert=3,data=2", "--expert-dispatch", "all_to_all"]) == 2
-    assert "needs the 8 experts to divide over the 3 devices of the 'expert' axis" in capsys.readouterr().err
+    assert main([*common, "--mesh", "expert=3,data=2", "--expert-dispatch", "gather"]) == 2
+    assert ("--expert-dispatch gather would be ignored: the 8 experts do not divide over expert=3, so every device "
+            "holds them all; choose --mesh expert=N with N dividing 8") in capsys.readouterr().err
+    assert main([*common, "--mesh", "data=2", "--expert-dispatch", "all_to_all"]) == 2
+    assert ("--expert-dispatch all_to_all would be ignored: without an expert axis every device holds all 8 experts "
+            "and runs them locally; split them with --mesh expert=N") in capsys.readouterr().err
+    dense = ["generate", "--model", "random-sdar", "--prompt", "ab", "--expert-dispatch", "xla"]
+    assert main(dense) == 2
+    assert "the model is dense, with no experts to dispatch to" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:  # argparse names the choices
         main([*common, "--expert-dispatch", "ragged"])
     assert exit_.value.code == 2

@@ -33,7 +33,7 @@ from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, parse_decoder
 from dlmjax.io.tokenizer import TokenizerError
 from dlmjax.lm_eval.likelihood import causal_logprobs, greedy_continuation, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
-from dlmjax.models.moe import EXPERT_DISPATCH, set_expert_dispatch
+from dlmjax.models.moe import EXPERT_DISPATCH, dispatch_mismatch, set_expert_dispatch
 from dlmjax.validation import InputError
 
 log = logging.getLogger(__name__)
@@ -230,6 +230,8 @@ class DlmjaxLM(TemplateLM):
         if args["expert_dispatch"] not in EXPERT_DISPATCH:
             raise ModelArgsError(f"model_args expert_dispatch={args['expert_dispatch']!r}: choose one of "
                                  f"{', '.join(EXPERT_DISPATCH)}")
+        if why := dispatch_mismatch(args["expert_dispatch"], self.model.config, self.mesh, "mesh_expert=N"):
+            raise ModelArgsError(f"model_args expert_dispatch={args['expert_dispatch']} would be ignored: {why}")
         set_expert_dispatch(self.model, args["expert_dispatch"])
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path, self.model.config)

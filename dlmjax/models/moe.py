@@ -374,6 +374,25 @@ def resolve_dispatch(dispatch: str, num_tokens: int, cfg: ModelConfig, mesh) -> 
     return "all_to_all" if moved["all_to_all"] <= moved["gather"] else "gather"
 
 
+def dispatch_mismatch(dispatch: str, cfg: ModelConfig, mesh, expert_option: str) -> str | None:
+    """Why an explicit `dispatch` would be ignored for this model on `mesh` (None where it applies):
+    only an MoE model whose experts divide over an 'expert' axis > 1 meets them by a dispatch;
+    elsewhere `resolve_dispatch` runs the experts locally whatever is asked. `expert_option` is how
+    the caller's user sizes that axis (e.g. "--mesh expert=N")."""
+    if dispatch == "auto":
+        return None
+    if not cfg.num_experts:
+        return "the model is dense, with no experts to dispatch to; leave the dispatch at auto"
+    n = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes)).get(EXPERT_AXIS, 1)
+    if n == 1:
+        return (f"without an expert axis every device holds all {cfg.num_experts} experts and runs them locally; "
+                f"split them with {expert_option} (N dividing {cfg.num_experts}) or leave the dispatch at auto")
+    if cfg.num_experts % n:
+        return (f"the {cfg.num_experts} experts do not divide over expert={n}, so every device holds them all; "
+                f"choose {expert_option} with N dividing {cfg.num_experts}")
+    return None
+
+
 def _shard_mapped(mode, x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, mesh, experts_fn):
     """Tokens stay split over the batch axes; each device then takes its slice of its tokens (over
     the other axes: 'expert', 'model', ...), routes it, and either
