@@ -16,11 +16,14 @@ fsdp, or both, while a small trained head stays replicated (plain data paralleli
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import re
 from dataclasses import dataclass, fields
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -275,31 +278,37 @@ def mesh_of(x):
     return None if mesh is None or mesh.empty else mesh
 
 
-def split_batch_axes(x, mesh) -> tuple[str, ...]:
-    """The axes of `mesh` (`x`'s, `mesh_of`) in the 'batch' rule that `x`'s leading axis splits
-    over: those with size > 1 that its rows divide, leaving out axes already split by hand (inside
-    a shard_map). () without a mesh or where none divides."""
-    if mesh is None or x.ndim == 0:
+def split_batch_axes(mesh) -> tuple[str, ...]:
+    """The axes of `mesh` in the 'batch' rule with size > 1, leaving out axes already split by hand
+    (inside a shard_map). () without a mesh."""
+    if mesh is None:
         return ()
     manual = jax.sharding.AxisType.Manual
     sizes = {a: n for a, n, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types) if kind != manual and n > 1}
-    axis = DEFAULT_RULES.spec(("batch",), (x.shape[0],), sizes)[0]
-    axes = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-    return tuple(a for a in axes if a in sizes)
+    rule = DEFAULT_RULES.batch if isinstance(DEFAULT_RULES.batch, tuple) else (DEFAULT_RULES.batch,)
+    return tuple(a for a in rule if a in sizes)
 
 
 def over_batch_shards(fn, *arrays, weights=()):
-    """fn(*arrays, *weights) with each device running fn on its own rows: the arrays' leading axis
-    (the batch) split over `split_batch_axes` under shard_map, `weights` (pytrees) whole on those
-    axes, the other mesh axes left to the compiler. fn treats each row on its own and returns
-    arrays (or a tuple of them) with that leading axis. Arrays that need gradients go in `weights`,
-    not in fn's closure: the gradient of a closed-over array is made on the mesh outside the
-    shard_map, which jax refuses. Without a mesh, or where the rows do not divide, it is
-    fn(*arrays, *weights)."""
-    mesh = mesh_of(arrays[0])
-    axes = split_batch_axes(arrays[0], mesh)
-    if not axes:
+    """fn(*arrays, *weights) with each device running fn on its own rows: the arrays' (pytrees')
+    leading axis (the batch) split over every batch axis of the mesh (`split_batch_axes`) under
+    shard_map, `weights` (pytrees) whole on those axes, the other mesh axes left to the compiler.
+    Rows that do not divide over those axes are padded with copies of the last row, cut off after;
+    so no batch axis is left to the compiler, which would split fn's reductions by the batch's size.
+    fn treats each row on its own and returns arrays (or a tuple of them) with that leading axis.
+    Arrays that need gradients go in `weights`, not in fn's closure: the gradient of a closed-over
+    array is made on the mesh outside the shard_map, which jax refuses. Without a mesh (the active
+    one or the first array's, `mesh_of`) it is fn(*arrays, *weights)."""
+    first = jax.tree.leaves(arrays)[0]
+    mesh = mesh_of(first)
+    axes = split_batch_axes(mesh) if first.ndim else ()
+    if not axes or first.shape[0] == 0:
         return fn(*arrays, *weights)
+    batch, shards = first.shape[0], math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
+    if batch % shards:
+        padded = jax.tree.map(lambda a: jnp.pad(a, [(0, -batch % shards)] + [(0, 0)] * (a.ndim - 1), mode="edge"),
+                              arrays)
+        return jax.tree.map(lambda y: y[:batch], over_batch_shards(fn, *padded, weights=weights))
     spec = P(axes[0] if len(axes) == 1 else axes)
 
     def per_device(*args):
@@ -311,6 +320,12 @@ def over_batch_shards(fn, *arrays, weights=()):
 
     return jax.shard_map(per_device, mesh=mesh, out_specs=spec, axis_names=set(axes),
                          in_specs=(spec,) * len(arrays) + (P(),) * len(weights))(*arrays, *weights)
+
+
+def on_mesh(mesh):
+    """`jax.set_mesh(mesh)`, or no context for None: what runs inside is traced on the mesh, so
+    `over_batch_shards` splits even intermediates whose type names no mesh."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def to_host(tree):

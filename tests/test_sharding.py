@@ -86,6 +86,51 @@ def test_invariant_mode_splits_its_row_tiles_over_data_and_keeps_every_row_bitwi
     assert any(r.tokens for r in on_mesh.rows)
 
 
+def test_invariant_mode_keeps_rows_bitwise_on_fsdp_meshes_and_batches_that_do_not_divide(tmp_path):
+    """Every batch axis of the mesh ('fsdp' too) is split by hand, rows that do not divide over
+    them padded: XLA, given an axis, would split the tiles' reductions by the batch's size. A
+    row's logits are one device's whatever the batch and the mesh."""
+    path = tiny_model(tmp_path)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (12, 12)), jnp.int32)
+    with dlmjax.numerics(invariant=True):
+        expected = np.asarray(forward(dlmjax.load_model(path), tokens))
+        for axes in (dict(data=4, fsdp=2), dict(fsdp=8), dict(data=8)):
+            mesh = make_mesh(**axes)
+            graphdef, state = nnx.split(dlmjax.load_model(path, mesh=mesh))
+            run = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t).logits)
+            for batch in (1, 3, 4, 12):
+                got = run(state, jax.device_put(tokens[:batch], batch_sharding(mesh, 2, rows=batch)))
+                np.testing.assert_array_equal(np.asarray(got), expected[:batch], err_msg=f"{axes} batch {batch}")
+
+
+def test_lossless_decoders_score_each_devices_rows_on_that_device(monkeypatch):
+    """`generate(mesh=...)` traces its decode on the mesh: PSD's and mrp-spec's verification scores
+    (row-wise over packed copies' logits, whose type names no mesh) run on each device's rows, so
+    the compiled step gathers no logits [.., vocab] across devices."""
+    from dlmjax.decoding import api, engine
+    from dlmjax.evaluation.runner import replicate_on
+    from dlmjax.presets import load_checkpoint
+
+    mesh = make_mesh(data=8)
+    programs = []
+    decode = engine.decode
+
+    def compiled_then_run(*args, **kwargs):
+        programs.append(decode.lower(*args, **kwargs).compile().as_text())
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(api.engine, "decode", compiled_then_run)
+    prompts = [[15, 19, 13], [17, 12], [11, 13, 14, 18], [11], [16, 16], [10, 12, 14], [12, 13], [19]]
+    with dlmjax.numerics(invariant=True):
+        _, model, _, head = load_checkpoint("toy-sdar", mesh=mesh)
+        model, head = replicate_on(model, mesh), replicate_on(head, mesh)
+        vocab = model.config.vocab_size
+        for decoder in ("psd", "mrp-spec"):
+            generate(model, prompts, decoder=decoder, max_new_tokens=8, mesh=mesh, head=head)
+            gathers = [line for line in programs.pop().splitlines() if " all-gather(" in line]
+            assert not [g for g in gathers if f",{vocab}]" in g.split("all-gather(")[0]], decoder
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_invariant_mode_trains_on_a_mesh_as_on_one_device(tmp_path, family):
     """Gradients through the invariant mode's per-device tiles (the weights enter the shard_map as

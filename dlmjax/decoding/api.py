@@ -17,7 +17,7 @@ from dlmjax.decoding.speculative import generate_with_drafter
 from dlmjax.heads.mrp import MRPHead, check_compatible
 from dlmjax.io.tokenizer import Tokenizer, decode_stop_ids
 from dlmjax.models.transformer import Transformer
-from dlmjax.sharding import shard_batch, to_host
+from dlmjax.sharding import on_mesh, shard_batch, to_host
 from dlmjax.validation import InputError, check_seed, positive_int
 
 DEFAULT_BIDIRECTIONAL_BLOCK = 32
@@ -307,37 +307,39 @@ def generate(
     decoder = req.decoder
     accepted = None
     start = time.perf_counter()
-    if decoder.name == "drafter":
-        if drafter is None:
-            raise DecoderSpecError("decoder `drafter` needs a drafter: pass drafter=resolve_drafter(...) (CLI: a model "
-                                   "directory with drafter/ inside, or --drafter DIR); train one with "
-                                   "`dlmjax train configs/drafter/toy-ar.yaml`")
-        out = generate_with_drafter(model, drafter, req.ids, max_new_tokens=max_new_tokens, block=decoder.block,
-                                    temperature=decoder.temperature, top_p=decoder.top_p, seed=seed, eos_ids=req.eos,
-                                    pad_id=req.pad, row_ids=row_ids, mesh=mesh)
-        out = to_host(out)
-        counts = np.asarray(out.num_generated)
-        lengths = out.accepted_lengths()
-        # Every token comes from a target forward; the prefill gives the first. NFE = target forwards.
-        nfe_rows, committed, forwards = np.asarray([len(a) + 1 for a in lengths]), counts, int(out.nfe)
-        accepted = [sum(a) / len(a) if a else 0.0 for a in lengths]
-    elif req.causal:
-        out = generate_ar(model, req.ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
-                          top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, row_ids=row_ids, mesh=mesh)
-        out = to_host(out)
-        # Each token comes from one forward (the prefill gives the first): TPF is 1 by definition.
-        counts = np.asarray(out.num_generated)
-        nfe_rows, committed, forwards = counts, counts, int(out.nfe)
-    else:
-        _, canvas, rows = req.layout
-        if mesh is not None:
-            canvas, rows = shard_batch((canvas, rows), mesh)
-        graphdef, params = nnx.split(model)
-        out = engine.decode(graphdef, params, canvas, rows, jax.random.key(seed), req.head_split[1],
-                            **req.engine_args())
-        out = to_host(out)
-        counts, nfe_rows, committed = map(np.asarray, (out.num_generated, out.nfe, out.committed))
-        forwards = int(out.forwards)
+    if decoder.name == "drafter" and drafter is None:
+        raise DecoderSpecError("decoder `drafter` needs a drafter: pass drafter=resolve_drafter(...) (CLI: a model "
+                               "directory with drafter/ inside, or --drafter DIR); train one with "
+                               "`dlmjax train configs/drafter/toy-ar.yaml`")
+    with on_mesh(mesh):  # traced on the mesh: every row-wise step runs split over its batch axes
+        if decoder.name == "drafter":
+            out = generate_with_drafter(model, drafter, req.ids, max_new_tokens=max_new_tokens, block=decoder.block,
+                                        temperature=decoder.temperature, top_p=decoder.top_p, seed=seed,
+                                        eos_ids=req.eos, pad_id=req.pad, row_ids=row_ids, mesh=mesh)
+            out = to_host(out)
+            counts = np.asarray(out.num_generated)
+            lengths = out.accepted_lengths()
+            # Every token comes from a target forward; the prefill gives the first. NFE = target forwards.
+            nfe_rows, committed, forwards = np.asarray([len(a) + 1 for a in lengths]), counts, int(out.nfe)
+            accepted = [sum(a) / len(a) if a else 0.0 for a in lengths]
+        elif req.causal:
+            out = generate_ar(model, req.ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
+                              top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, row_ids=row_ids,
+                              mesh=mesh)
+            out = to_host(out)
+            # Each token comes from one forward (the prefill gives the first): TPF is 1 by definition.
+            counts = np.asarray(out.num_generated)
+            nfe_rows, committed, forwards = counts, counts, int(out.nfe)
+        else:
+            _, canvas, rows = req.layout
+            if mesh is not None:
+                canvas, rows = shard_batch((canvas, rows), mesh)
+            graphdef, params = nnx.split(model)
+            out = engine.decode(graphdef, params, canvas, rows, jax.random.key(seed), req.head_split[1],
+                                **req.engine_args())
+            out = to_host(out)
+            counts, nfe_rows, committed = map(np.asarray, (out.num_generated, out.nfe, out.committed))
+            forwards = int(out.forwards)
     wall = time.perf_counter() - start
 
     tokens = np.asarray(out.tokens)
@@ -448,8 +450,9 @@ class Stream:
             picked = prompts + [prompts[0]] * (size - len(prompts))
             canvas_r, rows_r = self._place((canvas_all[picked], jax.tree.map(lambda x: x[picked], rows_all)))
             slots_r = np.asarray(slots + [b] * (size - len(slots)), np.int32)
-            return engine.admit(graphdef, params, state, rows, canvas_r, rows_r, slots_r, req.head_split[1],
-                                **start_args)
+            with on_mesh(self.mesh):
+                return engine.admit(graphdef, params, state, rows, canvas_r, rows_r, slots_r, req.head_split[1],
+                                    **start_args)
 
         queue = list(range(self.count))
         first, queue = queue[:b], queue[b:]
@@ -461,7 +464,8 @@ class Stream:
         while any(p is not None for p in slot_prompt):
             before = int(state.forwards)
             stop_at = min(r, len(queue)) if queue else b
-            state, out = engine.decode_until(graphdef, params, state, rows, key, stop_at, req.head_split[1], **args)
+            with on_mesh(self.mesh):
+                state, out = engine.decode_until(graphdef, params, state, rows, key, stop_at, req.head_split[1], **args)
             out, done = to_host((out, state.done))
             yield None, None, int(out.forwards) - before, (int(out.forwards) - before) * b, 0
             for slot in np.flatnonzero(done):
