@@ -106,11 +106,11 @@ def cmd_generate(args) -> int:
     from dlmjax.decoding.api import generate
     from dlmjax.evaluation.runner import default_decoders, replicate_on
     from dlmjax.presets import load_checkpoint
+    from dlmjax.sharding import make_mesh
 
     mesh = _cli_mesh(args.mesh)
-    if mesh is not None and len(args.prompt) % mesh.shape["data"]:
-        raise InputError(f"--mesh data={mesh.shape['data']} splits the prompts over {mesh.shape['data']} devices: give "
-                         f"a multiple of {mesh.shape['data']} prompts (got {len(args.prompt)}) or a smaller data axis")
+    if mesh is None and jax.process_count() > 1:  # as eval: every device of every process on 'data'
+        mesh = make_mesh(model=1)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh,
                                                    expert_dispatch=args.expert_dispatch)
     decoder = args.decoder or default_decoders(model)[0]
@@ -301,8 +301,8 @@ DRAFTER_HELP = ("DFlash drafter directory for the `drafter` decoder of a causal 
 CONTROLLER_HELP = ("TSPD controller (tspd_controller.safetensors, or a directory or preset holding one) for the tspd "
                    "and tspd+ce decoders that name none; default: the model's own, when it has one")
 MESH_HELP = ("device mesh AXIS=N,...: prompts split over 'data', the model's weights tensor-parallel over 'model', "
-             "an MoE model's experts over 'expert' (e.g. data=2,model=4 or expert=4,data=2; default: data = all "
-             "devices, the others 1)")
+             "an MoE model's experts over 'expert' (e.g. data=2,model=4 or expert=4,data=2; an axis left out is 1 "
+             "except data, which takes the devices the others leave)")
 EXPERT_DISPATCH_HELP = ("MoE models with experts split over --mesh expert=N: how tokens meet their experts. all_to_all "
                         "sends each token to its experts' device and back; gather all-gathers the experts to every "
                         "device; xla leaves it to the compiler; auto (default) takes whichever of all_to_all and "
@@ -344,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default=None, help=DRAFTER_HELP)
     gen.add_argument("--tspd-controller", default=None, help=CONTROLLER_HELP)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, tokens, nfe, tpf, ...")
-    gen.add_argument("--mesh", default=None, help=MESH_HELP + "; the number of prompts must divide by data")
+    gen.add_argument("--mesh", default=None, help=MESH_HELP + "; copies of the last prompt fill the last device's "
+                     "share. Default: one device (in a multi-process run, data = every device)")
     gen.add_argument("--expert-dispatch", choices=EXPERT_DISPATCH, default=None, help=EXPERT_DISPATCH_HELP)
     gen.set_defaults(func=cmd_generate)
 
@@ -364,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
     ev.add_argument("--save-outputs", action="store_true", help="also write outputs.jsonl (one line per decoder and prompt)")
     ev.add_argument("--batch-size", type=count_arg, default=None, help="prompts decoded together (default 64, or the preset's)")
-    ev.add_argument("--mesh", default=None, help=MESH_HELP + " (--batch-size is rounded up to a multiple of data)")
+    ev.add_argument("--mesh", default=None, help=MESH_HELP + " (--batch-size is rounded up to a multiple of data). "
+                    "Default: data = every device")
     ev.add_argument("--expert-dispatch", choices=EXPERT_DISPATCH, default=None, help=EXPERT_DISPATCH_HELP)
     ev.add_argument("--max-new-tokens", type=count_arg, default=None, help="override the task's generation budget")
     ev.add_argument("--seed", type=seed_arg, default=0)

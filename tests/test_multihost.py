@@ -273,3 +273,21 @@ def test_two_processes_evaluate_as_one_process(tmp_path):
     assert [(o["index"], o["tokens"]) for o in got] == [(o["index"], o["tokens"]) for o in expected]
     assert results["runs"][0]["accuracy"] == records[0].accuracy
     assert results["settings"]["devices"] == {**results["settings"]["devices"], "count": 8, "processes": 2}
+
+
+@pytest.mark.devices(8)
+def test_two_processes_generate_as_one_process(tmp_path, capsys):
+    """`dlmjax generate` on 2 processes x 4 devices without --mesh splits its prompts over every
+    device (copies of the last prompt fill the last device's share: 3 prompts over 8), and
+    process 0 alone prints the rows one process prints on the same mesh."""
+    from dlmjax.cli import main
+
+    args = ["generate", "--model", "toy-sdar", "--prompt", "12+7=", "--prompt", "3+4=", "--prompt", "5+5=",
+            "--max-new-tokens", "8", "--json"]
+    outs = _launch(lambda coordinator: [[sys.executable, "-m", "dlmjax.cli", *args, "--coordinator", coordinator,
+                                         "--num-processes", "2", "--process-id", str(i)] for i in range(2)], tmp_path)
+    rows = [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in outs]
+    assert main([*args, "--mesh", "data=8"]) == 0
+    expected = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(expected) == 3 and rows[1] == []
+    assert [r["tokens"] for r in rows[0]] == [r["tokens"] for r in expected]

@@ -83,6 +83,5 @@ def test_sharded_generate_equals_the_single_device_run(checkpoint, capsys):
 
     single = rows("--mesh", "data=1,model=1")
     assert rows("--mesh", "data=2,model=4") == single and len(single) == 2
-    assert main([*common, "--mesh", "data=4,model=2"]) == 2  # 2 prompts do not split over 4
-    assert "multiple of 4 prompts" in capsys.readouterr().err
+    assert rows("--mesh", "data=4,model=2") == single  # 2 prompts filled with copies to split over 4
     assert main([*common, "--mesh", "data=2;model=4"]) == 2

@@ -225,6 +225,8 @@ class _Request:
     mask_id: int | None
     max_new_tokens: int
     head_split: tuple
+    row_ids: np.ndarray  # [N] int32, each row's sampling-stream id
+    fill: int = 0  # the last `fill` rows are copies of the last prompt that fill the batch to whole data shards
     layout: tuple | None = None  # (Geometry, canvas [N, T], Rows) of every prompt (diffusion decoders)
 
     @property
@@ -249,7 +251,9 @@ class _Request:
                          mean_accepted_length=accepted_length)
 
 
-def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, head) -> _Request:
+def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, head, shards: int = 1) -> _Request:
+    """The request for `prompts`, with copies of the last prompt (and of its sampling stream) added
+    to fill the batch to a multiple of `shards` rows."""
     max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
     decoder = _resolve_decoder(decoder)
     ids = _encode(prompts, tokenizer, model.config.vocab_size)
@@ -265,7 +269,11 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
             raise InputError(f"prompt {i} holds the mask token (id {mask_id}) at position {p.index(mask_id)}; diffusion "
                              "decoders would take it for a position to generate: remove it from the prompt")
     row_ids_b = batch_row_ids(row_ids, len(ids))  # checks one id per prompt
-    request = _Request(model, tokenizer, decoder, ids, eos, pad, mask_id, max_new_tokens, _head_for(decoder, model, head))
+    fill = -len(ids) % shards
+    row_ids_b = np.asarray(row_ids_b)
+    ids, row_ids_b = ids + [ids[-1]] * fill, np.concatenate([row_ids_b, np.repeat(row_ids_b[-1:], fill)])
+    request = _Request(model, tokenizer, decoder, ids, eos, pad, mask_id, max_new_tokens, _head_for(decoder, model, head),
+                       row_ids_b, fill)
     if not causal:
         geometry, canvas, rows = engine.plan_layout(
             ids, block=_block_size(decoder, model), max_new_tokens=max_new_tokens,
@@ -294,8 +302,9 @@ def generate(
     decoder: a spec string (`static`, `static:k=2`, `threshold:tau=0.9`, `ar`, ...) or config.
     row_ids: each row's sampling-stream id (default: its index); give dataset indices to make a
       sampled output independent of which batch a prompt lands in.
-    mesh: split the batch over the mesh's 'data' axis (data-parallel decoding; the batch size
-      must divide by it). Place the model's params on the same mesh.
+    mesh: split the batch over the mesh's 'data' axis (data-parallel decoding; copies of the last
+      prompt fill the last device's share, and are dropped from the result). Place the model's
+      params on the same mesh.
     head: the MRP head the mrp-* decoders run (`dlmjax.heads.mrp.load_head(checkpoint_dir)`).
     drafter: the DFlash drafter the `drafter` decoder runs (`dlmjax.io.dflash.resolve_drafter`).
 
@@ -303,7 +312,7 @@ def generate(
     """
     seed = check_seed(seed)
     req = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
-                   row_ids=row_ids, head=head)
+                   row_ids=row_ids, head=head, shards=1 if mesh is None else mesh.shape["data"])
     decoder = req.decoder
     accepted = None
     start = time.perf_counter()
@@ -315,7 +324,7 @@ def generate(
         if decoder.name == "drafter":
             out = generate_with_drafter(model, drafter, req.ids, max_new_tokens=max_new_tokens, block=decoder.block,
                                         temperature=decoder.temperature, top_p=decoder.top_p, seed=seed,
-                                        eos_ids=req.eos, pad_id=req.pad, row_ids=row_ids, mesh=mesh)
+                                        eos_ids=req.eos, pad_id=req.pad, row_ids=req.row_ids, mesh=mesh)
             out = to_host(out)
             counts = np.asarray(out.num_generated)
             lengths = out.accepted_lengths()
@@ -324,7 +333,7 @@ def generate(
             accepted = [sum(a) / len(a) if a else 0.0 for a in lengths]
         elif req.causal:
             out = generate_ar(model, req.ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
-                              top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, row_ids=row_ids,
+                              top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, row_ids=req.row_ids,
                               mesh=mesh)
             out = to_host(out)
             # Each token comes from one forward (the prefill gives the first): TPF is 1 by definition.
@@ -342,15 +351,16 @@ def generate(
             forwards = int(out.forwards)
     wall = time.perf_counter() - start
 
-    tokens = np.asarray(out.tokens)
+    n = len(req.ids) - req.fill  # the copies that filled the last shard are dropped
+    tokens, counts, nfe_rows, committed = (np.asarray(a)[:n] for a in (out.tokens, counts, nfe_rows, committed))
     rows_out = [req.row(tokens[i], counts[i], nfe_rows[i], committed[i], None if accepted is None else accepted[i])
-                for i in range(len(req.ids))]
+                for i in range(n)]
     return GenerationResult(
         rows=rows_out,
         decoder=decoder_spec(decoder),
         forwards=forwards,
         tpf=float(np.sum(committed)) / max(int(np.sum(nfe_rows)), 1),
-        batch_tpf=float(np.sum(committed)) / max(forwards * len(req.ids), 1),
+        batch_tpf=float(np.sum(committed)) / max(forwards * n, 1),
         wall_s=wall,
         tokens_per_s=float(np.sum(counts)) / max(wall, 1e-9),
     )
