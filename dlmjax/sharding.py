@@ -304,7 +304,7 @@ def over_batch_shards(fn, *arrays, weights=()):
     axes = split_batch_axes(mesh) if first.ndim else ()
     if not axes or first.shape[0] == 0:
         return fn(*arrays, *weights)
-    batch, shards = first.shape[0], math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
+    batch, shards = first.shape[0], math.prod(mesh_sizes(mesh)[a] for a in axes)
     if batch % shards:
         padded = jax.tree.map(lambda a: jnp.pad(a, [(0, -batch % shards)] + [(0, 0)] * (a.ndim - 1), mode="edge"),
                               arrays)

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from dlmjax import arithmetic, kernels
 from dlmjax.config import ModelConfig
 from dlmjax.kernels import grouped_matmul
-from dlmjax.sharding import DEFAULT_RULES, mesh_of
+from dlmjax.sharding import DEFAULT_RULES, mesh_of, mesh_sizes
 from dlmjax.validation import InputError
 
 _INIT_STD = 0.02
@@ -325,14 +325,10 @@ def _expert_mesh(experts):
     return mesh if mesh is not None and EXPERT_AXIS in mesh.axis_names else None
 
 
-def _sizes(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))
-
-
 def _token_axes(num_tokens: int, mesh):
     """(batch axes the tokens arrive split over, the other axes (size > 1) each slice is split over
     inside the layer)."""
-    sizes = _sizes(mesh)
+    sizes = mesh_sizes(mesh)
     batch = DEFAULT_RULES.spec(("batch", None), (num_tokens, 1), sizes)[0]
     batch = () if batch is None else (batch,) if isinstance(batch, str) else tuple(batch)
     split = tuple(a for a in mesh.axis_names if sizes[a] > 1 and a not in batch)
@@ -345,7 +341,7 @@ def dispatch_bytes(num_tokens: int, cfg: ModelConfig, mesh, itemsize: int = 4) -
     - all_to_all: rows out and back, n buffers of C = S * min(k, E/n) rows of D, plus C ids each,
       for a slice of S tokens per device;
     - gather: the stacked experts, E x D x 3F, all-gathered."""
-    sizes = _sizes(mesh)
+    sizes = mesh_sizes(mesh)
     n = sizes[EXPERT_AXIS]
     batch, split = _token_axes(num_tokens, mesh)
     s = -(-num_tokens // math.prod(sizes[a] for a in batch + split))
@@ -360,7 +356,7 @@ def resolve_dispatch(dispatch: str, num_tokens: int, cfg: ModelConfig, mesh) -> 
     "all_to_all" and "gather" moves fewer bytes (`dispatch_bytes`; ties go to all-to-all)."""
     if dispatch not in EXPERT_DISPATCH:
         raise InputError(f"expert_dispatch {dispatch!r}: choose one of {', '.join(EXPERT_DISPATCH)}")
-    n = 1 if mesh is None else _sizes(mesh)[EXPERT_AXIS]
+    n = 1 if mesh is None else mesh_sizes(mesh)[EXPERT_AXIS]
     if n == 1:
         return "local"
     if cfg.num_experts % n:
@@ -383,7 +379,7 @@ def dispatch_mismatch(dispatch: str, cfg: ModelConfig, mesh, expert_option: str)
         return None
     if not cfg.num_experts:
         return "the model is dense, with no experts to dispatch to; leave the dispatch at auto"
-    n = 1 if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes)).get(EXPERT_AXIS, 1)
+    n = 1 if mesh is None else mesh_sizes(mesh).get(EXPERT_AXIS, 1)
     if n == 1:
         return (f"without an expert axis every device holds all {cfg.num_experts} experts and runs them locally; "
                 f"split them with {expert_option} (N dividing {cfg.num_experts}) or leave the dispatch at auto")
@@ -402,13 +398,13 @@ def _shard_mapped(mode, x_td, router_de, bias_e, gate_up_ed2f, down_efd, cfg, me
     - "gather": computes all experts itself on weights all-gathered over 'expert';
     then the slices are all-gathered, so the layer's output is laid out as its input."""
     batch, split = _token_axes(x_td.shape[0], mesh)
-    split_size = math.prod(_sizes(mesh)[a] for a in split)
+    split_size = math.prod(mesh_sizes(mesh)[a] for a in split)
     token_spec = P(batch if len(batch) > 1 else (batch[0] if batch else None), None)
     expert_spec = P(EXPERT_AXIS, None, None) if mode == "all_to_all" else P(None, None, None)
     args = (x_td, router_de, gate_up_ed2f, down_efd) + (() if bias_e is None else (bias_e,))
 
     if mode == "all_to_all":
-        n = _sizes(mesh)[EXPERT_AXIS]
+        n = mesh_sizes(mesh)[EXPERT_AXIS]
 
         def experts_fn_local(rows_sd, experts_sk, gate_up, down):
             return _all_to_all_expert_outputs(rows_sd, experts_sk, gate_up, down, n)
