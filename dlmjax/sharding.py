@@ -111,6 +111,11 @@ class ShardingRules:
             if axis is not None and not all(a in MESH_AXES for a in names):
                 raise ValueError(f"sharding rule {f.name}={axis!r}: mesh axes are {MESH_AXES} or None")
 
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes of the 'batch' rule, in order (() where the batch is replicated)."""
+        return self.batch if isinstance(self.batch, tuple) else () if self.batch is None else (self.batch,)
+
     def spec(self, logical_axes: tuple[str | None, ...], dims=None, mesh_sizes=None) -> P:
         """PartitionSpec for `logical_axes`; a dim whose unit count (from `dims`) is not divisible
         by its mesh axis size is replicated. A tuple of mesh axes keeps, given `mesh_sizes`, the
@@ -251,15 +256,13 @@ def batch_sharding(mesh: Mesh, ndim: int, rules: ShardingRules = DEFAULT_RULES, 
 
 def data_parallel_size(mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> int:
     """How many ways the batch splits: the product of the mesh axes of the 'batch' rule."""
-    axes = rules.batch if isinstance(rules.batch, tuple) else (rules.batch,)
     sizes = mesh_sizes(mesh)
-    return int(np.prod([sizes.get(a, 1) for a in axes if a is not None]))
+    return int(np.prod([sizes.get(a, 1) for a in rules.batch_axes]))
 
 
 def shard_batch(tree, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
     """Place every [B, ...] host array of `tree` with its batch split over 'data'."""
-    first = (rules.batch[0] if isinstance(rules.batch, tuple) else rules.batch) or ""
-    data = mesh_sizes(mesh).get(first, 1)
+    data = mesh_sizes(mesh).get(rules.batch_axes[0], 1) if rules.batch_axes else 1
     leaves = jax.tree.leaves(tree)
     if leaves and leaves[0].shape[0] % data:
         raise ValueError(f"batch of {leaves[0].shape[0]} rows does not split over {data} data-parallel devices; "
@@ -285,8 +288,7 @@ def split_batch_axes(mesh) -> tuple[str, ...]:
         return ()
     manual = jax.sharding.AxisType.Manual
     sizes = {a: n for a, n, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types) if kind != manual and n > 1}
-    rule = DEFAULT_RULES.batch if isinstance(DEFAULT_RULES.batch, tuple) else (DEFAULT_RULES.batch,)
-    return tuple(a for a in rule if a in sizes)
+    return tuple(a for a in DEFAULT_RULES.batch_axes if a in sizes)
 
 
 def over_batch_shards(fn, *arrays, weights=()):
