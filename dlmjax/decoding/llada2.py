@@ -18,8 +18,11 @@ of a block-causal model, from each forward of the block:
   the filled block ("post steps"), each applying T2T, until a step edits nothing or
   `max_post_steps` post steps have run (a post step that would exceed it runs no forward).
   Without editing a block ends with its last mask.
-- A row stops after the block that holds its EOS (as every decoder here). generate()'s
-  `eos_early_stop` is not modelled: without editing it changes the forwards, not the tokens.
+- A row stops after the block that holds its EOS, once that block is complete (no mask left and,
+  with editing, its post steps done), as every decoder here. That is generate()'s
+  `eos_early_stop=True`, the model cards' setting: it checks for EOS after each block, so edits
+  inside the EOS block (after the EOS too) run as here. (diffusers' LLaDA2 pipeline checks after
+  every step instead; that is not the authors' procedure.)
 
 Engine mapping (engine.decode_round): a round's plan is one step's commit from the latest
 logits; the round's forward is the next step's forward. The plan keeps, per row, its block, the
