@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from dlmjax.validation import InputError
 
@@ -141,6 +143,19 @@ def is_main() -> bool:
 def sync(name: str) -> None:
     """Every process waits here until all have arrived (nothing to do on one process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
+
+
+def shared_flags(fn, count: int) -> list[bool]:
+    """fn(indices) -> one bool per index, for the indices 0..count-1, computed once across the
+    processes: process p takes every P-th index from p (`jax.process_count()` = P), and every
+    process gets the whole list back. Used for work each host would otherwise repeat, such as
+    scoring eval outputs in the code sandbox. On one process it is fn(range(count))."""
+    processes = jax.process_count()
+    if processes == 1:
+        return [bool(flag) for flag in fn(list(range(count)))]
+    mine = list(range(jax.process_index(), count, processes))
+    local = np.zeros(-(-count // processes), np.int32)
+    local[:len(mine)] = [bool(flag) for flag in fn(mine)]
+    gathered = np.asarray(multihost_utils.process_allgather(local))  # [processes, share]
+    return [bool(gathered[index % processes, index // processes]) for index in range(count)]

@@ -7,7 +7,7 @@
   with the single-device run's losses.
 - 2 processes x 4 CPU devices through jax.distributed (a local coordinator, gloo collectives):
   train, stop, resume through `dlmjax train --coordinator ...`, and end at the single-process
-  run's params.
+  run's params; eval and generate equal one process's; scoring is split over the processes.
 """
 
 import json
@@ -273,6 +273,30 @@ def test_two_processes_evaluate_as_one_process(tmp_path):
     assert [(o["index"], o["tokens"]) for o in got] == [(o["index"], o["tokens"]) for o in expected]
     assert results["runs"][0]["accuracy"] == records[0].accuracy
     assert results["settings"]["devices"] == {**results["settings"]["devices"], "count": 8, "processes": 2}
+
+
+SHARED_FLAGS_SCRIPT = """
+import json, sys
+from dlmjax import distributed
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+seen = []
+flags = distributed.shared_flags(lambda share: seen.extend(share) or [i % 3 == 0 for i in share], 7)
+print(json.dumps({"seen": seen, "flags": flags}))
+"""
+
+
+def test_shared_flags_splits_the_work_over_processes_and_gives_each_the_whole(tmp_path):
+    """Work each host would repeat (eval scoring, the code sandbox) is split: process p computes
+    the indices p, p+2, ..., and both get all 7 flags back, in order, as one process computes them."""
+    from dlmjax.distributed import shared_flags
+
+    outs = _launch(lambda coordinator: [[sys.executable, "-c", SHARED_FLAGS_SCRIPT, coordinator, str(i)]
+                                        for i in range(2)], tmp_path)
+    got = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    assert [g["seen"] for g in got] == [[0, 2, 4, 6], [1, 3, 5]]
+    expected = shared_flags(lambda share: [i % 3 == 0 for i in share], 7)
+    assert expected == [True, False, False, True, False, False, True]
+    assert got[0]["flags"] == got[1]["flags"] == expected
 
 
 @pytest.mark.devices(8)
