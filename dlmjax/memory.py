@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from dlmjax.losses import LOGITS_CHUNK_BYTES
 from dlmjax.validation import InputError
 
 GiB = 1024 ** 3
@@ -69,14 +70,28 @@ def _split(n: int, ways: int) -> int:
     return n // ways if ways > 1 and n % ways == 0 else n
 
 
+def trained_experts_bytes(cfg, *, tokens: int, itemsize: int) -> int:
+    """What the backward of one trained MoE layer's experts keeps beyond the rows' activations, for
+    `tokens` tokens (dlmjax.models.moe.tiled_rows): each of its at most ceil(M / t) + min(E, M)
+    tiles (M = tokens x top-k rows, t rows per tile) holds its expert's gate/up/down weights (D x 3F)
+    and their gradient."""
+    from dlmjax.models.moe import expert_tile
+
+    rows = tokens * cfg.num_experts_per_tok
+    tiles = -(-rows // expert_tile(rows, cfg.num_experts)) + min(cfg.num_experts, rows)
+    return 2 * tiles * cfg.hidden_size * 3 * cfg.moe_intermediate_size * itemsize
+
+
 def layer_activation_bytes(cfg, *, rows: int, q_tokens: int, kv_tokens: int, model: int = 1,
-                           itemsize: int | None = None) -> int:
+                           itemsize: int | None = None, trained: bool = False) -> int:
     """What one transformer layer's backward keeps for `rows` rows of `q_tokens` queries attending
     over `kv_tokens` keys, with KV groups and MLP split over `model` devices: per token the residual
     input, two norm outputs and the attention output (4 d), q, k, v and the attention context,
     the MLP's gate, up and product (3 I; an MoE layer: its top-k experts' and the shared expert's),
-    plus the fp32 attention scores and probabilities (2 H q_tokens kv_tokens)."""
+    plus the fp32 attention scores and probabilities (2 H q_tokens kv_tokens). A `trained` MoE
+    layer also keeps its tiles' expert weights and their gradients (`trained_experts_bytes`)."""
     itemsize = itemsize or np.dtype(cfg.dtype).itemsize
+    experts = trained_experts_bytes(cfg, tokens=rows * q_tokens, itemsize=itemsize) if trained and cfg.num_experts else 0
     kv_heads = _split(cfg.num_kv_heads, model)  # the fused qkv splits into whole KV groups
     heads = cfg.num_heads // cfg.num_kv_heads * kv_heads  # a group's query heads go with it
     if cfg.num_experts:
@@ -85,7 +100,7 @@ def layer_activation_bytes(cfg, *, rows: int, q_tokens: int, kv_tokens: int, mod
         mlp = _split(cfg.intermediate_size, model)
     per_token = 4 * cfg.hidden_size + (2 * heads + 2 * kv_heads) * cfg.head_dim + 3 * mlp
     scores = 2 * heads * q_tokens * kv_tokens * 4
-    return rows * (q_tokens * per_token * itemsize + scores)
+    return rows * (q_tokens * per_token * itemsize + scores) + experts
 
 
 def logits_bytes(cfg, *, rows: int, tokens: int, model: int = 1, copies: int = 1) -> int:
@@ -108,24 +123,30 @@ def training_activation_bytes(objective: str, cfg, *, rows: int, seq_len: int, m
     """Activations of one training step on a device holding `rows` rows of `seq_len` tokens.
 
     block_diffusion: the backbone trains on [noisy; clean] (2 seq_len tokens) with every layer's
-    backward, logits, log-softmax and their gradient (3 fp32 copies). next_token: seq_len tokens.
-    mrp: the frozen backbone runs 1 + chain_steps forwards on 2 seq_len tokens (logits of each
-    kept as targets), the head's `head_layers` layers train on every chain step. drafter: the
+    backward, logits, log-softmax and their gradient (3 fp32 copies; the loss makes them a chunk at
+    a time, `losses.label_scores_from_hidden`, so at most 3 chunks' worth). next_token: seq_len
+    tokens. mrp: the frozen backbone runs 1 +
+    chain_steps forwards on 2 seq_len tokens, the logits of each made for the noisy half only and
+    kept as targets; the head's `head_layers` layers train on every chain step on both halves, and
+    the step being differentiated holds its logits (3 copies: XLA does not keep them per step; at
+    vocab 152k this estimate was 0.87-1.0x of XLA's buffers for the whole train step, chain 1-2). drafter: the
     frozen target runs once on seq_len tokens (`target_layers` hidden states kept as features), the
     drafter's `head_layers` layers train on `anchors` blocks of `block` queries per row attending
     over the context and the block. tspd: a small MLP on features (counted as nothing)."""
     if objective in ("block_diffusion", "next_token"):
         tokens = 2 * seq_len if objective == "block_diffusion" else seq_len
-        return (cfg.num_layers * layer_activation_bytes(cfg, rows=rows, q_tokens=tokens, kv_tokens=tokens, model=model)
-                + logits_bytes(cfg, rows=rows, tokens=tokens, model=model, copies=3))
+        layers = cfg.num_layers * layer_activation_bytes(cfg, rows=rows, q_tokens=tokens, kv_tokens=tokens,
+                                                         model=model, trained=True)
+        logits = logits_bytes(cfg, rows=rows, tokens=tokens, model=model, copies=3)
+        return layers + min(logits, 3 * LOGITS_CHUNK_BYTES)
     if objective == "mrp":
         tokens = 2 * seq_len
         frozen = (layer_activation_bytes(cfg, rows=rows, q_tokens=tokens, kv_tokens=tokens, model=model)
-                  + (1 + chain_steps) * logits_bytes(cfg, rows=rows, tokens=tokens, model=model)
+                  + (1 + chain_steps) * logits_bytes(cfg, rows=rows, tokens=seq_len, model=model)
                   + 2 * rows * tokens * cfg.hidden_size * np.dtype(cfg.dtype).itemsize)
-        head = chain_steps * (head_layers * layer_activation_bytes(cfg, rows=rows, q_tokens=tokens, kv_tokens=tokens,
-                                                                   model=1)
-                              + logits_bytes(cfg, rows=rows, tokens=tokens, model=model, copies=3))
+        head = (chain_steps * head_layers * layer_activation_bytes(cfg, rows=rows, q_tokens=tokens, kv_tokens=tokens,
+                                                                   model=1, itemsize=4)  # the head trains in fp32
+                + logits_bytes(cfg, rows=rows, tokens=seq_len, model=model, copies=3))
         return frozen + head
     if objective == "drafter":
         queries = anchors * block
@@ -282,9 +303,10 @@ def training_fix(run, mesh) -> str:
 
     sizes = mesh_sizes(mesh)
     example = ""
-    if sizes["data"] >= 2:  # half of the data-parallel devices split the weights instead (same device count)
-        more = ",".join(f"{k}={v}" for k, v in {**sizes, "data": sizes["data"] // 2,
-                                                 "fsdp": sizes.get("fsdp", 1) * 2}.items() if v > 1 or k == "data")
+    factor = next((f for f in range(2, sizes["data"] + 1) if sizes["data"] % f == 0), None)
+    if factor:  # some of the data-parallel devices split the weights instead (the same device count)
+        more = ",".join(f"{k}={v}" for k, v in {**sizes, "data": sizes["data"] // factor,
+                                                 "fsdp": sizes.get("fsdp", 1) * factor}.items() if v > 1 or k == "data")
         example = f", e.g. --mesh {more}"
     return (f"fix: a smaller train.batch_size (now {run.train.batch_size}) or data.seq_len (now {run.data.seq_len}), "
             f"or split the weights over more devices with more model or fsdp (mesh: {{model: M, fsdp: F}} in the "
@@ -292,12 +314,13 @@ def training_fix(run, mesh) -> str:
 
 
 def check_training_memory(run, mesh, *, cfg, abstract, frozen=None, frozen_shardings=None, show: bool = True,
-                          capacity: int | None = None) -> MemoryEstimate:
-    """Print (with `show`) the estimate of a run about to start and refuse it if it cannot fit.
-    `abstract`: {"params", "opt_state"} ShapeDtypeStructs carrying their shardings (the trained
-    state as it will be placed); `frozen`, `frozen_shardings`: the frozen backbone's state and
-    placement. Capacity: `capacity`, else mesh.device_memory from the run, else what the devices
-    report (`device_memory`); none on CPU, where nothing is refused."""
+                          capacity: int | None = None, show_only_refused: bool = False) -> MemoryEstimate:
+    """Print (with `show`; with `show_only_refused` too, only when it refuses) the estimate of a run
+    about to start and refuse it if it cannot fit. `abstract`: {"params", "opt_state"}
+    ShapeDtypeStructs carrying their shardings (the trained state as it will be placed; empty
+    dicts before it is known); `frozen`, `frozen_shardings`: the frozen backbone's state (arrays or
+    ShapeDtypeStructs) and placement. Capacity: `capacity`, else mesh.device_memory from the run,
+    else what the devices report (`device_memory`); none on CPU, where nothing is refused."""
     def placed(tree):
         return jax.tree.map(lambda a: a.sharding, tree)
 
@@ -308,7 +331,7 @@ def check_training_memory(run, mesh, *, cfg, abstract, frozen=None, frozen_shard
         capacity = parse_memory(run.mesh.device_memory)
     if capacity is None:
         capacity = device_memory([d for d in mesh.devices.flat if d.process_index == jax.process_index()])
-    if show:
+    if show and (not show_only_refused or (capacity is not None and estimate.total > capacity)):
         print(str(estimate) + (f" (of {format_bytes(capacity)})" if capacity else ""), flush=True)
     check_fits(estimate, capacity, fix=training_fix(run, mesh))
     return estimate

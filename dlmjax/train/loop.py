@@ -373,6 +373,23 @@ def state_shardings(trainee: Trainee, tx, mesh: Mesh):
                       "opt_state": jax.tree.map(attach, opt_shapes, opt_sh)}
 
 
+def refuse_frozen_that_cannot_fit(run: RunConfig, mesh: Mesh, *, show: bool = True) -> None:
+    """Before a frozen backbone or target (objectives mrp, drafter) is read and placed: refuse the
+    run whose frozen params (from its config's shapes, placed by its rules) and activations alone
+    exceed the device memory, with the estimate (`check_training_memory`, which `train` calls again
+    with the trained state once it is built). A backbone that cannot be found is left to the
+    trainee's own error."""
+    if run.objective not in ("mrp", "drafter"):
+        return
+    try:
+        cfg = load_config(resolve_model(run.backbone, "model"))
+    except (FileNotFoundError, InputError):
+        return
+    frozen = nnx.state(abstract_model(cfg))
+    check_training_memory(run, mesh, cfg=cfg, abstract={"params": {}, "opt_state": {}}, frozen=frozen,
+                          frozen_shardings=placement(frozen, mesh, cfg), show=show, show_only_refused=True)
+
+
 def make_trainee(run: RunConfig, run_dir: Path, mesh: Mesh | None = None) -> Trainee:
     """The run's Trainee; a frozen model (objectives mrp, drafter) loads onto `frozen_mesh(mesh)`."""
     if run.objective == "drafter":
@@ -450,6 +467,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     sync("dlmjax-train-config")
     cfg = run.train
     mesh = mesh if mesh is not None else run.mesh.make()  # the config's mesh (default: all devices on data)
+    refuse_frozen_that_cannot_fit(run, mesh, show=main)
     trainee = make_trainee(run, run_dir, mesh)
     rows = process_rows(mesh, cfg.batch_size)  # this process's rows of every global batch
 
