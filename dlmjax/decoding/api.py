@@ -296,6 +296,7 @@ def generate(
     mesh=None,
     head: MRPHead | None = None,
     drafter=None,
+    prompt_width: int | None = None,
 ) -> GenerationResult:
     """Decode a batch of prompts (text with a tokenizer, or token-id lists).
 
@@ -307,6 +308,9 @@ def generate(
       params on the same mesh.
     head: the MRP head the mrp-* decoders run (`dlmjax.heads.mrp.load_head(checkpoint_dir)`).
     drafter: the DFlash drafter the `drafter` decoder runs (`dlmjax.io.dflash.resolve_drafter`).
+    prompt_width: causal models (`ar`, `drafter`) left-pad the prompts to at least this many
+      tokens, so that batches of different prompt lengths run one compiled program (`Stream`
+      passes its longest prompt's length).
 
     Every prompt is one row of one batch; `Stream` runs more prompts than a batch holds.
     """
@@ -324,7 +328,8 @@ def generate(
         if decoder.name == "drafter":
             out = generate_with_drafter(model, drafter, req.ids, max_new_tokens=max_new_tokens, block=decoder.block,
                                         temperature=decoder.temperature, top_p=decoder.top_p, seed=seed,
-                                        eos_ids=req.eos, pad_id=req.pad, row_ids=req.row_ids, mesh=mesh)
+                                        eos_ids=req.eos, pad_id=req.pad, row_ids=req.row_ids, mesh=mesh,
+                                        width=prompt_width)
             out = to_host(out)
             counts = np.asarray(out.num_generated)
             lengths = out.accepted_lengths()
@@ -334,7 +339,7 @@ def generate(
         elif req.causal:
             out = generate_ar(model, req.ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
                               top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, row_ids=req.row_ids,
-                              mesh=mesh)
+                              mesh=mesh, width=prompt_width)
             out = to_host(out)
             # Each token comes from one forward (the prefill gives the first): TPF is 1 by definition.
             counts = np.asarray(out.num_generated)
@@ -433,14 +438,17 @@ class Stream:
         self.wall_s += time.perf_counter() - clock
 
     def _batches(self):
-        """Causal models (`ar`, `drafter`), one batch after another."""
+        """Causal models (`ar`, `drafter`), one batch after another, each left-padded to the longest
+        prompt of all: one compiled program, which the untimed warm-up slice compiles."""
         req = self.request
+        width = max(len(ids) for ids in req.ids)
         for start in range(0, self.count, self.batch):
             chunk = list(range(start, min(start + self.batch, self.count)))
             padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
             result = generate(req.model, [req.ids[i] for i in padded], tokenizer=req.tokenizer, decoder=req.decoder,
                               max_new_tokens=req.max_new_tokens, seed=self.seed,
-                              row_ids=[self.row_ids[i] for i in padded], mesh=self.mesh, drafter=self.drafter)
+                              row_ids=[self.row_ids[i] for i in padded], mesh=self.mesh, drafter=self.drafter,
+                              prompt_width=width)
             yield None, None, result.forwards, result.forwards * self.batch, 1
             for i, row in zip(chunk, result.rows):
                 yield i, row, 0, 0, 0

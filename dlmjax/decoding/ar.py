@@ -32,11 +32,12 @@ class ARResult:
     nfe: jax.Array  # int32 scalar: forwards that produced tokens (the prefill produces the first)
 
 
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[jax.Array, jax.Array]:
-    """Left-pad token lists to one length: (tokens [B, L] int32, valid [B, L] bool)."""
+def left_pad(prompts: list[list[int]], pad_id: int, width: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Left-pad token lists to one length, `width` or else the longest prompt's: (tokens [B, L]
+    int32, valid [B, L] bool). Left padding is invisible to every row (its keys are masked)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise InputError("every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
+    width = max([len(p) for p in prompts] + [width or 0])
     tokens = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
     valid = [[False] * (width - len(p)) + [True] * len(p) for p in prompts]
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(valid, bool)
@@ -155,15 +156,17 @@ def generate_ar(
     pad_id: int | None = None,
     row_ids=None,
     mesh=None,
+    width: int | None = None,
 ) -> ARResult:
     """Generate for a batch of token-id prompts with a causal model; with `mesh`, the batch is
     split over its 'data' axis (the batch size must divide by it). `row_ids` (default: the index)
-    keys each row's sampling stream (`batch_row_ids`)."""
+    keys each row's sampling stream (`batch_row_ids`). `width`: left-pad the prompts to at least
+    this many tokens (`left_pad`), so that batches of different prompt lengths share a program."""
     cfg = model.config
     if cfg.attention != "causal":
         raise InputError(f"AR generation needs a causal model; {cfg.family} is {cfg.attention} (use a diffusion decoder)")
     eos_ids, pad_id = special_ids(cfg, eos_ids, pad_id)
-    tokens, valid = left_pad(prompts, pad_id)
+    tokens, valid = left_pad(prompts, pad_id, width)
     if tokens.shape[1] + max_new_tokens > cfg.max_position_embeddings:
         raise InputError(
             f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "

@@ -224,13 +224,15 @@ def generate_with_drafter(
     pad_id: int | None = None,
     row_ids=None,
     mesh=None,
+    width: int | None = None,
 ) -> SpecResult:
     """Speculative decoding of token-id `prompts` (a batch, left-padded here) with `drafter`.
 
     `block` (default the drafter's block_size) is K: the drafter proposes K - 1 tokens per round.
     temperature 0 is greedy and gives the target's own greedy output token for token; otherwise
     rejection sampling keeps the target's (temperature, top_p) distribution exactly. `row_ids`
-    (default: the index) keys each row's sampling stream.
+    (default: the index) keys each row's sampling stream. `width`: left-pad the prompts to at
+    least this many tokens (`left_pad`).
     """
     cfg = target.config
     check_compatible(drafter.config, cfg)
@@ -240,7 +242,7 @@ def generate_with_drafter(
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens={max_new_tokens}; ask for at least 1 token")
     eos_ids, pad_id = special_ids(cfg, eos_ids, pad_id)
-    tokens, valid = left_pad(prompts, pad_id)
+    tokens, valid = left_pad(prompts, pad_id, width)
     # The last round may verify drafts past the end; they are cut, so only the output must fit
     # (as in DFlash, which shortens its last block instead).
     limit = min(cfg.max_position_embeddings, drafter.config.max_position_embeddings)
