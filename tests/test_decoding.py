@@ -325,6 +325,37 @@ def test_prompt_beyond_max_length(sdar):
         generate(sdar, [list(range(1, 30)) * 5], max_new_tokens=8)
 
 
+def test_bidirectional_blocks_past_the_maximum_length_are_refused():
+    """A bidirectional row decodes whole blocks after its prompt: masks past the model's length
+    (positions it never saw, attended to by every other) are refused, naming the block that fits;
+    a block that fits decodes."""
+    model = peaky_model("llada", seed=12)  # max_position_embeddings 128
+    with pytest.raises(engine.LayoutError, match="reach position 150, past the model's maximum length 128: use a "
+                                                 "block of at most 10"):
+        generate(model, [[3] * 118], decoder="static", max_new_tokens=10)  # the default block, 32
+    with pytest.raises(engine.LayoutError, match="reach position 605"):
+        generate(model, [[3] * 5], decoder="threshold:block=600", max_new_tokens=8)
+    assert generate(model, [[3] * 118], decoder="static:block=10", max_new_tokens=10).rows[0].nfe > 0
+
+
+def test_absurd_step_counts_are_refused_and_even_schedules_need_no_more_than_the_block():
+    from dlmjax.decoding import policies
+
+    with pytest.raises(DecoderSpecError, match=r"steps=2000000000 must be in \[1, 65536\]"):
+        parse_decoder("static:steps=2000000000")
+    assert policies.step_counts(8, 65536) == (1,) * 8
+
+
+def test_a_stream_of_the_drafter_decoder_without_a_drafter_is_refused_when_made():
+    """Before any decoding (run_eval builds every stream first, so a later decoder's mistake does
+    not wait for the earlier decoders' hours)."""
+    from dlmjax.decoding.api import Stream
+
+    model = dlmjax.load_model("toy-ar")
+    with pytest.raises(DecoderSpecError, match="decoder `drafter` needs a drafter"):
+        Stream(model, [[1, 2, 3]], batch_size=1, decoder="drafter", max_new_tokens=4)
+
+
 @pytest.mark.parametrize("family", ["sdar", "llada"])
 def test_generation_length_not_divisible_by_block_is_cut(family):
     """max_new_tokens need not be a multiple of the block: the engine decodes the whole blocks that

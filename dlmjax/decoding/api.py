@@ -251,11 +251,16 @@ class _Request:
                          mean_accepted_length=accepted_length)
 
 
-def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, head, shards: int = 1) -> _Request:
+def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, head, shards: int = 1,
+             drafter=None) -> _Request:
     """The request for `prompts`, with copies of the last prompt (and of its sampling stream) added
     to fill the batch to a multiple of `shards` rows."""
     max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
     decoder = _resolve_decoder(decoder)
+    if decoder.name == "drafter" and drafter is None:
+        raise DecoderSpecError("decoder `drafter` needs a drafter: pass drafter=resolve_drafter(...) (CLI: a model "
+                               "directory with drafter/ inside, or --drafter DIR); train one with "
+                               "`dlmjax train configs/drafter/toy-ar.yaml`")
     ids = _encode(prompts, tokenizer, model.config.vocab_size)
     check_length(model, max(len(p) for p in ids), max_new_tokens)
     causal = model.config.attention == "causal"
@@ -280,8 +285,24 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
             block_causal=model.config.attention == "block_causal", pad_id=pad, mask_id=mask_id,
         )
         rows = rows.replace(row_ids=np.asarray(row_ids_b))
+        check_canvas_length(model, geometry, rows)
         request.layout = (geometry, canvas, rows)
     return request
+
+
+def check_canvas_length(model: Transformer, geometry, rows):
+    """A bidirectional row decodes whole blocks after its prompt: refuse a canvas whose masks would
+    sit past the model's maximum length (positions it never saw, which every other position
+    attends to). Block-causal rows end where their model's own blocks end, as their reference's."""
+    limit = model.config.max_position_embeddings
+    end = int(np.max(np.asarray(rows.positions))) + 1
+    if model.config.attention != "bidirectional" or end <= limit:
+        return
+    prompt = end - int(np.max(np.asarray(rows.blocks_needed))) * geometry.block
+    raise engine.LayoutError(
+        f"whole blocks of {geometry.block} after a prompt of {prompt} tokens reach position {end}, past the model's "
+        f"maximum length {limit}: use a block of at most {limit - prompt} (decoder option block=), or a "
+        f"max_new_tokens that is a multiple of the block")
 
 
 def generate(
@@ -316,14 +337,10 @@ def generate(
     """
     seed = check_seed(seed)
     req = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
-                   row_ids=row_ids, head=head, shards=1 if mesh is None else mesh.shape["data"])
+                   row_ids=row_ids, head=head, shards=1 if mesh is None else mesh.shape["data"], drafter=drafter)
     decoder = req.decoder
     accepted = None
     start = time.perf_counter()
-    if decoder.name == "drafter" and drafter is None:
-        raise DecoderSpecError("decoder `drafter` needs a drafter: pass drafter=resolve_drafter(...) (CLI: a model "
-                               "directory with drafter/ inside, or --drafter DIR); train one with "
-                               "`dlmjax train configs/drafter/toy-ar.yaml`")
     with on_mesh(mesh):  # traced on the mesh: every row-wise step runs split over its batch axes
         if decoder.name == "drafter":
             out = generate_with_drafter(model, drafter, req.ids, max_new_tokens=max_new_tokens, block=decoder.block,
@@ -401,7 +418,7 @@ class Stream:
                          for name, value in (("refill", refill), ("limit", limit)))
         seed = check_seed(seed)
         self.request = _prepare(model, prompts, tokenizer=tokenizer, decoder=decoder, max_new_tokens=max_new_tokens,
-                                row_ids=row_ids, head=head)
+                                row_ids=row_ids, head=head, drafter=drafter)
         self.decoder = decoder_spec(self.request.decoder)
         self.count = len(self.request.ids) if limit is None else min(limit, len(self.request.ids))
         data = mesh.shape["data"] if mesh is not None else 1

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
-from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, PROBABILITY
+from dlmjax.validation import AT_LEAST_0, OPEN_UNIT, PROBABILITY, STEPS
 
 
 def quota_commit(scores: policies.Scores, masked_bk, tau: float, quota_b):
@@ -65,7 +65,7 @@ class LLaDA2(DiffusionDecoder):
     unset: off), max_post_steps (editing steps after a block's last mask is filled, 16)."""
 
     name: ClassVar[str] = "llada2"
-    limits = {"tau": OPEN_UNIT, "steps": AT_LEAST_1, "editing_threshold": PROBABILITY,
+    limits = {"tau": OPEN_UNIT, "steps": STEPS, "editing_threshold": PROBABILITY,
               "max_post_steps": AT_LEAST_0}
     sampled_scores: bool = True  # LLaDA2's confidence is the sampled distribution's
     tau: float = 0.95

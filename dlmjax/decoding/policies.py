@@ -172,6 +172,7 @@ def step_counts(block: int, steps: int, schedule: str = "even") -> tuple[int, ..
       its generate() computes it in torch (with as many steps as positions, the first step commits
       none and the last two)."""
     if schedule == "even":
+        steps = min(steps, block)  # more steps than positions commit one a step either way
         base, extra = divmod(block, steps)
         counts = [base + (i < extra) for i in range(steps)]
     else:

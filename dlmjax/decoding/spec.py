@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan
-from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, INT32_MAX, OPEN_UNIT, InputError, OneOf, Range, check_fields
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, INT32_MAX, OPEN_UNIT, STEPS, InputError, OneOf, Range, check_fields
 
 CACHE_MODES = ("none", "prefix", "dual")
 
@@ -155,7 +155,7 @@ class Static(DiffusionDecoder):
 
     name: ClassVar[str] = "static"
     eos_options: ClassVar[bool] = True
-    limits = {"k": AT_LEAST_1, "order": OneOf(policies.STATIC_ORDERS), "steps": AT_LEAST_1,
+    limits = {"k": AT_LEAST_1, "order": OneOf(policies.STATIC_ORDERS), "steps": STEPS,
               "schedule": OneOf(policies.STEP_SCHEDULES)}
     k: int = 1
     order: str = "confidence"
