@@ -362,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", default=None, help="gsm8k(-cot)/humaneval/mbpp/math500 source: local .jsonl(.gz)/.json, a directory or a HF dataset name")
     ev.add_argument("--strict-data", action="store_true",
                     help="refuse a --data file with unreadable rows (default: report their line numbers and skip them)")
-    ev.add_argument("--out", default="eval-results", help="output directory (default eval-results)")
+    ev.add_argument("--out", default="eval-results",
+                    help="output directory (default eval-results); an earlier run's results there move to "
+                         "OUT/earlier/<time written>/")
     ev.add_argument("--save-outputs", action="store_true", help="also write outputs.jsonl (one line per decoder and prompt)")
     ev.add_argument("--batch-size", type=count_arg, default=None, help="prompts decoded together (default 64, or the preset's)")
     ev.add_argument("--mesh", default=None, help=MESH_HELP + " (--batch-size is rounded up to a multiple of data). "

@@ -385,10 +385,16 @@ def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys):
     assert (out / "pareto.png").stat().st_size > 1000
     table = capsys.readouterr().out
     assert "| toy-arith | `static` |" in table and (out / "results.md").read_text().count("\n") >= 8
-    # a rerun into the same --out without --save-outputs leaves no earlier outputs beside its results
+    # a rerun into the same --out without --save-outputs leaves no earlier outputs beside its results,
+    # and loses nothing: the earlier run's files move to out/earlier/<time>/
+    earlier_results = (out / "results.json").read_text()
     assert main(["eval", "--model", str(random_sdar), "--decoder", "static", "--no-progress", "--task", "toy-arith",
                  "--limit", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
     assert not (out / "outputs.jsonl").exists() and len(json.loads((out / "results.json").read_text())["runs"]) == 1
+    (moved,) = (out / "earlier").iterdir()
+    assert (moved / "results.json").read_text() == earlier_results and len(
+        (moved / "outputs.jsonl").read_text().splitlines()) == 3 * 2 * 2
+    assert sorted(p.name for p in moved.iterdir()) == ["outputs.jsonl", "pareto.png", "results.json", "results.md"]
     # a budget the model cannot hold names the task and decoder
     assert main(["eval", "--model", str(random_sdar), "--decoder", "static", "--no-progress", "--task", "toy-arith",
                  "--limit", "1", "--max-new-tokens", "4096", "--out", str(out)]) == 2

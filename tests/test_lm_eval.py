@@ -85,7 +85,7 @@ def toy_items():
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory, toy_items):
-    """toy-arith's held-out prompts as jsonl, and two task YAMLs over it."""
+    """toy-arith's eval prompts as jsonl, and two task YAMLs over it."""
     root = tmp_path_factory.mktemp("lm_eval_tasks")
     data = root / "toy-arith.jsonl"
     with data.open("w") as f:

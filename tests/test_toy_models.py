@@ -1,5 +1,5 @@
 """The shipped toy models load by preset name and still score what their accuracy.json records
-on the fixed 64-prompt held-out slice, and they meet the issue's targets."""
+on the fixed 64-prompt eval slice (seed 1234), and they meet the issue's targets."""
 
 import json
 

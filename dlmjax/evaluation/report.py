@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
+import time
 from pathlib import Path
 
 from dlmjax.evaluation.runner import RunRecord
+from dlmjax.io.files import atomic_file, write_atomic
 
 
 def markdown_table(records: list[RunRecord]) -> str:
@@ -69,7 +72,8 @@ def pareto_plot(records: list[RunRecord], path: Path, title: str = "") -> Path:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))  # room for the legend on the right
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
     return path
 
@@ -96,21 +100,41 @@ def run_settings(argv: list[str] | None, **resolved) -> dict:
     }
 
 
+RESULT_FILES = ("results.json", "results.md", "pareto.png", "outputs.jsonl")
+
+
+def keep_earlier_results(out_dir: str | Path) -> Path | None:
+    """Move an earlier run's result files out of `out_dir`, into out_dir/earlier/<the time they
+    were written, UTC>/, so that a new run into the same directory replaces nothing (and an earlier
+    run's outputs.jsonl never sits beside this run's results as if it were theirs). That folder, or
+    None where there was nothing to move."""
+    out_dir = Path(out_dir)
+    present = [out_dir / name for name in RESULT_FILES if (out_dir / name).is_file()]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(max(path.stat().st_mtime for path in present)))
+    target, n = out_dir / "earlier" / stamp, 1
+    while target.exists():
+        target, n = out_dir / "earlier" / f"{stamp}-{n}", n + 1
+    target.mkdir(parents=True)
+    for path in present:
+        os.replace(path, target / path.name)
+    return target
+
+
 def write_report(records: list[RunRecord], outputs: list[dict] | None, out_dir: str | Path, *,
                  skipped: dict[str, list[str]] | None = None, title: str = "", settings: dict | None = None) -> str:
-    """Write results.json, results.md, pareto.png (and outputs.jsonl when given); return the table.
-    `settings` (see `run_settings`) goes into results.json as its "settings"."""
+    """Write results.json, results.md, pareto.png (and outputs.jsonl when given), each file whole
+    or not at all, after moving an earlier run's files aside (`keep_earlier_results`); return the
+    table. `settings` (see `run_settings`) goes into results.json as its "settings"."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    keep_earlier_results(out_dir)
     results = {"settings": settings or {}, "runs": [r.to_json() for r in records], "skipped_rows": skipped or {}}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_atomic(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     table = markdown_table(records)
-    (out_dir / "results.md").write_text((f"{title}\n\n" if title else "") + table)
+    write_atomic(out_dir / "results.md", (f"{title}\n\n" if title else "") + table)
     if outputs is not None:
-        with (out_dir / "outputs.jsonl").open("w") as f:
-            for row in outputs:
-                f.write(json.dumps(row) + "\n")
-    else:  # an earlier run's outputs would sit beside this run's results as if they were its own
-        (out_dir / "outputs.jsonl").unlink(missing_ok=True)
+        write_atomic(out_dir / "outputs.jsonl", "".join(json.dumps(row) + "\n" for row in outputs))
     pareto_plot(records, out_dir / "pareto.png", title)
     return table

@@ -1,4 +1,4 @@
-"""Accuracy of a model on the toy tasks' held-out prompts (used during training, when shipping a
+"""Accuracy of a model on the toy tasks' fixed eval prompts (used during training, when shipping a
 toy model, and by the tests); the decoding and scoring are the evaluation harness's."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dlmjax.evaluation.runner import run_eval
 from dlmjax.evaluation.tasks import TOY_MAX_NEW_TOKENS, load_eval_set
 
-RECORD_SLICE = 64  # the fixed held-out slice whose accuracy ships with each toy model
+RECORD_SLICE = 64  # the fixed eval slice whose accuracy ships with each toy model
 
 
 def recorded_decoders(model) -> list[str]:
@@ -18,7 +18,7 @@ def recorded_decoders(model) -> list[str]:
 
 
 def toy_accuracy(model, tokenizer, task_name: str, *, n: int, decoder: str | None = None) -> float:
-    """Fraction of the first `n` held-out prompts solved; static (1 token per step) or greedy AR by default."""
+    """Fraction of the first `n` eval prompts solved; static (1 token per step) or greedy AR by default."""
     decoder = decoder or recorded_decoders(model)[0]
     records, _ = run_eval(model, tokenizer, [load_eval_set(task_name, limit=n)], [decoder], model_name="",
                           progress=False, warmup=False)
@@ -26,6 +26,6 @@ def toy_accuracy(model, tokenizer, task_name: str, *, n: int, decoder: str | Non
 
 
 def record_accuracy(model, tokenizer, tasks=tuple(TOY_MAX_NEW_TOKENS), n: int = RECORD_SLICE) -> dict:
-    """{task: {decoder: accuracy}} on the first `n` held-out prompts of each task."""
+    """{task: {decoder: accuracy}} on the first `n` eval prompts of each task."""
     return {task: {dec: toy_accuracy(model, tokenizer, task, n=n, decoder=dec) for dec in recorded_decoders(model)}
             for task in tasks}
