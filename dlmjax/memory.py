@@ -125,11 +125,11 @@ def training_activation_bytes(objective: str, cfg, *, rows: int, seq_len: int, m
     block_diffusion: the backbone trains on [noisy; clean] (2 seq_len tokens) with every layer's
     backward, logits, log-softmax and their gradient (3 fp32 copies; the loss makes them a chunk at
     a time, `losses.label_scores_from_hidden`, so at most 3 chunks' worth). next_token: seq_len
-    tokens. mrp: the frozen backbone runs 1 +
-    chain_steps forwards on 2 seq_len tokens, the logits of each made for the noisy half only and
-    kept as targets; the head's `head_layers` layers train on every chain step on both halves, and
-    the step being differentiated holds its logits (3 copies: XLA does not keep them per step; at
-    vocab 152k this estimate was 0.87-1.0x of XLA's buffers for the whole train step, chain 1-2). drafter: the
+    tokens. mrp: the frozen backbone runs 1 + chain_steps forwards on 2 seq_len tokens, the
+    logits of each made for the noisy half only and kept as targets; the head's `head_layers`
+    layers train on every chain step on both halves, and the step being differentiated holds its
+    logits (3 copies: XLA does not keep them per step; at vocab 152k this estimate was 0.87-1.0x
+    of XLA's buffers for the whole train step, chain 1-2). drafter: the
     frozen target runs once on seq_len tokens (`target_layers` hidden states kept as features), the
     drafter's `head_layers` layers train on `anchors` blocks of `block` queries per row attending
     over the context and the block. tspd: a small MLP on features (counted as nothing)."""
