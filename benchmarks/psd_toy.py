@@ -33,7 +33,7 @@ def main():
         decoders += [f"psd:policy=threshold,tau={tau},depth={d}" for d in args.depths.split(",")]
     eval_sets = [load_eval_set(task, limit=args.limit) for task in ("toy-arith", "toy-constraint")]
     records, _ = run_eval(model, tokenizer, eval_sets, decoders, model_name=args.model)
-    print(write_report(records, None, args.out, title=f"PSD vs static/threshold on {args.model}"))
+    print(write_report(records, None, args.out, title=f"PSD vs static/threshold on {args.model}", keep_earlier=False))
 
 
 if __name__ == "__main__":

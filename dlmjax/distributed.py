@@ -146,13 +146,15 @@ def sync(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def shared_flags(fn, count: int) -> list[bool]:
+def shared_flags(fn, count: int, *, mesh=None) -> list[bool]:
     """fn(indices) -> one bool per index, for the indices 0..count-1, computed once across the
-    processes: process p takes every P-th index from p (`jax.process_count()` = P), and every
-    process gets the whole list back. Used for work each host would otherwise repeat, such as
-    scoring eval outputs in the code sandbox. On one process it is fn(range(count))."""
+    processes of `mesh`, which must be every process (it is a collective): process p takes every
+    P-th index from p (`jax.process_count()` = P), and every process gets the whole list back.
+    Used for work each host would otherwise repeat, such as scoring eval outputs in the code
+    sandbox. Without a mesh, or on a mesh of one process's devices (e.g. process 0 evaluating
+    alone during training), it is fn(range(count))."""
     processes = jax.process_count()
-    if processes == 1:
+    if mesh is None or len({device.process_index for device in mesh.devices.flat}) == 1:
         return [bool(flag) for flag in fn(list(range(count)))]
     mine = list(range(jax.process_index(), count, processes))
     local = np.zeros(-(-count // processes), np.int32)

@@ -331,7 +331,7 @@ def test_bidirectional_blocks_past_the_maximum_length_are_refused():
     a block that fits decodes."""
     model = peaky_model("llada", seed=12)  # max_position_embeddings 128
     with pytest.raises(engine.LayoutError, match="reach position 150, past the model's maximum length 128: use a "
-                                                 "block of at most 10"):
+                                                 "block whose whole blocks .* e.g. block=10"):
         generate(model, [[3] * 118], decoder="static", max_new_tokens=10)  # the default block, 32
     with pytest.raises(engine.LayoutError, match="reach position 605"):
         generate(model, [[3] * 5], decoder="threshold:block=600", max_new_tokens=8)

@@ -395,6 +395,12 @@ def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys):
     assert (moved / "results.json").read_text() == earlier_results and len(
         (moved / "outputs.jsonl").read_text().splitlines()) == 3 * 2 * 2
     assert sorted(p.name for p in moved.iterdir()) == ["outputs.jsonl", "pareto.png", "results.json", "results.md"]
+    # where they would move is checked before decoding, not after
+    (tmp_path / "filed").mkdir()
+    (tmp_path / "filed" / "earlier").write_text("")
+    assert main(["eval", "--model", str(random_sdar), "--decoder", "static", "--no-progress", "--task", "toy-arith",
+                 "--limit", "1", "--max-new-tokens", "8", "--out", str(tmp_path / "filed")]) == 2
+    assert "earlier is a file" in capsys.readouterr().err
     # a budget the model cannot hold names the task and decoder
     assert main(["eval", "--model", str(random_sdar), "--decoder", "static", "--no-progress", "--task", "toy-arith",
                  "--limit", "1", "--max-new-tokens", "4096", "--out", str(out)]) == 2

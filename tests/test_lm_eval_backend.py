@@ -401,6 +401,21 @@ def test_drafter_prompts_leave_room_for_the_drafter_block():
     assert len(lm._prompt_ids("1+2\n" * 200, 8)) == lm.max_length - 8
 
 
+def test_bidirectional_prompts_leave_room_for_whole_blocks():
+    """A bidirectional model decodes whole blocks after the prompt: a long context is cut so that
+    they fit (a budget of 20 in blocks of 32 takes 32 positions), and the request decodes rather
+    than being refused as reaching past the model's length."""
+    from lm_eval.api.instance import Instance
+
+    from dlmjax.lm_eval import DlmjaxLM
+
+    lm = DlmjaxLM(pretrained="random-llada-moe", batch_size=1, mesh_data=1, warmup=False)
+    assert len(lm._prompt_ids("1+2=3\n" * 200, 20)) == lm.max_length - 32
+    request = Instance("generate_until", {}, ("1+2=3\n" * 200, {"until": ["\n\n"], "max_gen_toks": 20}), 0,
+                       ("task_x", 3, 1))
+    assert isinstance(lm.generate_until([request])[0], str)
+
+
 @pytest.mark.devices(8)
 def test_lm_model_on_an_expert_mesh_equals_one_device(tmp_path, monkeypatch):
     """mesh_expert / mesh_fsdp / expert_dispatch (what `--mesh` and `--expert-dispatch` pass from

@@ -10,6 +10,7 @@
   run's params; eval and generate equal one process's; scoring is split over the processes.
 """
 
+import fcntl
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -178,10 +180,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+LAUNCH_LOCK = Path(tempfile.gettempdir()) / "dlmjax-tests-multiprocess.lock"
+
+
 def _launch(make_commands, logs: Path, timeout=300):
     """Start one process per command of `make_commands(coordinator)` (a free local port each try)
     and wait for all; their outputs. A process that fails stops the others at once (a survivor
-    would wait for it in a collective); a coordinator port taken meanwhile is retried with another."""
+    would wait for it in a collective); a coordinator port taken meanwhile is retried with another.
+    One launch at a time across the suite's xdist workers (a file lock): two launches that drew the
+    same free port would join one another's run."""
+    with LAUNCH_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _launch_alone(make_commands, logs, timeout)
+
+
+def _launch_alone(make_commands, logs: Path, timeout):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}
     for name in ("DLMJAX_DISTRIBUTED", "DLMJAX_COORDINATOR", "DLMJAX_NUM_PROCESSES", "DLMJAX_PROCESS_ID"):
@@ -277,26 +290,32 @@ def test_two_processes_evaluate_as_one_process(tmp_path):
 
 SHARED_FLAGS_SCRIPT = """
 import json, sys
+import jax
 from dlmjax import distributed
 distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
 seen = []
-flags = distributed.shared_flags(lambda share: seen.extend(share) or [i % 3 == 0 for i in share], 7)
-print(json.dumps({"seen": seen, "flags": flags}))
+from dlmjax.sharding import make_mesh
+flags = distributed.shared_flags(lambda share: seen.extend(share) or [i % 3 == 0 for i in share], 7, mesh=make_mesh())
+alone = distributed.shared_flags(lambda share: [i % 3 == 0 for i in share], 7, mesh=make_mesh(devices=jax.local_devices()))
+print(json.dumps({"seen": seen, "flags": flags, "alone": alone}))
 """
 
 
 def test_shared_flags_splits_the_work_over_processes_and_gives_each_the_whole(tmp_path):
-    """Work each host would repeat (eval scoring, the code sandbox) is split: process p computes
-    the indices p, p+2, ..., and both get all 7 flags back, in order, as one process computes them."""
+    """Work each host would repeat (eval scoring, the code sandbox) is split over a mesh of every
+    process: process p computes the indices p, p+2, ..., and both get all 7 flags back, in order,
+    as one process computes them. On a mesh of one process's devices (process 0 evaluating alone
+    in training) each computes all, with no collective, which would pair with another's."""
     from dlmjax.distributed import shared_flags
 
     outs = _launch(lambda coordinator: [[sys.executable, "-c", SHARED_FLAGS_SCRIPT, coordinator, str(i)]
                                         for i in range(2)], tmp_path)
-    got = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    got = [json.loads(next(line for line in out.splitlines() if line.startswith("{"))) for out in outs]
     assert [g["seen"] for g in got] == [[0, 2, 4, 6], [1, 3, 5]]
     expected = shared_flags(lambda share: [i % 3 == 0 for i in share], 7)
     assert expected == [True, False, False, True, False, False, True]
     assert got[0]["flags"] == got[1]["flags"] == expected
+    assert got[0]["alone"] == got[1]["alone"] == expected  # a mesh of one process's devices: no collective
 
 
 @pytest.mark.devices(8)

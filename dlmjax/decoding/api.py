@@ -298,11 +298,14 @@ def check_canvas_length(model: Transformer, geometry, rows):
     end = int(np.max(np.asarray(rows.positions))) + 1
     if model.config.attention != "bidirectional" or end <= limit:
         return
-    prompt = end - int(np.max(np.asarray(rows.blocks_needed))) * geometry.block
+    prompt, new = end - int(np.max(np.asarray(rows.blocks_needed))) * geometry.block, geometry.max_new_tokens
+    room = limit - prompt  # >= max_new_tokens (check_length)
+    fits = max(b for b in range(1, min(room, geometry.block) + 1) if -(-new // b) * b <= room)
     raise engine.LayoutError(
         f"whole blocks of {geometry.block} after a prompt of {prompt} tokens reach position {end}, past the model's "
-        f"maximum length {limit}: use a block of at most {limit - prompt} (decoder option block=), or a "
-        f"max_new_tokens that is a multiple of the block")
+        f"maximum length {limit}: use a block whose whole blocks hold max_new_tokens={new} within {room} positions "
+        f"(decoder option block=, e.g. block={fits})"
+        + (f", or max_new_tokens={shorter}" if (shorter := room // geometry.block * geometry.block) else ""))
 
 
 def generate(

@@ -123,13 +123,16 @@ def keep_earlier_results(out_dir: str | Path) -> Path | None:
 
 
 def write_report(records: list[RunRecord], outputs: list[dict] | None, out_dir: str | Path, *,
-                 skipped: dict[str, list[str]] | None = None, title: str = "", settings: dict | None = None) -> str:
+                 skipped: dict[str, list[str]] | None = None, title: str = "", settings: dict | None = None,
+                 keep_earlier: bool = True) -> str:
     """Write results.json, results.md, pareto.png (and outputs.jsonl when given), each file whole
-    or not at all, after moving an earlier run's files aside (`keep_earlier_results`); return the
-    table. `settings` (see `run_settings`) goes into results.json as its "settings"."""
+    or not at all, after moving an earlier run's files aside (`keep_earlier_results`; not with
+    `keep_earlier=False`, for results kept in git); return the table. `settings` (see
+    `run_settings`) goes into results.json as its "settings"."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    keep_earlier_results(out_dir)
+    if keep_earlier:
+        keep_earlier_results(out_dir)
     results = {"settings": settings or {}, "runs": [r.to_json() for r in records], "skipped_rows": skipped or {}}
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     table = markdown_table(records)

@@ -121,9 +121,9 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
         if bar is not None:
             bar.update(1)
     ordered = [rows[i] for i in range(len(items))]
-    # each process scores its share (the code tasks run in the sandbox once, not once per host)
+    # on a mesh of every process, each scores its share (the code tasks run in the sandbox once, not once per host)
     scores = shared_flags(lambda share: eval_set.score([items[i] for i in share], [ordered[i].text for i in share]),
-                          len(items))
+                          len(items), mesh=mesh)
     outputs = [{"task": eval_set.task, "decoder": decoder, "index": item.index, "tokens": row.tokens, "text": row.text,
                 "correct": bool(ok)} for item, row, ok in zip(items, ordered, scores)]
     n, nfe = len(items), sum(row.nfe for row in ordered)

@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dlmjax.io.files import write_atomic
 from dlmjax.validation import InputError
 
 TOY_TASKS = ("toy-arith", "toy-constraint")
@@ -143,7 +144,7 @@ def run_backend(args) -> int:
     out_dir = Path(args.out)
     saved = json.loads((out_dir / "results.json").read_text())
     saved.update(backend="lm-eval", lm_eval=lm_results)
-    (out_dir / "results.json").write_text(json.dumps(saved, indent=2, default=str))
+    write_atomic(out_dir / "results.json", json.dumps(saved, indent=2, default=str))
     with (out_dir / "results.md").open("a") as f:
         f.write("\n" + "\n\n".join(tables))
     print(table)

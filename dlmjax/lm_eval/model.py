@@ -28,7 +28,7 @@ from lm_eval.models.utils import postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
-from dlmjax.decoding.api import Stream, _round_up, mask_token_id
+from dlmjax.decoding.api import Stream, _block_size, _round_up, mask_token_id
 from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, parse_decoder
 from dlmjax.io.tokenizer import TokenizerError
 from dlmjax.lm_eval.likelihood import causal_logprobs, greedy_continuation, masked_diffusion_bound
@@ -380,6 +380,8 @@ class DlmjaxLM(TemplateLM):
         """The context's ids, left-truncated (as lm-eval's HF model does) to leave room for `budget`."""
         ids = self.tok_encode(context)
         length, extra = self._decode_length()
+        if self.config.attention == "bidirectional":  # it decodes whole blocks after the prompt
+            extra += _round_up(budget, _block_size(self.decoder, self.model)) - budget
         room = length - budget - extra
         if room < 1:
             raise RequestError(f"max_gen_toks needs {budget} tokens{f' (+ {extra} for the drafter block)' if extra else ''}"
