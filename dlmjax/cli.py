@@ -170,6 +170,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    check_output_dir(args.out)
     check_output_dir(os.path.join(args.out, "earlier"))  # where an earlier eval's files move (report.keep_earlier_results)
     main = _join_processes(args)
     if args.backend == "lm-eval":
