@@ -407,10 +407,12 @@ def test_bidirectional_prompts_leave_room_for_whole_blocks():
     than being refused as reaching past the model's length."""
     from lm_eval.api.instance import Instance
 
-    from dlmjax.lm_eval import DlmjaxLM
+    from dlmjax.lm_eval import DlmjaxLM, RequestError
 
     lm = DlmjaxLM(pretrained="random-llada-moe", batch_size=1, mesh_data=1, warmup=False)
     assert len(lm._prompt_ids("1+2=3\n" * 200, 20)) == lm.max_length - 32
+    with pytest.raises(RequestError, match=f"max_gen_toks needs {lm.max_length - 1} tokens \\(\\+ 1 for whole blocks\\)"):
+        lm._prompt_ids("1+2=3", lm.max_length - 1)
     request = Instance("generate_until", {}, ("1+2=3\n" * 200, {"until": ["\n\n"], "max_gen_toks": 20}), 0,
                        ("task_x", 3, 1))
     assert isinstance(lm.generate_until([request])[0], str)

@@ -379,12 +379,10 @@ class DlmjaxLM(TemplateLM):
     def _prompt_ids(self, context: str, budget: int) -> list[int]:
         """The context's ids, left-truncated (as lm-eval's HF model does) to leave room for `budget`."""
         ids = self.tok_encode(context)
-        length, extra = self._decode_length()
-        if self.config.attention == "bidirectional":  # it decodes whole blocks after the prompt
-            extra += _round_up(budget, _block_size(self.decoder, self.model)) - budget
+        length, extra, why = self._decode_length(budget)
         room = length - budget - extra
         if room < 1:
-            raise RequestError(f"max_gen_toks needs {budget} tokens{f' (+ {extra} for the drafter block)' if extra else ''}"
+            raise RequestError(f"max_gen_toks needs {budget} tokens{f' (+ {extra} for {why})' if extra else ''}"
                                f" but the model holds {length}; lower max_gen_toks (gen_kwargs) or max_new_tokens "
                                "(model_args); in `dlmjax eval --backend lm-eval`: --max-new-tokens")
         if len(ids) > room:
@@ -393,13 +391,16 @@ class DlmjaxLM(TemplateLM):
             ids = ids[-room:]
         return ids
 
-    def _decode_length(self) -> tuple[int, int]:
-        """(positions a decode may use, positions the decoder needs beyond prompt + budget): a
-        DFlash drafter also bounds the length and needs one block of room (decoding/speculative)."""
+    def _decode_length(self, budget: int) -> tuple[int, int, str]:
+        """(positions a decode may use, positions the decoder needs beyond prompt + `budget`, what
+        needs them): a DFlash drafter also bounds the length and needs one block of room
+        (decoding/speculative); a bidirectional model decodes whole blocks after the prompt."""
+        if self.config.attention == "bidirectional":
+            return self.max_length, _round_up(budget, _block_size(self.decoder, self.model)) - budget, "whole blocks"
         if self.drafter is None or not isinstance(self.decoder, DrafterDecoding):
-            return self.max_length, 0
+            return self.max_length, 0, ""
         block = int(self.decoder.block or self.drafter.config.block_size)
-        return min(self.max_length, self.drafter.config.max_position_embeddings), block
+        return min(self.max_length, self.drafter.config.max_position_embeddings), block, "the drafter block"
 
     def _decode(self, task: str, prompts: list[list[int]], budget: int, row_ids: list[int]):
         """Rows for `prompts` in order, from one continuous-batching stream; metrics recorded."""
