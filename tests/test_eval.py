@@ -356,7 +356,7 @@ def test_report_table_and_front():
     assert pareto_front([(1, 90), (2, 80), (1.5, 70), (3, 10)]) == [(1, 90), (2, 80), (3, 10)]
 
 
-def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys):
+def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys, caplog):
     gsm = tmp_path / "gsm.jsonl"
     gsm.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n{broken\n")
     out = tmp_path / "out"
@@ -392,6 +392,7 @@ def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys):
                  "--limit", "1", "--max-new-tokens", "8", "--out", str(out)]) == 0
     assert not (out / "outputs.jsonl").exists() and len(json.loads((out / "results.json").read_text())["runs"]) == 1
     (moved,) = (out / "earlier").iterdir()
+    assert f"moved to {moved}" in caplog.text  # the user is told where
     assert (moved / "results.json").read_text() == earlier_results and len(
         (moved / "outputs.jsonl").read_text().splitlines()) == 3 * 2 * 2
     assert sorted(p.name for p in moved.iterdir()) == ["outputs.jsonl", "pareto.png", "results.json", "results.md"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shlex
 import time
@@ -11,6 +12,8 @@ from pathlib import Path
 
 from dlmjax.evaluation.runner import RunRecord
 from dlmjax.io.files import atomic_file, write_atomic
+
+log = logging.getLogger(__name__)
 
 
 def markdown_table(records: list[RunRecord]) -> str:
@@ -131,8 +134,8 @@ def write_report(records: list[RunRecord], outputs: list[dict] | None, out_dir: 
     `run_settings`) goes into results.json as its "settings"."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if keep_earlier:
-        keep_earlier_results(out_dir)
+    if keep_earlier and (moved := keep_earlier_results(out_dir)) is not None:
+        log.warning("the earlier results in %s moved to %s", out_dir, moved)
     results = {"settings": settings or {}, "runs": [r.to_json() for r in records], "skipped_rows": skipped or {}}
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     table = markdown_table(records)
