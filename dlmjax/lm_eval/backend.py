@@ -145,8 +145,7 @@ def run_backend(args) -> int:
     saved = json.loads((out_dir / "results.json").read_text())
     saved.update(backend="lm-eval", lm_eval=lm_results)
     write_atomic(out_dir / "results.json", json.dumps(saved, indent=2, default=str))
-    with (out_dir / "results.md").open("a") as f:
-        f.write("\n" + "\n\n".join(tables))
+    write_atomic(out_dir / "results.md", (out_dir / "results.md").read_text() + "\n" + "\n\n".join(tables))
     print(table)
     print("\n\n".join(tables), file=sys.stderr)
     print(f"wrote {args.out}/results.json, results.md, pareto.png" + (", outputs.jsonl" if args.save_outputs else ""))
