@@ -211,6 +211,8 @@ _METADATA_KEYS = {
     # SDAR-4B/8B training-infrastructure switches; none changes the forward's numerics.
     "attn_implementation", "ep_size", "micro_forward", "skip_checkpoint", "use_deepep",
     "_from_model_config",
+    "is_llama_config",  # nanotron's export mark (SmolLM2's configs)
+    "pretraining_tp",  # Llama-2's: it only split the same matmuls into slices (transformers 5 ignores it)
 }
 
 # Keys dlmjax understands only at one value (or a set of harmless values); anything else is refused.
@@ -222,7 +224,7 @@ _HF_FIXED: dict[str, Any] = {
     "hidden_act": _must_equal(("silu",), "only SiLU-gated MLPs are implemented"),
     "use_sliding_window": _must_equal((False, None), "sliding-window attention is not implemented"),
     "mlp_bias": _must_equal((False,), "MLP biases are not implemented"),
-    "pretraining_tp": _must_equal((1,), "tensor-parallel pretraining splits are not implemented"),
+    "rope_interleaved": _must_equal((False, None), "interleaved (GPT-J) RoPE is not implemented"),  # SmolLM2's: false
     "use_mrope": _must_equal((False,), "multimodal RoPE is not implemented"),
 }
 
@@ -491,7 +493,7 @@ def _from_llada(raw: dict, fam: Family) -> ModelConfig:
         shift_logits=fam.shift_logits,
         qkv_bias=bool(raw.get("include_qkv_bias", False)),
         qk_norm=False,
-        tie_word_embeddings=bool(raw.get("weight_tying", False)),
+        tie_word_embeddings=bool(raw.get("weight_tying", True)),  # configuration_llada.py's default
         **_dtype_and_special_ids(raw, fam),
     )
 
@@ -527,6 +529,8 @@ def from_hf_config(raw: dict, family: str | None = None) -> ModelConfig:
     if missing:
         raise ConfigError(f"config.json for family {fam.name} lacks required keys {missing}")
     _check_raw_types(raw, _required_keys(fam))
+    if "num_key_value_heads" in raw and raw["num_key_value_heads"] is None:  # as the config classes read it
+        raw = {**raw, "num_key_value_heads": raw.get("num_attention_heads")}  # (absent: their default, below)
     raw = {k: v for k, v in raw.items() if v is not None or k not in _RAW_TYPES}  # null: unset (the default)
     if fam.name in _MOE_TRANSLATORS:
         return _MOE_TRANSLATORS[fam.name](raw, fam)

@@ -383,14 +383,24 @@ def test_a_shipped_mask_embedding_replaces_the_targets_row_as_vllm_reads_it(targ
 
 @pytest.mark.parametrize("shipped, message", [
     ({"mask_token_id": MASK_ID + 1, "embedding": torch.zeros(32)}, "is for mask_token_id 96, but config.json's"),
+    ({"mask_token_id": torch.tensor(MASK_ID + 1), "embedding": torch.zeros(32)}, "is for mask_token_id 96, but"),
     ({"mask_token_id": MASK_ID}, r"keys \['mask_token_id'\]; a mask embedding file has `embedding`"),
     (torch.zeros(31), r"holds shape \(31,\); a mask embedding has hidden_size=32 values"),
-], ids=["other-mask-id", "no-embedding", "wrong-size"])
+], ids=["other-mask-id", "other-mask-id-tensor", "no-embedding", "wrong-size"])
 def test_a_mask_embedding_for_another_drafter_is_refused(tmp_path, shipped, message):
     write_reference_drafter(tmp_path, tiny_drafter_config())
     torch.save(shipped, tmp_path / "mask_embedding.pt")
     with pytest.raises(CheckpointError, match=message):
         load_drafter(tmp_path)
+
+
+@pytest.mark.parametrize("shipped", [{"mask_token_id": torch.tensor(MASK_ID), "embedding": torch.arange(32.0)},
+                                     torch.nn.Parameter(torch.arange(32.0))], ids=["tensor-mask-id", "parameter"])
+def test_a_mask_embedding_saved_as_torch_load_reads_it_loads(tmp_path, shipped):
+    write_reference_drafter(tmp_path, tiny_drafter_config())
+    torch.save(shipped, tmp_path / "mask_embedding.pt")
+    drafter = load_drafter(tmp_path)
+    np.testing.assert_array_equal(np.asarray(drafter.mask_embedding[...], np.float32), np.arange(32.0))
 
 
 def test_block_visibilities_are_the_matrices_as_kernel_visibilities():

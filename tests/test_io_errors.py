@@ -129,6 +129,8 @@ def _raw_safetensors(path, header: object, data: bytes = b"\0" * 8):
     ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, r"data_offsets \[-4, 0\], not \[begin, end\]"),
     ({"a": {"dtype": "F32", "shape": [-1, -1], "data_offsets": [0, 4]}}, r"shape \[-1, -1\], not a list"),
     ({"a": "F32"}, r"tensor 'a' is 'F32', not an object"),
+    ({"__metadata__": ["x"]}, r"__metadata__ is \['x'\], not an object of strings"),
+    ({"__metadata__": {"format": 1}}, r"__metadata__ is \{'format': 1\}, not an object of strings"),
 ])
 def test_a_corrupt_safetensors_header_is_named(tmp_path, header, problem):
     """Each header entry is checked before anything is read: a negative offset used to read the
@@ -136,6 +138,19 @@ def test_a_corrupt_safetensors_header_is_named(tmp_path, header, problem):
     path = _raw_safetensors(tmp_path / "bad.safetensors", header)
     with pytest.raises(CheckpointError, match=f"bad.safetensors: corrupt safetensors header.*{problem}"):
         SafetensorsFile(path)
+
+
+def test_a_header_that_is_not_utf8_or_a_shape_past_int64_is_named(tmp_path):
+    """A damaged byte in the header, and a shape whose element count wraps around in int64 (to 0,
+    which matched an empty byte range): both are CheckpointErrors, not raw decode/numpy errors."""
+    blob = json.dumps({"w\u00e9": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode().replace(b"\\u00e9", b"\xff")
+    (tmp_path / "bytes.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + b"\0" * 8)
+    with pytest.raises(CheckpointError, match="bytes.safetensors: corrupt safetensors header .*utf-8"):
+        SafetensorsFile(tmp_path / "bytes.safetensors")
+    path = _raw_safetensors(tmp_path / "huge.safetensors", {"w": {"dtype": "F32", "shape": [2**32, 2**32],
+                                                                  "data_offsets": [0, 0]}})
+    with pytest.raises(CheckpointError, match=r"tensor 'w': byte range does not match shape \(4294967296, 4294967296\)"):
+        SafetensorsFile(path).get("w")
 
 
 def test_a_scalar_tensor_reads_and_writes_as_a_scalar(tmp_path):
@@ -205,6 +220,56 @@ def test_unexpected_tensor(checkpoint):
     dlmjax.io.safetensors.save_file(tensors, checkpoint / "model.safetensors")
     with pytest.raises(CheckpointError, match="has no place in a qwen3 model with this config .*qkv_bias=False"):
         dlmjax.load_model(checkpoint)
+
+
+def test_a_tied_config_with_a_different_saved_head_is_refused_and_an_equal_one_loads(checkpoint):
+    """A fine-tune that trained its head but kept the base config's tie_word_embeddings: transformers 5
+    uses the saved head, transformers 4 and vLLM the embedding; dlmjax refuses to pick one silently."""
+    edit_config(checkpoint, tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match="ties the output head to the embedding .* the checkpoint's 'lm_head.weight' "
+                                          "differs from 'model.embed_tokens.weight': set it to false"):
+        dlmjax.load_model(checkpoint)
+    shard = SafetensorsFile(checkpoint / "model.safetensors")
+    tensors = {k: np.array(shard.get(k)) for k in shard.keys()}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()  # a tied head saved explicitly
+    dlmjax.io.safetensors.save_file(tensors, checkpoint / "model.safetensors")
+    ids = np.arange(6, dtype=np.int32)[None]
+    with_head = np.asarray(dlmjax.load_model(checkpoint)(ids).logits)
+    del tensors["lm_head.weight"]  # tied as transformers saves it
+    dlmjax.io.safetensors.save_file(tensors, checkpoint / "model.safetensors")
+    np.testing.assert_array_equal(with_head, np.asarray(dlmjax.load_model(checkpoint)(ids).logits))
+
+
+@pytest.mark.parametrize("change", [
+    {"is_llama_config": True, "rope_interleaved": False},  # SmolLM2's published configs (nanotron exports)
+    {"pretraining_tp": 2},  # Llama-2-13b's: the same matmuls split into slices
+])
+def test_published_bookkeeping_keys_load_with_the_same_weights(checkpoint, change):
+    ids = np.arange(6, dtype=np.int32)[None]
+    before = np.asarray(dlmjax.load_model(checkpoint)(ids).logits)
+    edit_config(checkpoint, **change)
+    np.testing.assert_array_equal(np.asarray(dlmjax.load_model(checkpoint)(ids).logits), before)
+
+
+def test_interleaved_rope_is_refused(checkpoint):
+    edit_config(checkpoint, rope_interleaved=True)
+    with pytest.raises(ConfigError, match="`rope_interleaved` = True .*interleaved \\(GPT-J\\) RoPE is not implemented"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_null_key_value_heads_means_one_per_attention_head():
+    """As Qwen2/Qwen3Config (and Dream's and SDAR's) read it; an absent key keeps their default of 32."""
+    assert from_hf_config({**QWEN3, "num_key_value_heads": None}).num_kv_heads == 4
+    for model_type in ("qwen2", "dream", "sdar", "llama"):
+        raw = {**QWEN3, "model_type": model_type, "num_key_value_heads": None, "mask_token_id": 3}
+        assert from_hf_config(raw).num_kv_heads == 4, model_type
+
+
+def test_llada_without_weight_tying_is_tied_as_in_its_config_class():
+    raw = {"model_type": "llada", "d_model": 32, "n_heads": 4, "n_layers": 1, "mlp_hidden_size": 64, "vocab_size": 64,
+           "activation_type": "silu", "block_type": "llama", "rope": True, "layer_norm_type": "rms", "mask_token_id": 63}
+    assert from_hf_config(raw).tie_word_embeddings
+    assert not from_hf_config({**raw, "weight_tying": False}).tie_word_embeddings
 
 
 def test_duplicate_tensor_across_shards(checkpoint):

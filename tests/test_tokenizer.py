@@ -256,3 +256,44 @@ def test_tokens_declared_beside_tokenizer_json_are_added_as_transformers_adds_th
     (tmp_path / "added_tokens.json").write_text(json.dumps({"<|new_mask|>": size, "<|other|>": size + 5}))
     with pytest.warns(UserWarning, match=r"'<\|other\|>' is declared with id .*left out; re-save the tokenizer"):
         assert load_tokenizer(tmp_path).vocab_size == size + 1  # the one that fits is still added
+
+
+def test_a_special_flag_declared_in_tokenizer_config_wins_as_in_transformers(tmp_path):
+    """tokenizer.json holds the mask as an ordinary added token, tokenizer_config.json declares it
+    special: transformers takes the config's flag, so decoded text drops it (it showed `<|MASK|>`)."""
+    transformers = pytest.importorskip("transformers")
+    tok = char_tokenizer()
+    tok.add_tokens(["<|MASK|>"])  # not special in tokenizer.json
+    tok.save(str(tmp_path / "tokenizer.json"))
+    mask = tok.token_to_id("<|MASK|>")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": EOS, "mask_token": "<|MASK|>", "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {str(mask): {"content": "<|MASK|>", "special": True, "lstrip": False,
+                                             "rstrip": False, "normalized": False, "single_word": False}}}))
+    ours, theirs = load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = [*ours.encode("ab"), mask, *ours.encode("c")]
+    assert ours.mask_id == mask and ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "abc"
+
+
+def test_chat_templates_see_every_special_token_as_transformers_passes_them(chat_pair, tmp_path):
+    template = "{{ messages[0]['content'] }}[mask={{ mask_token }}][sep={{ sep_token }}][bos={{ bos_token }}]"
+    path = chat_checkpoint(tmp_path / "vars", template, ["<|endoftext|>", "<|MASK|>", "<|sep|>"],
+                           {"eos_token": "<|endoftext|>", "mask_token": "<|MASK|>", "sep_token": "<|sep|>",
+                            "bos_token": None})
+    transformers = pytest.importorskip("transformers")
+    messages = [{"role": "user", "content": "hi"}]
+    want = transformers.AutoTokenizer.from_pretrained(str(path)).apply_chat_template(messages, tokenize=False)
+    assert load_tokenizer(path).apply_chat_template(messages, add_generation_prompt=False) == want
+    assert want == "hi[mask=<|MASK|>][sep=<|sep|>][bos=]"  # an unset token renders empty
+
+
+def test_a_git_lfs_pointer_is_named_with_the_fix(tmp_path):
+    from dlmjax.io.safetensors import CheckpointError, SafetensorsFile
+
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 11422654\n"
+    (tmp_path / "tokenizer.json").write_text(pointer)
+    (tmp_path / "model.safetensors").write_text(pointer)
+    with pytest.raises(TokenizerError, match="tokenizer.json is a Git LFS pointer, not the file: .* `git lfs pull`"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(CheckpointError, match="model.safetensors is a Git LFS pointer, not the file"):
+        SafetensorsFile(tmp_path / "model.safetensors")

@@ -45,10 +45,43 @@ def test_writes_what_torch_loads(tmp_path):
     assert torch.equal(torch.load(tmp_path / "bare.pt", weights_only=True), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
 
 
+def test_reads_parameters_and_integer_tensors_as_torch_load_does(tmp_path):
+    """`torch.save(nn.Parameter)` and a mask id saved as a 0-d tensor: torch.load(weights_only=True)
+    reads both, so a DFlash trainer's mask_embedding.pt may hold either."""
+    row = torch.randn(8).to(torch.bfloat16)
+    torch.save(torch.nn.Parameter(row), tmp_path / "param.pt")
+    np.testing.assert_array_equal(read_pt(tmp_path / "param.pt").astype(np.float32), row.float().numpy())
+    torch.save({"mask_token_id": torch.tensor(7), "ids": torch.arange(3, dtype=torch.int32)}, tmp_path / "ints.pt")
+    got = read_pt(tmp_path / "ints.pt")
+    assert got["mask_token_id"].dtype == np.int64 and int(got["mask_token_id"]) == 7
+    assert got["ids"].dtype == np.int32 and got["ids"].tolist() == [0, 1, 2]
+
+
+def test_a_damaged_file_is_named_as_damaged(tmp_path):
+    torch.save({"mask_token_id": 7, "embedding": torch.randn(64)}, tmp_path / "ok.pt")
+    raw = (tmp_path / "ok.pt").read_bytes()
+    with zipfile.ZipFile(tmp_path / "ok.pt") as archive:
+        names = archive.namelist()
+        members = {name: archive.read(name) for name in names}
+        storage_offset = archive.getinfo(next(n for n in names if n.endswith("data/0"))).header_offset
+    flipped = bytearray(raw)
+    flipped[storage_offset + 200] ^= 0xFF  # a byte of the storage: its CRC no longer matches
+    (tmp_path / "bitflip.pt").write_bytes(bytes(flipped))
+    for name, edit in {"nostorage": lambda n, b: None if n.endswith("data/0") else b,
+                       "shortpkl": lambda n, b: b[:-5] if n.endswith("data.pkl") else b}.items():
+        with zipfile.ZipFile(tmp_path / f"{name}.pt", "w") as archive:
+            for member, data in members.items():
+                if (data := edit(member, data)) is not None:
+                    archive.writestr(member, data)
+    for name in ("bitflip", "nostorage", "shortpkl"):
+        with pytest.raises(CheckpointError, match=f"{name}.pt is damaged .*; re-download or re-save it"):
+            read_pt(tmp_path / f"{name}.pt")
+
+
 def test_refuses_what_it_does_not_read_and_never_runs_code(tmp_path):
-    torch.save({"ids": torch.arange(3)}, tmp_path / "long.pt")
-    with pytest.raises(CheckpointError, match="torch.LongStorage, which dlmjax does not read"):
-        read_pt(tmp_path / "long.pt")
+    torch.save({"flags": torch.tensor([True, False])}, tmp_path / "bool.pt")
+    with pytest.raises(CheckpointError, match="torch.BoolStorage, which dlmjax does not read"):
+        read_pt(tmp_path / "bool.pt")
 
     class Exploit:
         def __reduce__(self):

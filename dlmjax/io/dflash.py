@@ -317,8 +317,11 @@ def read_mask_embedding(ckpt_dir: Path, cfg: DrafterConfig) -> np.ndarray | None
         if "embedding" not in value:
             raise CheckpointError(f"{path} holds a dict with keys {sorted(value)}; a mask embedding file has "
                                   "`embedding` (and `mask_token_id`)")
-        if value.get("mask_token_id", cfg.mask_token_id) != cfg.mask_token_id:
-            raise CheckpointError(f"{path} is for mask_token_id {value['mask_token_id']}, but config.json's "
+        mask_token_id = value.get("mask_token_id", cfg.mask_token_id)
+        if isinstance(mask_token_id, np.ndarray) and mask_token_id.shape == () and mask_token_id.dtype.kind == "i":
+            mask_token_id = int(mask_token_id)  # saved as a 0-d torch tensor
+        if mask_token_id != cfg.mask_token_id:
+            raise CheckpointError(f"{path} is for mask_token_id {mask_token_id}, but config.json's "
                                   f"dflash_config.mask_token_id is {cfg.mask_token_id}")
         value = value["embedding"]
     if not isinstance(value, np.ndarray) or value.size != cfg.hidden_size:

@@ -407,6 +407,7 @@ def load_model(
     loaded: dict[str, jax.Array] = {}
     source: dict[tuple[str, str], str] = {}  # (param, part) -> the tensor that gave it
     fused = FusedParams(cfg)
+    tied_reads: dict[str, tuple[str, Callable]] = {}  # embed / lm_head.kernel -> (name, read) of a tied model
     for name, file, read in moe_weights.canonical_tensors(cfg, open_shards(ckpt_dir)):
         if name.startswith("mrp_modules."):
             continue  # an MRP head stored beside the backbone: dlmjax.heads.mrp.load_head reads it
@@ -416,8 +417,10 @@ def load_model(
         if rule is None:
             raise CheckpointError(f"tensor {name!r} in {file} matches no {cfg.family} weight name")
         path = rule.match_hf(name)
-        if path == "lm_head.kernel" and cfg.tie_word_embeddings:
-            continue  # a tied head saved explicitly: the embedding is the head
+        if path in ("embed", "lm_head.kernel") and cfg.tie_word_embeddings:
+            tied_reads[path] = (name, read)
+            if path == "lm_head.kernel":
+                continue  # a tied head saved explicitly: the embedding is the head, if they are equal
         if path not in expected:
             raise CheckpointError(
                 f"tensor {name!r} has no place in a {cfg.family} model with this config "
@@ -439,6 +442,7 @@ def load_model(
         if param is not None:
             sharding = param_sharding(path, want, cfg, mesh, rules) if mesh is not None else None
             loaded[path] = put_array(param, sharding)
+    refuse_untied_saved_head(tied_reads, ckpt_dir)
     missing = set(expected) - set(loaded)
     if missing:
         names = fused.missing(missing, key_map)
@@ -447,6 +451,20 @@ def load_model(
         [(tuple(int(k) if k.isdigit() else k for k in p.split(".")), expected[p].replace(loaded[p])) for p in expected]
     )
     return nnx.merge(graphdef, state)
+
+
+def refuse_untied_saved_head(tied_reads: dict[str, tuple[str, Callable]], ckpt_dir) -> None:
+    """A config that ties the head to the embedding, with a saved head that differs from it (a
+    fine-tune that trained its head and kept the base model's config): refused, since transformers 5
+    uses the saved head there and transformers 4 and vLLM the embedding."""
+    if "lm_head.kernel" not in tied_reads or "embed" not in tied_reads:
+        return
+    (head_name, read_head), (embed_name, read_embed) = tied_reads["lm_head.kernel"], tied_reads["embed"]
+    if not np.array_equal(read_head(), read_embed()):
+        raise ConfigError(
+            f"{ckpt_dir}/config.json ties the output head to the embedding (tie_word_embeddings / weight_tying "
+            f"true), but the checkpoint's {head_name!r} differs from {embed_name!r}: set it to false to use the "
+            "saved head (as transformers 5 does), or delete the head tensor to tie them")
 
 
 # ----------------------------------------------------------------------------------------------

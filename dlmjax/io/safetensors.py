@@ -9,6 +9,7 @@ and gives bfloat16 via ml_dtypes (numpy has no native bf16).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -32,6 +33,14 @@ class CheckpointError(InputError):
     """A checkpoint file that cannot be read as it stands."""
 
 
+GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # how a Git LFS pointer file starts
+
+
+def git_lfs_pointer_message(path: Path) -> str:
+    return (f"{path} is a Git LFS pointer, not the file: the repository was cloned without git-lfs; run "
+            "`git lfs pull` in it (or download it with huggingface_hub)")
+
+
 class SafetensorsFile:
     """Lazy view of one .safetensors file: `keys()`, `get(name)` -> np.ndarray.
 
@@ -45,6 +54,9 @@ class SafetensorsFile:
             raw_len = f.read(8)
             if len(raw_len) < 8:
                 raise CheckpointError(f"{self.path}: truncated shard ({size} bytes, no safetensors header)")
+            if raw_len + f.read(len(GIT_LFS_POINTER) - 8) == GIT_LFS_POINTER:
+                raise CheckpointError(git_lfs_pointer_message(self.path))
+            f.seek(8)
             (header_len,) = struct.unpack("<Q", raw_len)
             if 8 + header_len > size:
                 raise CheckpointError(
@@ -53,12 +65,15 @@ class SafetensorsFile:
                 )
             try:
                 header = json.loads(f.read(header_len))
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from e
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: corrupt safetensors header (a JSON {type(header).__name__}, not an "
                                   "object); re-download or re-export this file")
         self.metadata = header.pop("__metadata__", {}) or {}
+        if not (isinstance(self.metadata, dict) and all(isinstance(v, str) for v in self.metadata.values())):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header: __metadata__ is {self.metadata!r}, not an "
+                                  "object of strings; re-download or re-export this file")
         for name, entry in header.items():
             problem = _entry_problem(entry)
             if problem:
@@ -95,7 +110,7 @@ class SafetensorsFile:
         dtype = SAFETENSORS_DTYPES[code]
         begin, end = entry["data_offsets"]
         shape = tuple(entry["shape"])
-        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        if end - begin != math.prod(shape) * dtype.itemsize:  # Python ints: a huge shape cannot wrap to 0
             raise CheckpointError(f"{self.path}: tensor {name!r}: byte range does not match shape {shape} {code}")
         if 0 in shape:
             return np.zeros(shape, dtype)

@@ -25,6 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
 from dlmjax.config import FAMILIES, ModelConfig
+from dlmjax.io.safetensors import GIT_LFS_POINTER, git_lfs_pointer_message
 from dlmjax.validation import InputError, read_json_file
 
 
@@ -141,6 +142,10 @@ def _template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# the named special tokens transformers 5 passes a chat template (its `special_tokens_map`)
+TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 def _special_token_content(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
@@ -185,8 +190,13 @@ def _add_declared_tokens(backend: _Backend, ckpt_dir: Path, tok_cfg: dict) -> No
     left out with a warning (what dlmjax did with every declared token before)."""
     from tokenizers import AddedToken
 
+    held = backend.get_added_tokens_decoder()
     for i, token in sorted(_declared_tokens(ckpt_dir, tok_cfg).items()):
-        if backend.token_to_id(token["content"]) is not None:
+        flags = {k: bool(token[k]) for k in ("single_word", "lstrip", "rstrip", "normalized") if k in token}
+        special = bool(token.get("special", False))
+        if (known := backend.token_to_id(token["content"])) is not None:
+            if special and known in held and not held[known].special:  # transformers takes the config's flag
+                backend.add_special_tokens([AddedToken(token["content"], special=True, **flags)])  # same id
             continue
         size = backend.get_vocab_size(with_added_tokens=True)
         if i != size:
@@ -195,8 +205,6 @@ def _add_declared_tokens(backend: _Backend, ckpt_dir: Path, tok_cfg: dict) -> No
                           "out; re-save the tokenizer with `AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`",
                           stacklevel=3)
             continue
-        flags = {k: bool(token[k]) for k in ("single_word", "lstrip", "rstrip", "normalized") if k in token}
-        special = bool(token.get("special", False))
         added = AddedToken(token["content"], special=special, **flags)
         (backend.add_special_tokens if special else backend.add_tokens)([added])
 
@@ -212,6 +220,9 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
             f"missing tokenizer.json in {ckpt_dir}; save the fast tokenizer beside the weights "
             "(`AutoTokenizer.from_pretrained(...).save_pretrained(dir)`)"
         )
+    with open(path, "rb") as f:
+        if f.read(len(GIT_LFS_POINTER)) == GIT_LFS_POINTER:
+            raise TokenizerError(git_lfs_pointer_message(path))
     try:
         backend = _Backend.from_file(str(path))
     except Exception as err:  # noqa: BLE001 (the tokenizers library raises a plain Exception)
@@ -250,7 +261,8 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
     if pad_id is None:
         pad_id = cfg.pad_token_id if cfg is not None and cfg.pad_token_id is not None else eos_id
     bos_id = lookup("bos_token")  # as transformers: the tokenizer's own (Qwen declares none), not config.json's
-    template_tokens = {name: special.get(name) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    # as transformers' special tokens map: the tokenizer's named tokens that are set (an unset one is undefined)
+    template_tokens = {name: special[name] for name in TEMPLATE_TOKEN_NAMES if special.get(name) is not None}
     return Tokenizer(
         backend=backend, mask_id=mask_id, eos_id=eos_id, pad_id=pad_id, bos_id=bos_id,
         chat_template=_chat_template(ckpt_dir, tok_cfg), stop_ids=_checkpoint_stop_ids(ckpt_dir, eos_id),

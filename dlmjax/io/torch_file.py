@@ -2,7 +2,8 @@
 
 Some DFlash drafters ship `mask_embedding.pt` (see `dlmjax.io.dflash`): one tensor, bare or in a
 dict `{"mask_token_id": int, "embedding": tensor}`. That is all this module serves: dicts with str
-keys, ints, strings and dense tensors of float32, float16 or bfloat16.
+keys, ints, strings and dense tensors of float32, float16 or bfloat16 (read also: int64 and int32
+tensors, and a tensor saved as an `nn.Parameter`).
 
 The format: a zip archive under one top folder holding `data.pkl` (a pickle in which each tensor
 is `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)` and each storage a
@@ -34,6 +35,7 @@ STORAGE_DTYPES = {
     "BFloat16Storage": np.dtype(ml_dtypes.bfloat16),
 }
 _STORAGE_NAMES = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
+_READ_STORAGE_DTYPES = {**STORAGE_DTYPES, "LongStorage": np.dtype(np.int64), "IntStorage": np.dtype(np.int32)}
 _ARCHIVE = "archive"  # the top folder torch.save writes
 
 
@@ -59,6 +61,11 @@ def _rebuild_tensor(storage, offset, size, stride, *_unused) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(storage[offset:], shape=size, strides=strides).copy()
 
 
+def _parameter_data(data, _requires_grad, _hooks, *_state) -> np.ndarray:
+    """An `nn.Parameter` (torch._utils._rebuild_parameter[_with_state]): its tensor."""
+    return data
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, read_storage, path: Path):
         super().__init__(io.BytesIO(data))
@@ -68,13 +75,15 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild_tensor
+        if (module, name) in (("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_parameter_with_state")):
+            return _parameter_data
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        if module == "torch" and name in STORAGE_DTYPES:
-            return _Storage(STORAGE_DTYPES[name])
+        if module == "torch" and name in _READ_STORAGE_DTYPES:
+            return _Storage(_READ_STORAGE_DTYPES[name])
         raise CheckpointError(
             f"{self._path} holds {module}.{name}, which dlmjax does not read from a .pt file "
-            "(it reads dicts, ints, strings and tensors of float32, float16 or bfloat16)"
+            "(it reads dicts, ints, strings and tensors of float32, float16, bfloat16, int64 or int32)"
         )
 
     def persistent_load(self, pid):
@@ -91,22 +100,32 @@ def read_pt(path: str | Path) -> Any:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"{path} is not a PyTorch zip file (torch.save since torch 1.6): {exc}") from None
-    with archive:
-        names = archive.namelist()
-        pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pickles) != 1:
-            raise CheckpointError(f"{path} has no single <folder>/data.pkl; it is not a torch.save file")
-        top = pickles[0][: -len("data.pkl")]
-        if f"{top}byteorder" in names and archive.read(f"{top}byteorder") != b"little":
-            raise CheckpointError(f"{path} was written big-endian; dlmjax reads little-endian .pt files")
+    try:
+        with archive:
+            return _read_archive(archive, path)
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError, struct.error) as exc:
+        raise CheckpointError(f"{path} is damaged ({type(exc).__name__}: {exc}); re-download or re-save it") from None
 
-        def read_storage(key: str, dtype: np.dtype, numel: int) -> np.ndarray:
-            raw = archive.read(f"{top}data/{key}")
-            if len(raw) != numel * dtype.itemsize:
-                raise CheckpointError(f"{path}: storage {key} has {len(raw)} bytes, expected {numel} x {dtype}")
-            return np.frombuffer(raw, dtype=dtype)
 
-        return _Unpickler(archive.read(pickles[0]), read_storage, path).load()
+def _read_archive(archive: zipfile.ZipFile, path: Path) -> Any:
+    """The object pickled in `archive` (a torch.save zip), its storages read from it."""
+    names = archive.namelist()
+    pickles = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        raise CheckpointError(f"{path} has no single <folder>/data.pkl; it is not a torch.save file")
+    top = pickles[0][: -len("data.pkl")]
+    if f"{top}byteorder" in names and archive.read(f"{top}byteorder") != b"little":
+        raise CheckpointError(f"{path} was written big-endian; dlmjax reads little-endian .pt files")
+
+    def read_storage(key: str, dtype: np.dtype, numel: int) -> np.ndarray:
+        raw = archive.read(f"{top}data/{key}")
+        if len(raw) != numel * dtype.itemsize:
+            raise CheckpointError(f"{path}: storage {key} has {len(raw)} bytes, expected {numel} x {dtype}")
+        return np.frombuffer(raw, dtype=dtype)
+
+    return _Unpickler(archive.read(pickles[0]), read_storage, path).load()
 
 
 # ----------------------------------------------------------------------------------------------
