@@ -29,7 +29,7 @@ On-disk format: a directory with
                block [N] int32, token [N] int32 (current argmax), target [N] int32 (y*)
   meta.json    {"format": "dlmjax-tspd-traces", "version": 1, "features", "model" (fingerprint),
                 "model_source", "count", "positives", "num_prompts", "tasks", "block",
-                "max_new_tokens" (per task), "seed"}
+                "max_new_tokens" (per task), "rollout", "cache" (exact for block-causal models), "seed"}
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from flax import nnx
 
 from dlmjax import arithmetic
 from dlmjax.decoding import engine, policies
-from dlmjax.decoding.api import DEFAULT_BIDIRECTIONAL_BLOCK, check_length
+from dlmjax.decoding.api import DEFAULT_BIDIRECTIONAL_BLOCK, check_canvas_length, check_length
 from dlmjax.decoding.engine import BlockForwards, Plan
 from dlmjax.decoding.spec import DiffusionDecoder, Static
 from dlmjax.decoding.tspd import Trajectory, block_abs_pos, feature_matrix, observe
@@ -148,6 +148,7 @@ def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh
     geometry, canvas, rows = engine.plan_layout(prompt_ids, block=block, max_new_tokens=max_new_tokens,
                                                 block_causal=block_causal, pad_id=cfg.pad_token_id,
                                                 mask_id=cfg.mask_token_id)
+    check_canvas_length(model, geometry, rows)  # whole blocks past the model's maximum length: refused, as generate
     if mesh is not None:
         from dlmjax.sharding import shard_batch
 
@@ -156,7 +157,7 @@ def trace_batch(model, prompt_ids: list[list[int]], *, max_new_tokens: int, mesh
     max_rounds = geometry.num_blocks * geometry.block
     ystar, carry, canvas_out = jax.device_get(_reference_and_trace(
         graphdef, params, jnp.asarray(canvas), rows, geometry=geometry,
-        cache_mode="exact" if block_causal else cache, mask_id=cfg.mask_token_id,
+        cache_mode=trace_cache(cfg, cache), mask_id=cfg.mask_token_id,
         eos_ids=tuple(cfg.eos_token_ids if eos_ids is None else eos_ids), max_rounds=max_rounds, rollout=rollout))
     if not np.array_equal(canvas_out, ystar):
         raise TraceError(f"the {rollout} rollout did not reproduce the reference output; this is a bug in "
@@ -184,6 +185,12 @@ def concat(parts: list[dict], offsets: list[int]) -> dict:
         arrays = [p[name] + (o if name == "prompt" else 0) for p, o in zip(parts, offsets)]
         out[name] = np.concatenate(arrays) if arrays else np.zeros((0, len(FEATURES)) if name == "features" else 0)
     return out
+
+
+def trace_cache(cfg, cache: str) -> str:
+    """The cache mode both decodes ran with: `cache` (--cache) on a bidirectional model; a
+    block-causal model's own exact cache."""
+    return "exact" if cfg.attention == "block_causal" else cache
 
 
 def trace_block(cfg, block: int | None) -> int:
@@ -237,6 +244,8 @@ def load_traces(path: str | Path, *, expect_model: dict | None = None) -> tuple[
     """(arrays, meta) of a trace directory; `expect_model` (a model_fingerprint) must match."""
     path = Path(path)
     meta_path = path / "meta.json"
+    if not path.is_dir():
+        raise TraceError(f"traces directory {path} not found; collect traces into it with `dlmjax traces --out {path}`")
     if not meta_path.is_file() or not (path / "traces.npz").is_file():
         raise TraceError(f"{path} holds no traces (traces.npz + meta.json); collect them with `dlmjax traces`")
     meta = json.loads(meta_path.read_text())
@@ -299,7 +308,7 @@ def traces_for_prompts(model, tokenizer, prompts: list[str], *, name: str, max_n
                             cache=cache, rollout=rollout, eos_ids=decode_stop_ids(model.config, tokenizer))
     meta = {"model": model_fingerprint(model.config), "num_prompts": len(ids), "tasks": [name], "chat": bool(chat),
             "block": trace_block(model.config, block), "max_new_tokens": {name: max_new_tokens},
-            "rollout": rollout}
+            "rollout": rollout, "cache": trace_cache(model.config, cache)}
     return traces, meta
 
 
@@ -320,7 +329,8 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
         offsets.append(total)
         total += len(ids)
     meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": tasks, "seed": seed,
-            "block": trace_block(model.config, block), "max_new_tokens": lengths, "rollout": rollout}
+            "block": trace_block(model.config, block), "max_new_tokens": lengths, "rollout": rollout,
+            "cache": trace_cache(model.config, cache)}
     return concat(parts, offsets), meta
 
 
@@ -356,7 +366,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     from dlmjax.presets import load_checkpoint
 
-    if args.seed == 1234:
+    if args.seed == 1234 and args.prompts is None:  # (with --prompts the seed draws nothing)
         raise InputError("--seed 1234 draws the evaluation prompts; pick another seed for training traces")
     check_output_dir(args.out)
     path, model, tokenizer, _ = load_checkpoint(args.model)

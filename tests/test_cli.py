@@ -261,8 +261,8 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
                                                   for q in questions))
     out = tmp_path / "traces"
     assert main(["traces", "--model", "toy-sdar", "--prompts", str(tmp_path / "train.jsonl"), "--field", "question",
-                 "--per-task", "2", "--max-new-tokens", "16", "--out", str(out)]) == 0
-    arrays, meta = load_traces(out)
+                 "--per-task", "2", "--max-new-tokens", "16", "--seed", "1234", "--out", str(out)]) == 0
+    arrays, meta = load_traces(out)  # (--seed 1234 draws the toy tasks' eval prompts; with --prompts, nothing)
     assert meta["tasks"] == ["train"] and meta["num_prompts"] == 2 and meta["max_new_tokens"] == {"train": 16}
     _, model, tokenizer, _ = load_checkpoint("toy-sdar")
     direct = collect_traces(model, [tokenizer.encode(q + "\n") for q in questions[:2]], max_new_tokens=16)

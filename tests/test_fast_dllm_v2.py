@@ -237,8 +237,11 @@ def test_its_decoder_is_the_default_for_the_family():
     assert out.tokens == reference_fast_dllm_v2(model, PROMPTS[0], block=8, sub_block=8, tau=0.9, max_new=8)
     from dlmjax.decoding.spec import parse_decoder
 
-    # sampling: generate() compares tau with the sampled token's tempered top-p probability
-    assert parse_decoder("fast-dllm-v2:temperature=0.7").sampled_scores
+    # sampling: generate() compares tau with the sampled token's tempered top-p probability, at its
+    # default top_p of 0.95 (generate()'s and batch_sample's)
+    sampling = parse_decoder("fast-dllm-v2:temperature=0.7")
+    assert sampling.sampled_scores and sampling.top_p == 0.95
+    assert parse_decoder("fast-dllm-v2:temperature=0.7,top_p=1").top_p == 1.0
 
 
 def test_the_random_preset_is_a_fast_dllm_v2_checkpoint_that_decodes(tmp_path, monkeypatch):

@@ -217,14 +217,17 @@ def test_interrupted_training_resumes_exactly(tmp_path, config):
 
 
 def test_a_run_stopped_by_a_data_error_takes_the_fix_it_names(tmp_path, capsys):
-    """A row longer than data.seq_len stops the run at step 2 with "raise seq_len"; the stop used
-    to checkpoint step 1, after which the raised seq_len was refused as another run's config."""
+    """Toy rows longer than data.seq_len stop the run before its first step with "raise seq_len".
+    Found where a batch first held one (here step 15, after checkpoints at 5 and 10, for toy-arith
+    drawn one step in ten), the raised seq_len was refused as another run's config."""
     from dlmjax.train.data import DataError
 
     base = ["backbone=random-sdar", "train.steps=3", "train.batch_size=8", "train.eval_every=0", "mrp.num_layers=1",
-            "data.tasks={toy-arith: 1}", "train.checkpoint_every=100"]
-    with pytest.raises(DataError, match=r"seq_len=40; raise seq_len in the config \(e.g. seq_len=48\)"):
+            "data.tasks={toy-arith: 0.1, toy-constraint: 0.9}", "train.checkpoint_every=1"]
+    with pytest.raises(DataError, match=r"rows of 48 tokens but data.seq_len=40; raise data.seq_len in the config "
+                                        r"\(e.g. seq_len=48\)"):
         train(load_run_config("configs/mrp/toy-sdar.yaml", base + ["data.seq_len=40"]), tmp_path, progress=False)
+    assert not [p for p in (tmp_path / "checkpoints").glob("*") if p.name.isdigit()]
     run = load_run_config("configs/mrp/toy-sdar.yaml", base + ["data.seq_len=48"])
     fixed = train(run, tmp_path, progress=False)
     assert fixed.step == 3 and fixed.model_dir is not None
@@ -233,6 +236,34 @@ def test_a_run_stopped_by_a_data_error_takes_the_fix_it_names(tmp_path, capsys):
     note = re.search(r"train.warmup_steps=\d+ > train.steps=3: the learning rate rises for the whole run and "
                      r"peaks at ([0-9.e-]+), not train.lr=", capsys.readouterr().err)
     assert note and float(note.group(1)) == pytest.approx(float(make_optimizer(run.train)[1](3)), rel=5e-3)
+
+
+def test_a_resume_refuses_a_changed_backbone_and_finds_it_from_any_directory(tmp_path, monkeypatch):
+    """The frozen backbone an MRP head trains against is recorded (sha256) like its data: a backbone
+    re-exported between a kill and the resume is refused, not trained against silently. It is
+    recorded by its absolute path, so the resume may run from another working directory."""
+    from dlmjax.io.safetensors import SafetensorsFile, save_file
+    from dlmjax.presets import resolve_model
+    from dlmjax.validation import InputError
+
+    shutil.copytree(resolve_model("toy-sdar"), tmp_path / "bb")
+    monkeypatch.chdir(tmp_path)
+    overrides = ["backbone=bb", "train.steps=3", "train.batch_size=8", "train.eval_every=0", "mrp.num_layers=1",
+                 "train.checkpoint_every=1"]
+    run = load_run_config(Path(__file__).parents[1] / "configs/mrp/toy-sdar.yaml", overrides)
+    assert run.backbone == str(tmp_path / "bb")
+    train(run, tmp_path / "run", stop_at=1, progress=False)
+    monkeypatch.chdir(tmp_path / "run")  # elsewhere: the stored config still names the backbone
+    again = load_run_config("config.yaml")
+    assert again == run
+    shard = tmp_path / "bb" / "model.safetensors"
+    shutil.copy(shard, tmp_path / "kept.safetensors")
+    tensors = {k: np.array(SafetensorsFile(shard).get(k)) for k in SafetensorsFile(shard).keys()}
+    save_file({k: v * 0.5 if k.endswith("norm.weight") else v for k, v in tensors.items()}, shard)
+    with pytest.raises(InputError, match=r"backbone file .*bb/model.safetensors has changed since this run began"):
+        train(again, tmp_path / "run", progress=False)
+    shutil.copy(tmp_path / "kept.safetensors", shard)  # restored: the run resumes
+    assert train(again, tmp_path / "run", progress=False).step == 3
 
 
 def test_ctrl_c_right_after_a_log_step_keeps_its_checkpoint_and_its_log_row(tmp_path, monkeypatch):
@@ -322,7 +353,7 @@ def test_each_step_applies_the_rate_it_logs_and_the_first_one_moves_the_weights(
 
 def test_resume_refuses_a_different_config(tmp_path):
     train(load_run_config("configs/toy-sdar.yaml", tiny_overrides(2)), tmp_path / "run", progress=False)
-    with pytest.raises(ValueError, match="different config"):
+    with pytest.raises(ValueError, match=r"different config \(train.steps: 2 -> 3\); use a new --out"):
         train(load_run_config("configs/toy-sdar.yaml", tiny_overrides(3)), tmp_path / "run", progress=False)
 
 

@@ -79,7 +79,8 @@ def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, ro
     tokenizer = load_tokenizer(sdar)
     tasks = file_tasks(run.data, tokenizer, block=4)
     report = capsys.readouterr().out
-    assert "skipped 2 lines without text fields 'question' and 'answer' (lines 7, 8)" in report
+    assert ("skipped 2 lines without text fields 'question' and 'answer' (row 7: missing or empty 'answer'; "
+            "row 8: invalid JSON (Expecting value))") in report
     assert "skipped 1 line longer than data.seq_len=96 tokens (line 9)" in report
     (task,) = tasks.values()
     assert len(task.examples) == len(ROWS)
@@ -90,6 +91,16 @@ def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, ro
     question = next(r["question"] for r in ROWS if r["answer"] == examples[0].target)
     assert prompt == examples[0].prompt == f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     assert first.startswith(prompt + examples[0].target + "<|im_end|>")  # then EOS up to the block's end
+
+    # a byte-order mark before the first line (Excel's, PowerShell's) is not part of it; a blank answer
+    # is no answer, as evaluation reads it
+    bom = rows_file.parent / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in [*ROWS[:2], {"question": "q", "answer": " "}]
+                                                   ).encode() + b"\n")
+    (task,) = file_tasks(load_run_config(MRP_CONFIG, file_overrides(sdar, bom)).data, tokenizer, block=4).values()
+    assert [ex.target for ex in task.examples] == [r["answer"] for r in ROWS[:2]]
+    assert "skipped 1 line without text fields 'question' and 'answer' (row 3: missing or empty 'answer')" in (
+        capsys.readouterr().out)
 
     with pytest.raises(DataError, match="no line with text fields 'q' and 'answer'"):
         file_tasks(load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file) + ["data.prompt_field=q"]).data,

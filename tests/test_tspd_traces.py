@@ -166,3 +166,34 @@ def test_traces_are_refused_where_no_trace_aware_decoder_would_run():
     limit = toy.config.max_position_embeddings
     with pytest.raises(InputError, match=f"leaves no room in the model's maximum length {limit}"):
         collect_traces(toy, [[3, 4, 5], [3] * limit], max_new_tokens=8)
+
+
+def test_traces_refuse_whole_blocks_past_a_bidirectional_models_length_and_record_their_cache():
+    """Whole blocks after the prompt must fit the model's maximum length, as generate refuses them
+    (a controller trained on positions the model never saw would mislead); meta.json records the
+    cache mode both decodes ran with."""
+    import dlmjax
+    from dlmjax.decoding import engine
+    from dlmjax.decoding.api import generate
+    from dlmjax.io.tokenizer import load_tokenizer
+    from dlmjax.presets import resolve_model
+    from dlmjax.traces import traces_for_prompts
+
+    tokenizer = load_tokenizer(resolve_model("toy-sdar"))
+    cfg = dlmjax.ModelConfig(family="llada", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                             num_layers=1, num_heads=4, num_kv_heads=4, head_dim=8, attention="bidirectional",
+                             mask_token_id=tokenizer.mask_id, eos_token_ids=(tokenizer.eos_id,),
+                             pad_token_id=tokenizer.pad_id, max_position_embeddings=40)
+    model = dlmjax.init_model(cfg, seed=1)
+    prompt, new = list(range(10, 20)), 20  # 10 + 20 tokens fit in 40, one whole block of 32 does not
+    with pytest.raises(engine.LayoutError, match="reach position 42, past the model's maximum length 40"):
+        generate(model, [prompt], decoder="static", max_new_tokens=new)
+    with pytest.raises(engine.LayoutError, match="reach position 42, past the model's maximum length 40"):
+        collect_traces(model, [prompt], max_new_tokens=new, batch_size=1)
+    assert collect_traces(model, [prompt], max_new_tokens=new, batch_size=1, block=10)["label"].size  # a block that fits
+
+    toy = dlmjax.load_model(resolve_model("toy-sdar"))
+    _, meta = traces_for_prompts(toy, tokenizer, ["1+2\n"], name="p", max_new_tokens=8, cache="dual")
+    assert meta["cache"] == "exact"  # a block-causal model's own cache, whatever --cache says
+    _, meta = traces_for_prompts(model, tokenizer, ["1+2\n"], name="p", max_new_tokens=4, cache="prefix", block=4)
+    assert meta["cache"] == "prefix"

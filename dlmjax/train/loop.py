@@ -35,7 +35,7 @@ from dlmjax.distributed import is_main, sync
 from dlmjax.evaluation.toy import toy_accuracy
 from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
 from dlmjax.io.files import file_sha256, is_staging_name, staged_dir, write_atomic
-from dlmjax.io.hf import export_model, load_config, load_model
+from dlmjax.io.hf import SIDE_FILES, export_model, load_config, load_model
 from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.models.transformer import Transformer, abstract_model, init_model
 from dlmjax.presets import resolve_model
@@ -45,7 +45,7 @@ from dlmjax.toy.tokenizer import char_tokenizer, save_char_tokenizer, special_id
 from dlmjax.train import objectives, unfused
 from dlmjax.train.config import RunConfig, RunConfigError, backbone_config, from_dict, read_yaml
 from dlmjax.train.data import (
-    file_tasks, global_batch, global_width, make_batch, pad_batch, process_rows, sample_examples,
+    check_toy_rows_fit, file_tasks, global_batch, global_width, make_batch, pad_batch, process_rows, sample_examples,
 )
 from dlmjax.train.mrp import mrp_loss
 from dlmjax.train.metrics import MetricsLog
@@ -274,24 +274,37 @@ def mrp_trainee(run: RunConfig, run_dir: Path, mesh: Mesh | None = None) -> Trai
     )
 
 
-DATA_RECORD = "data.json"  # the sha256 of each local data.files file, as the run began
+DATA_RECORD = "data.json"  # the sha256 of each local file a run reads (data, traces, frozen model), as it began
+
+
+def frozen_model_files(run: RunConfig) -> list[str]:
+    """config.json and the weight shards of an mrp or drafter run's frozen backbone or target."""
+    if run.objective not in ("mrp", "drafter"):
+        return []
+    directory = resolve_model(run.backbone, "backbone")
+    shards = sorted(str(p) for p in directory.glob("*.safetensors") if p.name not in SIDE_FILES)
+    return [str(directory / "config.json"), *shards]
 
 
 def check_data_files(run: RunConfig, run_dir: Path, *, resuming: bool, main: bool) -> None:
-    """A resumed run sees the batches it would have seen only if its data files (and a TSPD run's
-    traces) are the ones it began with: the first run records their sha256 (process 0), a resumed
-    one refuses a change."""
+    """A resumed run continues as it would have only if what it reads is what it began with: its
+    data files, a TSPD run's traces, and the frozen backbone or target that an mrp or drafter run
+    trains against (a re-exported checkpoint would be another teacher). The first run records
+    their sha256 (process 0), a resumed one refuses a change. (Hashing reads the frozen model's
+    weights once more at each start: seconds per 10 GB.)"""
     sources = list(run.data.files)
     if run.objective == "tspd":  # traces collected again into the same directory would mix two sources
         sources += [str(Path(run.tspd.traces) / name) for name in ("traces.npz", "meta.json")]
-    digests = {path: file_sha256(path) for path in sources if Path(path).is_file()}  # (HF names: not hashed)
+    model_files = frozen_model_files(run)
+    digests = {path: file_sha256(path) for path in sources + model_files if Path(path).is_file()}  # (HF names: not)
     record = run_dir / DATA_RECORD
     if resuming and record.is_file():
         began = json.loads(record.read_text())
-        changed = sorted(p for p in set(began) | set(digests) if began.get(p) != digests.get(p))
+        changed = sorted(p for p in began if began[p] != digests.get(p))  # (a run recorded before a source was: not)
         if changed:
-            raise InputError(f"data file {changed[0]} has changed since this run began (sha256 recorded in {record}); "
-                             "restore it, or start a new run (another --out) on the new data")
+            what = "backbone file" if changed[0] in model_files else "data file"
+            raise InputError(f"{what} {changed[0]} has changed since this run began (sha256 recorded in {record}); "
+                             "restore it, or start a new run (another --out) on the new one")
     elif main and digests:
         write_atomic(record, json.dumps(digests, indent=2))
 
@@ -334,15 +347,26 @@ def _write_config(run_dir: Path, run: RunConfig, write: bool = True) -> None:
     config takes its place."""
     path = run_dir / "config.yaml"
     if path.exists() and _has_checkpoint(run_dir):
-        stored = from_dict(read_yaml(path)).to_dict()
-        differing = sorted(k for k, v in run.to_dict().items() if stored.get(k) != v)
+        differing = config_differences(from_dict(read_yaml(path)).to_dict(), run.to_dict())
         if differing:
             raise InputError(
-                f"{run_dir} holds a run with a different config (sections {differing}); "
-                "use a new --out directory or the same config to resume"
+                f"{run_dir} holds a run with a different config ({'; '.join(differing[:5])}"
+                f"{' ...' if len(differing) > 5 else ''}); use a new --out directory or the same config to resume"
             )
     if write:
         write_atomic(path, yaml.safe_dump(run.to_dict(), sort_keys=False))
+
+
+def config_differences(stored: dict, given: dict, prefix: str = "") -> list[str]:
+    """'section.key: stored -> given' for each setting that differs between two configs (dicts)."""
+    out = []
+    for key in sorted(set(stored) | set(given), key=str):
+        a, b = stored.get(key), given.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
 
 
 def state_shardings(trainee: Trainee, tx, mesh: Mesh):
@@ -469,6 +493,8 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     mesh = mesh if mesh is not None else run.mesh.make()  # the config's mesh (default: all devices on data)
     refuse_frozen_that_cannot_fit(run, mesh, show=main)
     trainee = make_trainee(run, run_dir, mesh)
+    if trainee.tasks is None and trainee.batch_at is None:  # token rows of the toy tasks
+        check_toy_rows_fit(run.data.weights, trainee.tokenizer, seq_len=run.data.seq_len, block=trainee.block)
     rows = process_rows(mesh, cfg.batch_size)  # this process's rows of every global batch
 
     tx, schedule = make_optimizer(cfg)
