@@ -409,7 +409,7 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
     # absent keys take the defaults of transformers' config classes: Llama's KV heads = heads and
     # head_dim = hidden / heads; Qwen2's and Qwen3's (and their diffusion kin's) 32 KV heads, and
     # Qwen3's (SDAR's) head_dim 128
-    default_kv_heads = num_heads if fam.name == "llama" else 32
+    default_kv_heads = num_heads if fam.name == "llama" else 4 if fam.name in QWEN3_MOE_FAMILIES else 32
     default_head_dim = 128 if fam.name in ("qwen3", "sdar") else raw["hidden_size"] // num_heads
     # Qwen2 (Dream, Fast-dLLM v2) always carry q/k/v biases and no o bias; Qwen3/Llama/SDAR have `attention_bias`.
     always_qkv_bias = fam.name in QWEN2_BIAS_FAMILIES
@@ -425,7 +425,7 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
         head_dim=raw.get("head_dim") or default_head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         **rope_fields(raw),
-        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        max_position_embeddings=raw.get("max_position_embeddings", 32768 if fam.name in QWEN3_MOE_FAMILIES else 4096),
         attention=fam.attention,
         # Real SDAR configs carry no block_size (it is a generation argument); 4 is SDAR's default.
         # Fast-dLLM v2 reads `bd_size` (its modeling code's default: 32).
@@ -692,6 +692,16 @@ def _moe_layer_list(raw: dict, key: str, num_layers: int) -> list:
     return value
 
 
+QWEN3_MOE_FAMILIES = ("qwen3_moe", "sdar_moe")  # Qwen3MoeConfig's defaults: 4 KV heads, 32768 positions
+
+# Qwen3-Coder's config.json carries these; Qwen3-MoE's modeling code (transformers, vLLM, SGLang) never
+# reads them: accepted at the values that match that code, refused at any other
+_QWEN3_CODER_FIXED = {
+    "qkv_bias": _must_equal((False, None), "Qwen3-MoE has no q/k/v biases"),
+    "shared_expert_intermediate_size": _must_equal((0, None), "Qwen3-MoE has no shared expert"),
+    "use_qk_norm": _must_equal((True, None), "Qwen3-MoE always normalises q and k"),
+}
+
 _QWEN3_MOE_KEYS = {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "output_router_logits",
                    "router_aux_loss_coef"}
@@ -709,7 +719,12 @@ def _expert_layers(layers: tuple[int, ...], num_experts: int, fam: Family, keys:
 def _from_qwen3_moe(raw: dict, fam: Family) -> ModelConfig:
     """Qwen3-MoE (and SDAR-MoE): published configs say `num_experts`, transformers 5 writes
     `num_local_experts`; either is read (both must agree)."""
-    cfg = _from_hf_layout({k: v for k, v in raw.items() if k not in _QWEN3_MOE_KEYS}, fam)
+    problems = _check_fixed(raw, _QWEN3_CODER_FIXED, fam.name)
+    if raw.get("use_sliding_window") is True:  # transformers 4 windows layers >= max_window_layers, 5 every layer
+        problems.append("`use_sliding_window` = True (sliding-window attention is not implemented, and transformers "
+                        "4 and 5 disagree on which Qwen3-MoE layers it windows)")
+    _refuse(fam.name, set(), problems)
+    cfg = _from_hf_layout({k: v for k, v in raw.items() if k not in _QWEN3_MOE_KEYS | set(_QWEN3_CODER_FIXED)}, fam)
     experts = {key: _moe_int(raw, key, low=AT_LEAST_0, nullable=True) for key in ("num_experts", "num_local_experts")
                if raw.get(key) is not None}
     if not experts and any(key in raw for key in ("num_experts", "num_local_experts")):
@@ -791,7 +806,7 @@ def _from_llada_moe(raw: dict, fam: Family) -> ModelConfig:
         intermediate_size=_moe_int(raw, "dense_intermediate_size", 8192), num_layers=num_layers, num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)), rope_theta=float(raw.get("rope_theta", 50000.0)),
-        max_position_embeddings=raw.get("max_position_embeddings", 8192), attention=fam.attention,
+        max_position_embeddings=raw.get("max_position_embeddings", 4096), attention=fam.attention,  # its LLaDAConfig's
         qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=_moe_bool(raw, "qk_layernorm", False),
         tie_word_embeddings=_moe_bool(raw, "tie_word_embeddings", False), rotary_dim=_rotary_dim(raw, head_dim),
         num_experts=num_experts, num_experts_per_tok=_moe_int(raw, "num_experts_per_tok", 8),
@@ -835,7 +850,7 @@ def _from_llada2(raw: dict, fam: Family) -> ModelConfig:
     _refuse(fam.name, unknown, _check_fixed(raw, _LLADA2_FIXED, fam.name))
     d, heads, num_layers = raw["hidden_size"], raw["num_attention_heads"], raw["num_hidden_layers"]
     head_dim = raw.get("head_dim") or d // heads
-    num_experts = _moe_int(raw, "num_experts", 0, low=AT_LEAST_0)
+    num_experts = _moe_int(raw, "num_experts", 16, low=AT_LEAST_0)  # LLaDA2MoeConfig's default
     top_k = _moe_int(raw, "num_experts_per_tok", 2)
     first_dense = _moe_int(raw, "first_k_dense_replace", 0, low=AT_LEAST_0)
     # absent: the defaults of the authors' LLaDA2MoeConfig (8 groups, 4 kept); null: no grouping

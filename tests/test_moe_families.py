@@ -101,8 +101,23 @@ def test_qwen3_moe_reads_both_spellings_of_experts_and_rope():
         from_hf_config({**base, "num_local_experts": 4})
 
 
+def test_qwen3_coders_published_keys_load_as_the_model_they_describe():
+    """Qwen3-Coder-30B-A3B's config.json carries qkv_bias, shared_expert_intermediate_size and
+    use_qk_norm, which no Qwen3-MoE modeling code reads: at those values they load (they were
+    refused as unknown keys), as the same model; absent counts take Qwen3MoeConfig's defaults."""
+    base = qwen3_moe_config_json(True)
+    coder = {**base, "qkv_bias": False, "shared_expert_intermediate_size": 0, "use_qk_norm": True}
+    assert from_hf_config(coder) == from_hf_config(base)
+    stripped = {k: v for k, v in base.items() if k not in ("num_key_value_heads", "max_position_embeddings")}
+    cfg = from_hf_config({**stripped, "num_attention_heads": 8})
+    assert (cfg.num_kv_heads, cfg.max_position_embeddings) == (4, 32768)
+
+
 @pytest.mark.parametrize("change, message", [
-    (dict(shared_expert_intermediate_size=8), r"unknown config keys \['shared_expert_intermediate_size'\]"),
+    (dict(shared_expert_intermediate_size=8), r"`shared_expert_intermediate_size` = 8 \(Qwen3-MoE has no shared"),
+    (dict(use_qk_norm=False), r"`use_qk_norm` = False \(Qwen3-MoE always normalises q and k\)"),
+    (dict(qkv_bias=True), r"`qkv_bias` = True \(Qwen3-MoE has no q/k/v biases\)"),
+    (dict(use_sliding_window=True, sliding_window=4, max_window_layers=48), "transformers 4 and 5 disagree"),
     (dict(num_experts_per_tok=9), "cannot pick more experts"),
     (dict(norm_topk_prob="yes"), "norm_topk_prob"),
     (dict(mlp_only_layers="1"), "list of integers"),
