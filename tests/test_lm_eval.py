@@ -394,21 +394,24 @@ def test_an_eos_suffix_is_never_masked_and_reaches_the_lm_eval_model():
     samples = sample_masks([5, 9], [11, 4, 20], mc_num=64, seed=0, block_size=None, suffix=[1])
     assert samples.tokens.tolist() == [5, 9, 11, 4, 20, 1]
     assert not samples.masked[:, [0, 1, 5]].any() and samples.masked[:, 2:5].any(axis=1).all()
-    lm = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, eos_suffix="true", mc_num=8, mc_batch=8)
+    lm = DlmjaxLM(pretrained="random-llada-moe", mesh_data=1, warmup=False, eos_suffix="true", mc_num=8, mc_batch=8)
     ctx, cont = lm.tok_encode("12+7-3\n"), lm.tok_encode("12+7=19")
     ((value, _),) = lm._loglikelihood_tokens([(None, ctx, cont)], disable_tqdm=True)
     bound = partial(masked_diffusion_bound, lm.model, ctx, cont, mc_num=8, seed=0, mask_id=lm.config.mask_token_id,
                     batch_size=8, pad_id=lm.eot_token_id)
     assert value == bound(suffix=[lm.eot_token_id]) != bound()
-    plain = DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, mc_num=8, mc_batch=8)
+    plain = DlmjaxLM(pretrained="random-llada-moe", mesh_data=1, warmup=False, mc_num=8, mc_batch=8)
     # a short document and one of several windows (the windows used to shrink by the suffix's token)
-    assert len(lm.tok_encode("12+7=19\n3+4=7\n" * 20)) > lm.max_length
-    for text in ("12+7=19\n19-3=16", "12+7=19\n3+4=7\n" * 20):
+    assert len(lm.tok_encode("12+7=19\n3+4=7\n" * 40)) > lm.max_length
+    for text in ("12+7=19\n19-3=16", "12+7=19\n3+4=7\n" * 40):
         document = [Instance("loglikelihood_rolling", {}, (text,), 0, ("t", 0, 1))]
         assert lm.loglikelihood_rolling(document, disable_tqdm=True) == plain.loglikelihood_rolling(
             document, disable_tqdm=True)
     with pytest.raises(ModelArgsError, match="eos_suffix=true.*a causal model.*drop it"):
         DlmjaxLM(pretrained="toy-ar", mesh_data=1, warmup=False, eos_suffix=True)
+    # a block-causal model's blocks see no later block: the EOS conditioned only a last block it fell in
+    with pytest.raises(ModelArgsError, match="eos_suffix=true is Dream's convention .*block-causal.*drop it"):
+        DlmjaxLM(pretrained="toy-sdar", mesh_data=1, warmup=False, eos_suffix=True)
 
 
 def test_no_wasted_forwards_fewer_samples_than_a_batch_and_no_greedy_check_on_rolling_windows(monkeypatch):
@@ -704,3 +707,29 @@ def test_causal_loglikelihood_equals_transformers(tmp_path_factory):
     text = "The quick brown fox jumps over the lazy dog. " * 3
     (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0, ("t", 0, 1))])
     assert rolling == pytest.approx(hf_score([lm.prefix_token_id], encode(text))[0], abs=1e-4)
+
+
+def test_causal_rolling_windows_of_all_documents_are_scored_together_without_padding_to_the_batch(monkeypatch):
+    """Each document used to be one batch of its own, padded with copies of its window to
+    batch_size rows (16x the forward for a one-window document); now the windows of every
+    document share batches, and a last batch is padded to a power of two only."""
+    import dlmjax.lm_eval.likelihood as likelihood
+
+    rows = []
+    original = likelihood._next_token_scores
+
+    def counting(graphdef, params, inputs, *args, **kwargs):
+        rows.append(inputs.shape[0])
+        return original(graphdef, params, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(likelihood, "_next_token_scores", counting)
+    texts = ["12+7=19\n19-3=16", "3+4=7\n" * 50, "1+1=2"]  # one window, several windows, one window
+    documents = [Instance("loglikelihood_rolling", {}, (text,), i, ("t", i, 1)) for i, text in enumerate(texts)]
+    batched = DlmjaxLM(pretrained="toy-ar", batch_size=16, mesh_data=1, warmup=False)
+    windows = sum(len(batched.tok_encode(t)) // batched.max_length + 1 for t in texts)
+    totals = batched.loglikelihood_rolling(documents, disable_tqdm=True)
+    assert rows == [1 << (windows - 1).bit_length()]  # one forward for every window, no batch of 16
+    rows.clear()
+    alone = DlmjaxLM(pretrained="toy-ar", batch_size=1, mesh_data=1, warmup=False)
+    assert totals == pytest.approx([alone.loglikelihood_rolling([d], disable_tqdm=True)[0] for d in documents],
+                                   rel=1e-5)

@@ -116,7 +116,8 @@ def causal_logprobs(model: Transformer, pairs: list[tuple[list[int], list[int]]]
     results = []
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
-        padded = chunk + [chunk[0]] * (batch_size - len(chunk))  # one compiled shape per length bucket
+        rows_run = min(batch_size, 1 << (len(chunk) - 1).bit_length())  # a few compiled shapes per length bucket
+        padded = chunk + [chunk[0]] * (rows_run - len(chunk))
         rows = [ctx + cont for ctx, cont in padded]
         width = _bucket(max(map(len, rows)) - 1)
         inputs, valid = _pad_rows([r[:-1] for r in rows], width, pad_id)

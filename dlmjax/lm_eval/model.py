@@ -242,6 +242,10 @@ class DlmjaxLM(TemplateLM):
         if self.eos_suffix and self.causal:
             raise ModelArgsError("model_args eos_suffix=true conditions a diffusion model's log-likelihood on an EOS "
                                  "after the continuation; a causal model reads left to right and cannot: drop it")
+        if self.eos_suffix and self.model.config.attention == "block_causal":
+            raise ModelArgsError("model_args eos_suffix=true is Dream's convention for bidirectional models; a "
+                                 "block-causal model's blocks see no later block, so the EOS would condition the score "
+                                 "only where it falls in the continuation's last block: drop it")
         self.use_decoder(args["decoder"])
 
     def use_decoder(self, decoder: str | None) -> None:
@@ -484,16 +488,18 @@ class DlmjaxLM(TemplateLM):
         return self.max_length if self.causal else self.max_length - 1 - (self.eos_suffix and not rolling)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        """Each document scored in disjoint windows of the model's length, as lm-eval's HF model does."""
+        """Each document scored in disjoint windows of the model's length, as lm-eval's HF model does;
+        the windows of all documents are scored together, in batches (one document alone filled a
+        batch with copies of its window)."""
+        texts = [request.args[0] for request in requests]
+        windows = [[make_disjoint_window(w) for w in get_rolling_token_windows(
+            token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+            max_seq_len=self._scored_length(rolling=True), context_len=1)] for text in texts]
+        scores = iter(self._loglikelihood_tokens([(None, ctx, cont) for doc in windows for ctx, cont in doc],
+                                                 disable_tqdm=disable_tqdm, rolling=True))
         results = []
-        for request in tqdm(requests, desc="dlmjax loglikelihood_rolling", disable=disable_tqdm or not self.progress):
-            (text,) = request.args
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                max_seq_len=self._scored_length(rolling=True), context_len=1)]
-            scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True,
-                                                rolling=True)
-            total = sum(score for score, _ in scores)
+        for text, doc in zip(texts, windows):
+            total = sum(next(scores)[0] for _ in doc)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
             results.append(total)
         return results
