@@ -107,8 +107,7 @@ def step_ms(model, block_bk, cache, repeats: int, steps: int = 8, trace_dir: str
 
 def agreement(rows, reference_rows) -> tuple[float, float]:
     pairs = list(zip([r.tokens for r in rows], [r.tokens for r in reference_rows]))
-    return (sum(a == b for a, b in pairs) / len(pairs),
-            sum(token_agreement(a, b) for a, b in pairs) / len(pairs))
+    return sum(a == b for a, b in pairs) / len(pairs), token_agreement(pairs)
 
 
 COMPARISONS = ("psd", "batch", "mrp-spec")

@@ -440,9 +440,11 @@ def test_eval_compare_to_reports_token_agreement(tmp_path, capsys):
 
 
 def test_token_agreement_counts_positions_over_the_longer_generation():
-    assert token_agreement([1, 2, 3], [1, 2, 3]) == 1.0
-    assert token_agreement([1, 2, 3, 4], [1, 9, 3]) == 0.5
-    assert token_agreement([], []) == 1.0
+    assert token_agreement([([1, 2, 3], [1, 2, 3])]) == 1.0
+    assert token_agreement([([1, 2, 3, 4], [1, 9, 3])]) == 0.5
+    assert token_agreement([([], [])]) == 1.0
+    # over positions, not a mean of rows' shares: one differing token beside 99 agreeing is 99%, not 50%
+    assert token_agreement([([1], [2]), ([1] * 99, [1] * 99)]) == 0.99
 
 
 def test_compare_to_a_decoder_that_was_not_run_names_the_ones_that_were():

@@ -199,6 +199,20 @@ def test_invariant_mode_controller_outputs_of_a_row_do_not_depend_on_its_batch()
             assert all(np.array_equal(np.asarray(run(x[i:i + 1]))[0], batch[i]) for i in range(6)), features
 
 
+def test_invariant_mode_token_logits_of_a_row_do_not_depend_on_its_batch():
+    """`token_logits` (mrp-remask's veto against delta, hidden log-probs) in fixed row tiles: a
+    row's values alone, in a batch of 7 and of 64 are bitwise the same."""
+    graphdef, params = nnx.split(plain_model("float32"))
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(64, 4, 128)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, VOCAB, (64, 4)), jnp.int32)
+    with dlmjax.numerics(invariant=True):
+        run = arithmetic.jit(lambda p, h, t: nnx.merge(graphdef, p).token_logits(h, t))
+        full = np.asarray(run(params, hidden, tokens))
+        for n in (1, 7):
+            np.testing.assert_array_equal(np.asarray(run(params, hidden[:n], tokens[:n])), full[:n])
+
+
 def test_invariant_mode_keeps_the_fast_modes_tokens_on_a_peaked_model():
     """The mode changes rounding only: where no near-tie exists, the tokens are the fast mode's."""
     model = peaky_model("sdar", seed=1)

@@ -167,10 +167,13 @@ def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *,
     return records, outputs
 
 
-def token_agreement(tokens, reference) -> float:
-    """Fraction of positions where two generations hold the same token, over the longer one."""
-    longest = max(len(tokens), len(reference))
-    return sum(a == b for a, b in zip(tokens, reference)) / longest if longest else 1.0
+def token_agreement(pairs) -> float:
+    """The share of token positions where two generations hold the same token, over every
+    (tokens, reference) pair, each pair's positions counted over its longer generation (a short
+    row weighs what its tokens weigh, not what a long row weighs)."""
+    same = sum(sum(a == b for a, b in zip(tokens, reference)) for tokens, reference in pairs)
+    positions = sum(max(len(tokens), len(reference)) for tokens, reference in pairs)
+    return same / positions if positions else 1.0
 
 
 def compare_to(records: list[RunRecord], outputs: list[dict], reference: str) -> list[RunRecord]:
@@ -186,5 +189,5 @@ def compare_to(records: list[RunRecord], outputs: list[dict], reference: str) ->
                  if task == record.task and decoder == record.decoder]
         record.compared_to = reference
         record.identical_rows = sum(a == b for a, b in pairs) / len(pairs)
-        record.token_agreement = sum(token_agreement(a, b) for a, b in pairs) / len(pairs)
+        record.token_agreement = token_agreement(pairs)
     return records

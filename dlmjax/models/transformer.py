@@ -285,7 +285,9 @@ class Transformer(nnx.Module):
         """Final-normed hidden [..., D] -> float32 logits [...] of the given tokens only: what
         `lm_logits` holds at `tokens`, without the other columns."""
         w_kd = jnp.moveaxis(jnp.take(self.lm_head_weight(), tokens_bk, axis=1), 0, -1)
-        return jnp.sum(hidden_bkd.astype(jnp.float32) * w_kd.astype(jnp.float32), axis=-1)
+        # row by row (fixed tiles in the invariant mode: mrp-remask's veto reads these against delta)
+        return arithmetic.rowwise(lambda h, w: jnp.sum(h.astype(jnp.float32) * w.astype(jnp.float32), axis=-1),
+                                  hidden_bkd, w_kd)
 
     def __call__(
         self,
