@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, as `python benchmarks/X.py`
+
 import dlmjax
 from benchmarks.common import write_results, written_when_done_or_stopped
 from benchmarks.decode_throughput import SHAPES, random_sdar

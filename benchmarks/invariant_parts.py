@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, as `python benchmarks/X.py`
 
 import dlmjax
 from benchmarks.decode_throughput import SHAPES

@@ -290,6 +290,7 @@ def cmd_train(args) -> int:
     from dlmjax.train.config import load_run_config
     from dlmjax.train.loop import train
 
+    check_output_dir(args.out)
     run = load_run_config(args.config, args.overrides + _train_mesh_overrides(args))
     result = train(run, args.out, progress=not args.no_progress)
     if result.model_dir is not None and main:
@@ -398,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "sandbox); lm-eval's --confirm_run_unsafe_code")
     ev.set_defaults(func=cmd_eval)
 
-    tr = sub.add_parser("train", help="train a toy backbone or an MRP head from a YAML config (rerun to resume)")
+    tr = sub.add_parser("train", help="train a toy backbone, an MRP head, a DFlash drafter or a TSPD controller from a YAML config "
+                                          "(rerun to resume)")
     tr.add_argument("config", help="YAML config, e.g. configs/toy-sdar.yaml")
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
     tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics, exported model)")

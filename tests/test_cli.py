@@ -77,6 +77,19 @@ def test_an_output_directory_that_is_a_file_is_refused_before_any_work(argv, tmp
     assert file.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("command", [["eval", "--task", "toy-arith", "--limit", "2"], ["export", "random-qwen3"],
+                                     ["traces", "--per-task", "2"], ["train", "configs/toy-ar.yaml"]])
+def test_an_output_url_is_refused_before_any_work(command, tmp_path, monkeypatch, capsys):
+    """`--out gs://bucket/run` used to write a local ./gs:/bucket/run tree and report the URL (and
+    `train` died in the TensorBoard writer, leaving a half-made run)."""
+    monkeypatch.chdir(tmp_path)
+    config = [str(Path(__file__).parents[1] / a) if a.endswith(".yaml") else a for a in command]
+    argv = config + (["gs://bucket/run"] if command[0] == "export" else ["--out", "gs://bucket/run"])
+    assert main(argv) == 2
+    assert "gs://bucket/run is a URL, which dlmjax does not write to; mount the bucket" in capsys.readouterr().err
+    assert not (tmp_path / "gs:").exists()
+
+
 @pytest.mark.skipif(os.access("/proc/sys", os.W_OK), reason="no read-only directory here to write into")
 def test_an_output_directory_that_cannot_be_written_is_refused_before_any_work(capsys):
     """A read-only filesystem: eval decoded everything, then failed as an "internal error"."""

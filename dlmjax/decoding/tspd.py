@@ -294,11 +294,12 @@ class _ControllerOptions(DiffusionDecoder):
                     "learn2pd needs controller=PATH: a block filter (features block_confidence), e.g. the toy one "
                     "in a checkout, controller=benchmarks/results/tspd_toy/learn2pd_filter.safetensors; train one "
                     "with `dlmjax traces --model MODEL --out DIR` then `dlmjax train configs/tspd/toy-sdar.yaml "
-                    "backbone=MODEL tspd.traces=DIR \"tspd.features=[block_confidence]\"`")
+                    "backbone=MODEL tspd.traces=DIR \"tspd.features=[block_confidence]\" --out RUN` (then "
+                    "controller=RUN/model)")
             raise DecoderSpecError(
                 f"{self.name} needs controller=PATH: a tspd_controller.safetensors (toy-sdar ships one: "
                 f"controller=toy-sdar); train one with `dlmjax traces --model MODEL --out DIR` then `dlmjax train "
-                f"configs/tspd/toy-sdar.yaml backbone=MODEL tspd.traces=DIR`")
+                f"configs/tspd/toy-sdar.yaml backbone=MODEL tspd.traces=DIR --out RUN` (then controller=RUN/model)")
         names = _parse_features(self.features)
         try:
             weights = load_controller(self.controller)

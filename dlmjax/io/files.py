@@ -102,7 +102,10 @@ def check_output_dir(target: str | os.PathLike) -> Path:
     """`target` as an absolute path to a directory that can be made or written, refused
     (InputError) where it or a folder above it is a file, or where the nearest existing folder
     cannot be written. Commands call it before their work, so a mistyped --out is refused at
-    once, not after a run."""
+    once, not after a run. A URL (gs://, s3://) is refused: a local path would be made of it."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", str(target)):
+        raise InputError(f"output directory {target} is a URL, which dlmjax does not write to; mount the bucket "
+                         "(e.g. gcsfuse) and pass the mount's path")
     path = Path(os.path.abspath(target))
     for folder in (path, *path.parents):
         if folder.exists():

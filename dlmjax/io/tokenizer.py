@@ -74,7 +74,8 @@ class Tokenizer:
         enable_thinking=False, tools). `continue_final_message`: the text ends inside the last
         message (an assistant turn's prefix, lm-eval's gen_prefix), not after its end tokens."""
         if not self.chat_template:
-            raise TokenizerError("this tokenizer has no chat template; pass raw prompts instead")
+            raise TokenizerError("this tokenizer has no chat template; pass raw prompts instead (CLI: drop --chat, "
+                                 "or add --no-chat to a preset that sets chat)")
         if continue_final_message and (not messages or not isinstance(messages[-1].get("content"), str)):
             raise TokenizerError("continue_final_message needs a last message with text content to continue")
         if continue_final_message:
