@@ -399,8 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "sandbox); lm-eval's --confirm_run_unsafe_code")
     ev.set_defaults(func=cmd_eval)
 
-    tr = sub.add_parser("train", help="train a toy backbone, an MRP head, a DFlash drafter or a TSPD controller from a YAML config "
-                                          "(rerun to resume)")
+    tr = sub.add_parser("train", help="train a toy backbone, an MRP head, a DFlash drafter or a TSPD controller "
+                                      "from a YAML config (rerun to resume)")
     tr.add_argument("config", help="YAML config, e.g. configs/toy-sdar.yaml")
     tr.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=100")
     tr.add_argument("--out", required=True, help="run directory (checkpoints, metrics, exported model)")

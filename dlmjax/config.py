@@ -407,8 +407,8 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
     _refuse(fam.name, unknown, problems)
     num_heads = raw["num_attention_heads"]
     # absent keys take the defaults of transformers' config classes: Llama's KV heads = heads and
-    # head_dim = hidden / heads; Qwen2's and Qwen3's (and their diffusion kin's) 32 KV heads, and
-    # Qwen3's (SDAR's) head_dim 128
+    # head_dim = hidden / heads; Qwen2's and Qwen3's (and their diffusion kin's) 32 KV heads
+    # (Qwen3-MoE's 4), and Qwen3's (SDAR's) head_dim 128
     default_kv_heads = num_heads if fam.name == "llama" else 4 if fam.name in QWEN3_MOE_FAMILIES else 32
     default_head_dim = 128 if fam.name in ("qwen3", "sdar") else raw["hidden_size"] // num_heads
     # Qwen2 (Dream, Fast-dLLM v2) always carry q/k/v biases and no o bias; Qwen3/Llama/SDAR have `attention_bias`.
