@@ -290,22 +290,26 @@ def check_data_files(run: RunConfig, run_dir: Path, *, resuming: bool, main: boo
     """A resumed run continues as it would have only if what it reads is what it began with: its
     data files, a TSPD run's traces, and the frozen backbone or target that an mrp or drafter run
     trains against (a re-exported checkpoint would be another teacher). The first run records
-    their sha256 (process 0), a resumed one refuses a change. (Hashing reads the frozen model's
-    weights once more at each start: seconds per 10 GB.)"""
-    sources = list(run.data.files)
-    if run.objective == "tspd":  # traces collected again into the same directory would mix two sources
-        sources += [str(Path(run.tspd.traces) / name) for name in ("traces.npz", "meta.json")]
-    model_files = frozen_model_files(run)
-    digests = {path: file_sha256(path) for path in sources + model_files if Path(path).is_file()}  # (HF names: not)
+    their sha256 (process 0), a resumed one refuses a change (every process hashes the recorded
+    files). Hashing reads the frozen model's weights once more at each start: seconds per 10 GB."""
     record = run_dir / DATA_RECORD
-    if resuming and record.is_file():
+    checking = resuming and record.is_file()
+    if not (checking or main):
+        return  # process 0 alone records; every process checks a resume
+    model_files = frozen_model_files(run)
+    if checking:  # each recorded file hashed once more (a run recorded before a source was: not that source)
         began = json.loads(record.read_text())
-        changed = sorted(p for p in began if began[p] != digests.get(p))  # (a run recorded before a source was: not)
+        changed = sorted(p for p in began if not Path(p).is_file() or file_sha256(p) != began[p])
         if changed:
             what = "backbone file" if changed[0] in model_files else "data file"
             raise InputError(f"{what} {changed[0]} has changed since this run began (sha256 recorded in {record}); "
                              "restore it, or start a new run (another --out) on the new one")
-    elif main and digests:
+        return
+    sources = list(run.data.files)
+    if run.objective == "tspd":  # traces collected again into the same directory would mix two sources
+        sources += [str(Path(run.tspd.traces) / name) for name in ("traces.npz", "meta.json")]
+    digests = {path: file_sha256(path) for path in sources + model_files if Path(path).is_file()}  # (HF names: not)
+    if digests:
         write_atomic(record, json.dumps(digests, indent=2))
 
 
