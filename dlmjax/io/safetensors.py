@@ -36,9 +36,12 @@ class CheckpointError(InputError):
 GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # how a Git LFS pointer file starts
 
 
-def git_lfs_pointer_message(path: Path) -> str:
-    return (f"{path} is a Git LFS pointer, not the file: the repository was cloned without git-lfs; run "
-            "`git lfs pull` in it (or download it with huggingface_hub)")
+def refuse_git_lfs_pointer(path: Path, error: type[Exception]) -> None:
+    """`error` where the file at `path` is a Git LFS pointer (a repository cloned without git-lfs)."""
+    with open(path, "rb") as f:
+        if f.read(len(GIT_LFS_POINTER)) == GIT_LFS_POINTER:
+            raise error(f"{path} is a Git LFS pointer, not the file: the repository was cloned without git-lfs; "
+                        "run `git lfs pull` in it (or download it with huggingface_hub)")
 
 
 class SafetensorsFile:
@@ -50,13 +53,11 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         size = self.path.stat().st_size
+        refuse_git_lfs_pointer(self.path, CheckpointError)
         with open(self.path, "rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
                 raise CheckpointError(f"{self.path}: truncated shard ({size} bytes, no safetensors header)")
-            if raw_len + f.read(len(GIT_LFS_POINTER) - 8) == GIT_LFS_POINTER:
-                raise CheckpointError(git_lfs_pointer_message(self.path))
-            f.seek(8)
             (header_len,) = struct.unpack("<Q", raw_len)
             if 8 + header_len > size:
                 raise CheckpointError(

@@ -25,7 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
 from dlmjax.config import FAMILIES, ModelConfig
-from dlmjax.io.safetensors import GIT_LFS_POINTER, git_lfs_pointer_message
+from dlmjax.io.safetensors import refuse_git_lfs_pointer
 from dlmjax.validation import InputError, read_json_file
 
 
@@ -221,9 +221,7 @@ def load_tokenizer(ckpt_dir: str | Path, cfg: ModelConfig | None = None) -> Toke
             f"missing tokenizer.json in {ckpt_dir}; save the fast tokenizer beside the weights "
             "(`AutoTokenizer.from_pretrained(...).save_pretrained(dir)`)"
         )
-    with open(path, "rb") as f:
-        if f.read(len(GIT_LFS_POINTER)) == GIT_LFS_POINTER:
-            raise TokenizerError(git_lfs_pointer_message(path))
+    refuse_git_lfs_pointer(path, TokenizerError)
     try:
         backend = _Backend.from_file(str(path))
     except Exception as err:  # noqa: BLE001 (the tokenizers library raises a plain Exception)
