@@ -18,7 +18,7 @@ from dlmjax.heads.controller import (
     save_controller,
 )
 from dlmjax.io.safetensors import SafetensorsFile
-from dlmjax.traces import TraceError, collect_traces, save_traces
+from dlmjax.traces import TraceError, collect_traces, load_traces, save_traces
 from dlmjax.train.config import RunConfigError, load_run_config
 from dlmjax.train.loop import train
 from dlmjax.train.tspd import calibrate_threshold, class_weights, weighted_bce
@@ -146,7 +146,6 @@ def test_features_are_clamped_to_the_range_of_the_training_traces(trained, tmp_p
     position far past it scores as the largest one trained on. A file without the range (written
     before it was stored) is read unclamped."""
     from dlmjax.heads.controller import FEATURES
-    from dlmjax.traces import load_traces
 
     root, run, result = trained
     w = load_controller(str(result.model_dir))
@@ -216,6 +215,14 @@ def test_mismatches_are_clear_errors(trained, sdar, tmp_path):
         load_run_config("configs/tspd/toy-sdar.yaml", ["tspd.traces=''"])
     with pytest.raises(RunConfigError, match="features"):
         load_run_config("configs/tspd/toy-sdar.yaml", ["tspd.features=[speed]"])
+    # traces are recorded by absolute path (a resume may run from another directory); a missing
+    # directory is named as not found, not as one that holds no traces
+    config = str(Path("configs/tspd/toy-sdar.yaml").resolve())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        assert load_run_config(config, ["tspd.traces=traces"]).tspd.traces == str(root / "traces")
+    with pytest.raises(TraceError, match="traces directory .*nowhere not found; collect traces into it"):
+        load_traces(tmp_path / "nowhere")
 
 
 def test_shipped_toy_sdar_controller_loads():
