@@ -45,13 +45,14 @@ class Numerics:
     row_tile: int = 128  # rows per matmul tile in invariant mode
     query_tile: int = 16  # queries per attention tile (per row) in invariant mode
     sequence_tile: int = 4  # batch rows per attention tile in invariant mode
+    key_tile: int = 64  # keys per attention tile in invariant mode
     min_tiles: int = 2  # iterations a tile loop runs at least in invariant mode (see `row_tiles`)
 
     def __post_init__(self):
         if self.precision is not None and self.precision not in PRECISIONS:
             raise InputError(f"precision={self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         sizes = dict(row_tile=self.row_tile, query_tile=self.query_tile, sequence_tile=self.sequence_tile,
-                     min_tiles=self.min_tiles)
+                     key_tile=self.key_tile, min_tiles=self.min_tiles)
         bad = [f"{name}={value}" for name, value in sizes.items() if value < 1]
         if bad:
             raise InputError(f"{', '.join(bad)}: tile sizes and counts must be >= 1")
@@ -80,11 +81,12 @@ def current() -> Numerics:
 
 @contextlib.contextmanager
 def numerics(precision: str | None = None, invariant: bool | None = None, row_tile: int | None = None,
-             query_tile: int | None = None, sequence_tile: int | None = None, min_tiles: int | None = None):
+             query_tile: int | None = None, sequence_tile: int | None = None, key_tile: int | None = None,
+             min_tiles: int | None = None):
     """Set the numerics for the code inside (unset arguments keep the current value)."""
     changes = {name: value for name, value in dict(precision=precision, invariant=invariant, row_tile=row_tile,
                                                    query_tile=query_tile, sequence_tile=sequence_tile,
-                                                   min_tiles=min_tiles).items()
+                                                   key_tile=key_tile, min_tiles=min_tiles).items()
                if value is not None}
     with _use(replace(current(), **changes)):
         yield current()

@@ -152,39 +152,46 @@ def attention(q_blhd, kv_parts, query_group: int | None = None):
     """Grouped-query attention over one or more key/value parts with one joint softmax; a part's
     visibility is a [B, L, S] matrix or a `Visibility`.
 
-    In the invariant numerics mode the rows go through tiles of the mode's `sequence_tile` rows and
-    their queries through tiles of `query_group` queries (the width of a packed copy: a copy's
-    queries then take the same places in the same computation as in a forward of that copy
-    alone), else of the mode's `query_tile`. Otherwise `dlmjax.kernels.attention` dispatches:
-    flash kernels on accelerators, `_attention` (the reference) elsewhere."""
+    In the invariant numerics mode (`_attention_invariant`) the rows go through tiles of the
+    mode's `sequence_tile` rows, their queries through tiles of `query_group` queries (the width of
+    a packed copy: a copy's queries then take the same places in the same computation as in a
+    forward of that copy alone), else of the mode's `query_tile`, and their keys through tiles of
+    `key_tile` keys. Otherwise `dlmjax.kernels.attention` dispatches: flash kernels on
+    accelerators, `_attention` (the reference) elsewhere."""
     setting = arithmetic.current()
     if setting.invariant:
         parts = [(k, v, visible_matrix(vis)) for k, v, vis in kv_parts]
-        if len(parts) == 1:  # see `_hidden_key`
-            parts.append(_hidden_key(*parts[0]))
-        tiled = functools.partial(_attention_tiled, tile=query_group or setting.query_tile,
-                                  sequences=setting.sequence_tile)
+        if query_group is None and len(parts) > 1:  # a cache and one chunk: one sequence of keys
+            parts = [tuple(jnp.concatenate(xs, axis=-1 if i == 2 else 1) for i, xs in enumerate(zip(*parts)))]
+        tiled = functools.partial(_attention_invariant, query_tile=query_group or setting.query_tile,
+                                  sequences=setting.sequence_tile, key_tile=setting.key_tile)
         return sharding.over_batch_shards(tiled, q_blhd, parts)  # on a mesh, each device tiles its own rows
     return kernel_attention(q_blhd, kv_parts)
 
 
-def _hidden_key(k_bshd, v_bshd, visible_bls):
-    """A part of one key no query sees. XLA compiles a softmax over one key part into another
-    program than over several (one ulp apart on XLA:CPU), so a forward of one copy alone (one part,
-    no cache) would not be bitwise a packed copy's (one part per copy); with this part added it is
-    the same program: the part adds exact zeros."""
-    b, l = visible_bls.shape[:2]
-    zeros = jnp.zeros((b, 1, *k_bshd.shape[2:]), k_bshd.dtype)
-    return zeros, zeros.astype(v_bshd.dtype), jnp.zeros((b, l, 1), bool)
+def _attention_invariant(q_blhd, kv_parts, query_tile: int, sequences: int, key_tile: int):
+    """Attention whose every reduction has one shape whatever the layout, and whose keys are summed
+    in one order whatever holds them, so that a query's output is bitwise the same alone, beside
+    other rows, as one of N packed copies, behind left padding, against a wider cache, or with its
+    keys split otherwise between cache and chunk (`ar` and a drafter's verification):
 
-
-def _attention_tiled(q_blhd, kv_parts, tile: int, sequences: int):
-    """`_attention` over tiles of `sequences` batch rows and, within them, tiles of `tile` queries
-    (zero rows and queries pad the last), so that every score and value reduction has one shape
-    whatever the batch or the number of queries; a row's scores never mix with another row's. The
-    row tiles run as a loop of at least `min_tiles` iterations (`arithmetic.row_tiles` says why)."""
+    - keys: each part's keys that some query of the row sees come first, in their order, then
+      the rest (`_seen_keys_first`), padded to whole tiles of `key_tile`; the parts follow each
+      other. A query folds the tiles in order into a running softmax (`_fold_key_tiles`), and a
+      key it does not see adds exact zeros, so hidden slots, wider caches and the other copies'
+      parts leave its sums unchanged. At least `min_tiles` key tiles (`arithmetic.row_tiles`).
+      A caller passes a cache and one chunk as one part: its keys are then one sequence, so
+      where the cache ends and the chunk begins does not matter;
+    - rows: tiles of `sequences` batch rows, and queries: tiles of `query_tile` queries (zero
+      rows and queries pad the last), as loops of at least `min_tiles` iterations."""
     b, l, h, d = q_blhd.shape
-    pad, groups = -l % tile, arithmetic.tile_count(b, sequences)
+    ordered = [_seen_keys_first(*part, key_tile) for part in kv_parts]
+    keys, values, visible = (jnp.concatenate(xs, axis=-1 if i == 2 else 1) for i, xs in enumerate(zip(*ordered)))
+    spare = (arithmetic.current().min_tiles - keys.shape[1] // key_tile) * key_tile
+    if spare > 0:
+        keys, values = (jnp.pad(x, ((0, 0), (0, spare), (0, 0), (0, 0))) for x in (keys, values))
+        visible = jnp.pad(visible, ((0, 0), (0, 0), (0, spare)))
+    pad, groups = -l % query_tile, arithmetic.tile_count(b, sequences)
     rows = groups * sequences
 
     def grouped(x, axis_1: int):  # [groups, sequences, ...]: rows up to `rows`, axis 1 up to a whole tile
@@ -192,25 +199,68 @@ def _attention_tiled(q_blhd, kv_parts, tile: int, sequences: int):
         return x.reshape(groups, sequences, *x.shape[1:])
 
     def query_tiles(x):  # [groups, sequences, L + pad, ...] -> [groups, L / tile, sequences, tile, ...]
-        x = x.reshape(*x.shape[:2], -1, tile, *x.shape[3:])
+        x = x.reshape(*x.shape[:2], -1, query_tile, *x.shape[3:])
         return jnp.swapaxes(x, 1, 2)
 
-    q_gtsqhd = query_tiles(grouped(q_blhd, pad))
-    visible_gtsqs = [query_tiles(grouped(vis, pad)) for _, _, vis in kv_parts]
-
     def one_group(xs):
-        q_tsqhd, keys, values, visible = xs
+        q_tsqhd, k_sshd, v_sshd, visible_tsqs = xs
 
         def one_tile(tile_xs):
-            q_sqhd, vis = tile_xs
-            parts = list(zip(keys, values, vis))
-            return jax.lax.optimization_barrier(_attention(jax.lax.optimization_barrier(q_sqhd), parts))
+            q_sqhd, vis_sqs = jax.lax.optimization_barrier(tile_xs)
+            return jax.lax.optimization_barrier(_fold_key_tiles(q_sqhd, k_sshd, v_sshd, vis_sqs, key_tile))
 
-        return jax.lax.map(one_tile, (q_tsqhd, visible))
+        return jax.lax.map(one_tile, (q_tsqhd, visible_tsqs))
 
-    keys, values = [grouped(k, 0) for k, _, _ in kv_parts], [grouped(v, 0) for _, v, _ in kv_parts]
-    out = jax.lax.map(one_group, (q_gtsqhd, keys, values, visible_gtsqs))  # [groups, L / tile, sequences, tile, H, hd]
+    out = jax.lax.map(one_group, (query_tiles(grouped(q_blhd, pad)), grouped(keys, 0), grouped(values, 0),
+                                  query_tiles(grouped(visible, pad))))  # [groups, L / tile, sequences, tile, H, hd]
     return jnp.swapaxes(out, 1, 2).reshape(rows, l + pad, h, d)[:b, :l]
+
+
+def _seen_keys_first(k_bshd, v_bshd, visible_bls, key_tile: int):
+    """One part's keys reordered per row: those some query of the row sees first, in their order,
+    then the others; padded with hidden keys to whole tiles of `key_tile`."""
+    seen_first = jnp.argsort(~visible_bls.any(axis=1), axis=1, stable=True)  # [B, S]
+    k = jnp.take_along_axis(k_bshd, seen_first[:, :, None, None], axis=1)
+    v = jnp.take_along_axis(v_bshd, seen_first[:, :, None, None], axis=1)
+    visible = jnp.take_along_axis(visible_bls, seen_first[:, None, :], axis=2)
+    spare = -k.shape[1] % key_tile
+    k, v = (jnp.pad(x, ((0, 0), (0, spare), (0, 0), (0, 0))) for x in (k, v))
+    return k, v, jnp.pad(visible, ((0, 0), (0, 0), (0, spare)))
+
+
+def _fold_key_tiles(q_blhd, k_bshd, v_bshd, visible_bls, key_tile: int):
+    """Attention of [B, L] queries over S keys as a loop over tiles of `key_tile` keys, each folded
+    into a running max, sum of exponentials and weighted sum of values (the online softmax of
+    flash attention). A tile of keys a query does not see leaves its running values bitwise as
+    they were: its max stays, the rescale is exp(0) = 1, and it adds exact zeros. A query that
+    sees no key gets zeros."""
+    b, l, h, d = q_blhd.shape
+    hkv = k_bshd.shape[2]
+    q = q_blhd.reshape(b, l, hkv, h // hkv, d)
+    tiles = k_bshd.shape[1] // key_tile
+
+    def by_tile(x, axis: int):  # the key axis split into [tiles, key_tile], tiles first
+        x = x.reshape(*x.shape[:axis], tiles, key_tile, *x.shape[axis + 1:])
+        return jnp.moveaxis(x, axis, 0)
+
+    def fold(carry, tile):
+        top, total, out = carry
+        k, v, visible = tile
+        seen = visible[:, None, None, :, :]  # [B, 1, 1, L, key_tile]
+        s = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32) * d**-0.5
+        s = jnp.where(seen, s, MASK_VALUE)
+        new_top = jnp.maximum(top, s.max(axis=-1, keepdims=True))
+        rescale = jnp.exp(top - new_top)
+        e = jnp.where(seen, jnp.exp(s - new_top), 0.0)
+        total = total * rescale + e.sum(axis=-1, keepdims=True)
+        out = out * rescale + jnp.einsum("bkgls,bskd->bkgld", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return (new_top, total, out), None
+
+    start = (jnp.full((b, hkv, h // hkv, l, 1), MASK_VALUE, jnp.float32), jnp.zeros((b, hkv, h // hkv, l, 1), jnp.float32),
+             jnp.zeros((b, hkv, h // hkv, l, d), jnp.float32))
+    (_, total, out), _ = jax.lax.scan(fold, start, (by_tile(k_bshd, 1), by_tile(v_bshd, 1), by_tile(visible_bls, 2)))
+    out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)  # [B, Hkv, G, L, hd]
+    return out.transpose(0, 3, 1, 2, 4).astype(q_blhd.dtype).reshape(b, l, h, d)
 
 
 def _attention(q_blhd, kv_parts):
