@@ -228,6 +228,13 @@ def _seen_keys_first(k_bshd, v_bshd, visible_bls, key_tile: int):
     return k, v, jnp.pad(visible, ((0, 0), (0, 0), (0, spare)))
 
 
+def _varying_axes(x) -> frozenset:
+    """The mesh axes over which `x` varies inside a shard_map (empty outside one)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; later versions name it `vma`
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
 def _fold_key_tiles(q_blhd, k_bshd, v_bshd, visible_bls, key_tile: int):
     """Attention of [B, L] queries over S keys as a loop over tiles of `key_tile` keys, each folded
     into a running max, sum of exponentials and weighted sum of values (the online softmax of
@@ -258,6 +265,10 @@ def _fold_key_tiles(q_blhd, k_bshd, v_bshd, visible_bls, key_tile: int):
 
     start = (jnp.full((b, hkv, h // hkv, l, 1), MASK_VALUE, jnp.float32), jnp.zeros((b, hkv, h // hkv, l, 1), jnp.float32),
              jnp.zeros((b, hkv, h // hkv, l, d), jnp.float32))
+    # inside a shard_map the loop's carry must vary over the devices' axes as its updates do
+    varying = tuple(set().union(*(_varying_axes(x) for x in (q, k_bshd, v_bshd, visible_bls))))
+    if varying:
+        start = jax.tree.map(lambda x: jax.lax.pcast(x, varying, to="varying"), start)
     (_, total, out), _ = jax.lax.scan(fold, start, (by_tile(k_bshd, 1), by_tile(v_bshd, 1), by_tile(visible_bls, 2)))
     out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)  # [B, Hkv, G, L, hd]
     return out.transpose(0, 3, 1, 2, 4).astype(q_blhd.dtype).reshape(b, l, h, d)
