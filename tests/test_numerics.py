@@ -21,6 +21,7 @@ import dlmjax
 from dlmjax import arithmetic
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate
+from dlmjax.decoding.spec import parse_decoder
 from dlmjax.heads.mrp import init_head
 from dlmjax.models.transformer import KVCache
 from dlmjax.validation import InputError
@@ -192,6 +193,42 @@ def test_invariant_mode_mrp_spec_equals_static():
     assert spec.forwards < static.forwards, "no draft was accepted: the test is vacuous"
 
 
+@partial(arithmetic.jit, static_argnames=("graphdef", "geometry", "decoder", "rounds"))
+def _round_logits(graphdef, state, canvas, rows, geometry, decoder, rounds):
+    """Every row's block logits after the prefill and after each of `rounds` engine rounds."""
+    fwd = engine.BlockForwards(nnx.merge(graphdef, state), rows, geometry, "exact", VOCAB - 1)
+    start = engine.start(fwd, canvas, decoder)
+
+    def one_round(st, _):
+        st = engine.decode_round(decoder, fwd, st, seed_key=jax.random.key(0), eos=jnp.asarray([VOCAB - 2]))
+        return st, st.logits
+
+    _, logits = jax.lax.scan(one_round, start, None, length=rounds)
+    return jnp.concatenate([start.logits[None], logits])
+
+
+def round_logits(model, prompts, rounds: int = 4):
+    geometry, canvas, rows = engine.plan_layout(prompts, block=BLOCK, max_new_tokens=8, block_causal=True, pad_id=0,
+                                                mask_id=VOCAB - 1)
+    graphdef, state = nnx.split(model)
+    return np.asarray(_round_logits(graphdef, state, jnp.asarray(canvas), jax.tree.map(jnp.asarray, rows),
+                                    geometry=geometry, decoder=parse_decoder("threshold:tau=0.3"), rounds=rounds))
+
+
+def test_invariant_mode_a_row_beside_a_row_a_block_wider_keeps_its_logits():
+    """A 3-token prompt does not end on a block boundary, so its row needs a block more of canvas,
+    and the whole batch's cache widens by a block. In invariant mode the 20-token row's logits
+    stay bitwise its own alone through the engine's rounds (review, 2026-11-28: 2.7e-7 to 3.9e-7
+    off in fp32 before, also at the suite's LLVM level)."""
+    model = plain_model("float32")
+    rng = np.random.default_rng(1)
+    row = [int(t) for t in rng.integers(1, VOCAB - 3, 20)]
+    with dlmjax.numerics(invariant=True):
+        alone = round_logits(model, [row])[:, 0]
+        beside = round_logits(model, [row, [5, 6, 7]])[:, 0]
+    np.testing.assert_array_equal(beside, alone)
+
+
 def causal_model(dtype: str):
     """plain_model's causal twin: an autoregressive target for `ar` and the drafters."""
     cfg = plain_model(dtype).config.replace(family="qwen3", attention="causal", block_size=None, mask_token_id=None)
@@ -321,7 +358,7 @@ def test_precision_sets_jax_matmul_precision_inside_and_restores_it():
     (dict(precision="tf32"), "choose one of default, highest"),
     (dict(row_tile=0), "row_tile=0: tile sizes and counts must be >= 1"),
     (dict(sequence_tile=0), "sequence_tile=0: tile sizes"),
-    (dict(min_tiles=0, query_tile=-1), "query_tile=-1, min_tiles=0: tile sizes"),
+    (dict(min_tiles=0, query_tile=-1, key_tile=0), "query_tile=-1, key_tile=0, min_tiles=0: tile sizes"),
 ])
 def test_bad_numerics_options(options, message):
     with pytest.raises(InputError, match=message):
