@@ -10,7 +10,8 @@
 - `invariant`: every reduction a row's logits depend on is computed at a shape that does not
   depend on the batch size, on how many candidate copies are packed beside it, or on the other
   rows' values. Matmuls run over fixed tiles of `row_tile` rows (one compiled dot, whatever the
-  batch), and the attention of packed copies sums each copy's keys on their own. A row then has
+  batch); attention over tiles of rows, queries and `key_tile` keys folded in order, each packed
+  copy's keys on their own (`layers.attention`). A row then has
   bitwise the same logits alone, in a batch of N and as one of N packed copies, so PSD equals its
   policy and mrp-spec equals static on accelerators too, where the fast mode lets near-ties flip.
   DLMJAX_INVARIANT=1 in the environment turns it on for the whole process.
