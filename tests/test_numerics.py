@@ -257,7 +257,7 @@ def _ar_step_logits(graphdef, state, prompt_bp, tokens_bk, steps, left_pad):
 @partial(arithmetic.jit, static_argnames="graphdef")
 def _verification_logits(graphdef, state, prompt_bp, tokens_bk):
     """The same logits as a drafter's verification computes them: one forward of the k tokens
-    against the prompt's cache, sized as `speculative` sizes it (k more slots)."""
+    against the prompt's cache, which is wider than `ar`'s, as `speculative`'s is."""
     model = nnx.merge(graphdef, state)
     (b, p), k = prompt_bp.shape, tokens_bk.shape[1]
     positions = jnp.broadcast_to(jnp.arange(p), (b, p))
