@@ -162,7 +162,7 @@ def attention(q_blhd, kv_parts, query_group: int | None = None):
     if setting.invariant:
         parts = [(k, v, visible_matrix(vis)) for k, v, vis in kv_parts]
         if query_group is None and len(parts) > 1:  # a cache and one chunk: one sequence of keys
-            parts = [tuple(jnp.concatenate(xs, axis=-1 if i == 2 else 1) for i, xs in enumerate(zip(*parts)))]
+            parts = [_join_key_parts(parts)]
         tiled = functools.partial(_attention_invariant, query_tile=query_group or setting.query_tile,
                                   sequences=setting.sequence_tile, key_tile=setting.key_tile)
         return sharding.over_batch_shards(tiled, q_blhd, parts)  # on a mesh, each device tiles its own rows
@@ -185,12 +185,9 @@ def _attention_invariant(q_blhd, kv_parts, query_tile: int, sequences: int, key_
     - rows: tiles of `sequences` batch rows, and queries: tiles of `query_tile` queries (zero
       rows and queries pad the last), as loops of at least `min_tiles` iterations."""
     b, l, h, d = q_blhd.shape
-    ordered = [_seen_keys_first(*part, key_tile) for part in kv_parts]
-    keys, values, visible = (jnp.concatenate(xs, axis=-1 if i == 2 else 1) for i, xs in enumerate(zip(*ordered)))
-    spare = (arithmetic.current().min_tiles - keys.shape[1] // key_tile) * key_tile
-    if spare > 0:
-        keys, values = (jnp.pad(x, ((0, 0), (0, spare), (0, 0), (0, 0))) for x in (keys, values))
-        visible = jnp.pad(visible, ((0, 0), (0, 0), (0, spare)))
+    keys, values, visible = _join_key_parts([_seen_keys_first(*part, key_tile) for part in kv_parts])
+    missing_tiles = max(0, arithmetic.current().min_tiles - keys.shape[1] // key_tile)
+    keys, values, visible = _hidden_keys_after(keys, values, visible, missing_tiles * key_tile)
     pad, groups = -l % query_tile, arithmetic.tile_count(b, sequences)
     rows = groups * sequences
 
@@ -223,9 +220,19 @@ def _seen_keys_first(k_bshd, v_bshd, visible_bls, key_tile: int):
     k = jnp.take_along_axis(k_bshd, seen_first[:, :, None, None], axis=1)
     v = jnp.take_along_axis(v_bshd, seen_first[:, :, None, None], axis=1)
     visible = jnp.take_along_axis(visible_bls, seen_first[:, None, :], axis=2)
-    spare = -k.shape[1] % key_tile
-    k, v = (jnp.pad(x, ((0, 0), (0, spare), (0, 0), (0, 0))) for x in (k, v))
-    return k, v, jnp.pad(visible, ((0, 0), (0, 0), (0, spare)))
+    return _hidden_keys_after(k, v, visible, -k.shape[1] % key_tile)
+
+
+def _join_key_parts(parts):
+    """Key parts (k [B,S,Hkv,hd], v, visible [B,L,S]) as one part: their keys one after another."""
+    keys, values, visible = zip(*parts)
+    return jnp.concatenate(keys, axis=1), jnp.concatenate(values, axis=1), jnp.concatenate(visible, axis=2)
+
+
+def _hidden_keys_after(k_bshd, v_bshd, visible_bls, count: int):
+    """The part with `count` zero keys appended that no query sees."""
+    k, v = (jnp.pad(x, ((0, 0), (0, count), (0, 0), (0, 0))) for x in (k_bshd, v_bshd))
+    return k, v, jnp.pad(visible_bls, ((0, 0), (0, 0), (0, count)))
 
 
 def _varying_axes(x) -> frozenset:
