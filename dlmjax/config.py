@@ -388,7 +388,9 @@ _FAMILY_KEYS = {  # keys only one family of the hf layout reads
 QWEN2_BIAS_FAMILIES = ("qwen2", "dream", "fast_dllm_v2")  # q/k/v biases always, no o bias, no `attention_bias` key
 
 
-def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
+def _from_hf_layout(raw: dict, fam: Family, problems: tuple[str, ...] = ()) -> ModelConfig:
+    """The ModelConfig of a config.json in the Llama/Qwen layout; `problems` a caller found in the
+    keys it read itself are refused in the same error as this layout's."""
     windows_start = raw.get("max_window_layers")
     layer_types = raw.get("layer_types")
     if raw.get("use_sliding_window") is True and (
@@ -396,7 +398,7 @@ def _from_hf_layout(raw: dict, fam: Family) -> ModelConfig:
             or layer_types is None and isinstance(windows_start, int) and windows_start >= raw["num_hidden_layers"]):
         raw = {**raw, "use_sliding_window": False}  # transformers windows no layer here: all attend in full
     unknown = set(raw) - _HF_KEYS - _METADATA_KEYS - set(_HF_FIXED) - _FAMILY_KEYS.get(fam.name, set())
-    problems = _check_fixed(raw, _HF_FIXED, fam.name)
+    problems = [*problems, *_check_fixed(raw, _HF_FIXED, fam.name)]
     if fam.name == "fast_dllm_v2" and "block_size" in raw:  # its block is `bd_size`; a second key would be ambiguous
         problems.append(f"`block_size` = {raw['block_size']!r} (Fast-dLLM v2 names its block `bd_size`; use that key)")
     layer_types = raw.get("layer_types")
@@ -723,8 +725,8 @@ def _from_qwen3_moe(raw: dict, fam: Family) -> ModelConfig:
     if raw.get("use_sliding_window") is True:  # transformers 4 windows layers >= max_window_layers, 5 every layer
         problems.append("`use_sliding_window` = True (sliding-window attention is not implemented, and transformers "
                         "4 and 5 disagree on which Qwen3-MoE layers it windows)")
-    _refuse(fam.name, set(), problems)
-    cfg = _from_hf_layout({k: v for k, v in raw.items() if k not in _QWEN3_MOE_KEYS | set(_QWEN3_CODER_FIXED)}, fam)
+    cfg = _from_hf_layout({k: v for k, v in raw.items() if k not in _QWEN3_MOE_KEYS | set(_QWEN3_CODER_FIXED)}, fam,
+                          tuple(problems))
     experts = {key: _moe_int(raw, key, low=AT_LEAST_0, nullable=True) for key in ("num_experts", "num_local_experts")
                if raw.get(key) is not None}
     if not experts and any(key in raw for key in ("num_experts", "num_local_experts")):

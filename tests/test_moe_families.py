@@ -127,6 +127,14 @@ def test_qwen3_moe_config_translation_is_strict(change, message):
         from_hf_config({**qwen3_moe_config_json(True), **change})
 
 
+def test_qwen3_moe_config_problems_come_in_one_error():
+    """A value Qwen3-MoE cannot take and a key no family reads are named together, so that one
+    round of edits to config.json fixes both."""
+    raw = {**qwen3_moe_config_json(True), "qkv_bias": True, "moe_capacity_factor": 1.25}
+    with pytest.raises(ConfigError, match=r"unknown config keys \['moe_capacity_factor'\].*`qkv_bias` = True"):
+        from_hf_config(raw)
+
+
 def _moe_raw_configs() -> dict:
     return {"qwen3_moe": qwen3_moe_config_json(True), "llada_moe": llada_moe_config_json(LLADA_MOE),
             "llada2_moe": llada2_config_json(LLADA2)}
