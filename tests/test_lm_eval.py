@@ -469,9 +469,8 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
     mask = np.pad(masked, ((0, 0), (0, width - 46)))
     with dlmjax.numerics(row_tile=16):
         if block:  # the whole [noisy ; clean] rows through the same scorer
-            whole = likelihood._masked_scores(*nnx.split(model), tokens, mask, valid, np.zeros(5, np.int32),
-                                              np.zeros_like(mask), span=width,
-                                              block_size=block, mask_id=mask_id)
+            whole = likelihood._masked_scores(*nnx.split(model), tokens[0], mask, valid[0], np.int32(0),
+                                              np.zeros(width, bool), span=width, block_size=block, mask_id=mask_id)
         else:  # the model's own (for Dream, shifted) logits of the whole noisy rows
             logits = model(jnp.where(mask, mask_id, tokens), valid_bl=jnp.asarray(valid)).logits
             logp = jax.nn.log_softmax(logits, axis=-1)
@@ -480,6 +479,31 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
     assert np.count_nonzero(got) == masked.sum()
     nothing = masked_logprobs(model, clean, np.zeros_like(masked), mask_id=mask_id)  # no column to score
     assert nothing.shape == masked.shape and not nothing.any()
+
+
+@pytest.mark.parametrize("cfg", [0.0, 1.0])
+def test_a_block_causal_scorer_forwards_the_clean_row_once_and_per_pattern_only_the_scored_blocks(toy_sdar, cfg,
+                                                                                                 monkeypatch):
+    """toy-sdar (block 8), a 40-token context and a 6-token continuation (48 columns): the clean
+    row goes through the model once (with cfg, with its context masked too: 2 rows), and each of
+    the 5 patterns (10 rows with cfg) only the 16 scored columns' blocks, in 16 + 2 x 8 - 2 = 30
+    columns; the training layout would forward 5 rows of 2 x 48."""
+    import jax
+
+    from dlmjax.models.transformer import Transformer
+
+    model = toy_sdar[1]
+    clean = np.random.default_rng(1).integers(3, 30, 46)
+    masked = np.zeros((5, 46), bool)
+    masked[:, 40:] = True
+    forwarded, real_call = [], Transformer.__call__
+    monkeypatch.setattr(Transformer, "__call__",
+                        lambda self, tokens, *a, **kw: forwarded.append(tuple(tokens.shape)) or real_call(
+                            self, tokens, *a, **kw))
+    with jax.disable_jit():  # every forward seen, none served from a compiled program of another test
+        masked_logprobs(model, clean, masked, mask_id=model.config.mask_token_id, cfg=cfg, context_len=40)
+    rows = 2 if cfg else 1
+    assert forwarded == [(rows, 48), (5 * rows, 30)]
 
 
 def whole_row_reference(model, clean, masked, *, mask_id, cfg=0.0, context_len=0):

@@ -8,8 +8,9 @@ Diffusion (`masked_diffusion_bound`): the lower bound on log p(continuation | co
 LLaDA's evaluation estimates. The context is never masked. The continuation is split into
 groups that are denoised independently: the whole continuation for a bidirectional model
 (LLaDA, Dream); each block of a block-causal model (SDAR), whose noisy block sees only its own
-tokens and the clean blocks before it (the training layout `[noisy ; clean]`,
-`dlmjax.train.objectives.block_diffusion_visibility`). A shifted-logit model (Dream, Fast-dLLM v2)
+tokens and the clean blocks before it (what the training layout `[noisy ; clean]`,
+`dlmjax.train.objectives.block_diffusion_visibility`, sees; computed here from one KV cache of the
+clean row, `_block_scoring_hidden`). A shifted-logit model (Dream, Fast-dLLM v2)
 scores position p from the column before it, as its logits are (on a block-causal one, the
 columns `objectives.noisy_half_hidden` picks). In a group of T continuation tokens, a
 sample draws l uniformly from 1..T, masks l of the T tokens uniformly at random and scores
@@ -52,8 +53,8 @@ from dlmjax import arithmetic, kernels
 from dlmjax.decoding import policies
 from dlmjax.losses import label_scores
 from dlmjax.models import layers
-from dlmjax.models.transformer import Transformer, take_rows
-from dlmjax.train.objectives import block_diffusion_visibility, noisy_half_hidden
+from dlmjax.models.transformer import KVCache, Transformer, put_rows, take_rows
+from dlmjax.train.objectives import noisy_half_hidden
 
 LENGTH_BUCKET = 16  # sequences are right-padded to a multiple of this: few compiled shapes
 
@@ -175,39 +176,83 @@ def sample_masks(context: list[int], continuation: list[int], *, mc_num: int, se
     return MaskSamples(tokens, masked, weight)
 
 
-def _scoring_hidden(model: Transformer, noisy_bl, clean_bl, valid_bl, block_size):
+def _scoring_hidden(model: Transformer, noisy_bl, clean_cl, valid_l, first, *, span: int, block_size):
     """[B, L, D] the final-normed hidden state that scores each position of the noisy rows (for a
-    shifted-logit model, the column before it)."""
-    b, l = clean_bl.shape
-    if block_size:  # block-causal: [noisy ; clean], each noisy block sees the clean blocks before it
-        positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-        out = model(jnp.concatenate([noisy_bl, clean_bl], axis=1), jnp.concatenate([positions, positions], axis=1),
-                    visible_bll=block_diffusion_visibility(positions, valid_bl, block_size), compute_logits=False)
-        return noisy_half_hidden(out.hidden, block_size, model.config.shift_logits)
-    hidden = model(noisy_bl, valid_bl=valid_bl, compute_logits=False).hidden
+    shifted-logit model, the column before it). The positions read are the `span` from `first`;
+    a block-causal model computes only what those need (`_block_scoring_hidden`). The B noisy
+    rows take the C clean rows `clean_cl` in turn: the first B / C rows the first, and so on."""
+    if block_size:
+        return _block_scoring_hidden(model, noisy_bl, clean_cl, valid_l, first, span=span, block_size=block_size)
+    hidden = model(noisy_bl, valid_bl=jnp.broadcast_to(valid_l, noisy_bl.shape), compute_logits=False).hidden
     if model.config.shift_logits:  # Dream: p scored from p - 1 and 0 from itself, as its logits are
         hidden = layers.shift_right(hidden)
     return hidden
 
 
+def _seen_by_later_blocks(cache: KVCache, block_size: int) -> KVCache:
+    """The cache with every key's position one block later. A cached key's position decides only
+    who sees it (its rotary angle was applied when it was written), so block-causal visibility,
+    block(key) <= block(query), becomes block(key) < block(query): a noisy block sees the clean
+    blocks before its own and not its own clean copy."""
+    return cache.replace(positions=cache.positions + block_size)
+
+
+def _block_scoring_hidden(model: Transformer, noisy_bl, clean_cl, valid_l, first, *, span: int, block_size: int):
+    """`_scoring_hidden` of a block-causal model: the training layout `[noisy ; clean]` (each noisy
+    block sees its own noisy tokens and the clean blocks before it), computed without the 2L x 2L
+    attention of that layout's one forward, and with the clean tokens forwarded once.
+
+    The clean rows are forwarded alone (block-causal, as their half of the layout sees) into a KV
+    cache. Each noisy row then forwards only the blocks that hold the read positions, against its
+    clean row's cache (`_seen_by_later_blocks`), each block a segment of its own so that blocks
+    do not see each other. Every other noisy column is context or suffix, never masked, and its
+    hidden state there equals the clean one: it is taken from the clean forward."""
+    cfg = model.config
+    c, length = clean_cl.shape
+    rows = noisy_bl.shape[0]
+    positions_cl = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (c, length))
+    valid_cl = jnp.broadcast_to(valid_l, (c, length))
+    clean = model(clean_cl, positions_cl, valid_bl=valid_cl, cache=KVCache.init(cfg, c, length), write_cache=True,
+                  compute_logits=False)
+    per_row = lambda x: jnp.repeat(x, rows // c, axis=0)  # noqa: E731  clean row i -> its noisy rows
+    cache = _seen_by_later_blocks(clean.cache, block_size)
+    cache = cache.replace(k=tuple(map(per_row, cache.k)), v=tuple(map(per_row, cache.v)),
+                          positions=per_row(cache.positions), valid=per_row(cache.valid))
+    # the blocks from the one holding `first` to the one holding first + span - 1, in a static
+    # width that also fits where those blocks start late in the row
+    width = min(length, span + 2 * block_size - 2)
+    start = jnp.minimum(first - first % block_size, length - width)
+    start_b = jnp.full((rows,), start, jnp.int32)
+    chunk_positions = jnp.broadcast_to(start + jnp.arange(width, dtype=jnp.int32), (rows, width))
+    chunk = model(take_rows(noisy_bl, start_b, width), chunk_positions, segments_bl=chunk_positions // block_size + 1,
+                  valid_bl=take_rows(jnp.broadcast_to(valid_l, noisy_bl.shape), start_b, width), cache=cache,
+                  compute_logits=False)
+    clean_hidden = per_row(clean.hidden)
+    noisy_hidden = put_rows(clean_hidden, start_b, chunk.hidden)
+    return noisy_half_hidden(jnp.concatenate([noisy_hidden, clean_hidden], axis=1), block_size, cfg.shift_logits)
+
+
 @partial(arithmetic.jit, static_argnames=("graphdef", "span", "block_size", "mask_id", "cfg"))
-def _masked_scores(graphdef, params, clean_bl, masked_bl, valid_bl, first_b, context_bl, *, span, block_size,
+def _masked_scores(graphdef, params, clean_l, masked_bl, valid_l, first, context_l, *, span, block_size,
                    mask_id, cfg=0.0):
-    """log p(clean token | the noisy sequence) at the `span` positions from each row's `first_b`:
-    [B, span] (read where masked). Only those positions, the continuation's, get logits. With
-    `cfg` > 0, from the guided logits (module docstring; `context_bl` marks the context)."""
+    """log p(clean token | the noisy row) at the `span` positions from `first`: [B, span] (read
+    where masked), for the B masking patterns `masked_bl` of the one sequence `clean_l` [L]. Only
+    those positions, the continuation's, get logits. With `cfg` > 0, from the guided logits
+    (module docstring; `context_l` marks the context)."""
     model = nnx.merge(graphdef, params)
-    noisy = jnp.where(masked_bl, mask_id, clean_bl)
-    labels = take_rows(clean_bl, first_b, span)
+    rows = masked_bl.shape[0]
+    noisy = jnp.where(masked_bl, mask_id, clean_l)
+    first_b = jnp.full((rows,), first, jnp.int32)
+    labels = take_rows(jnp.broadcast_to(clean_l, masked_bl.shape), first_b, span)
+    score = partial(_scoring_hidden, model, span=span, block_size=block_size)
     if not cfg:
-        hidden = _scoring_hidden(model, noisy, clean_bl, valid_bl, block_size)
+        hidden = score(noisy, clean_l[None], valid_l, first)
         return token_logprobs(model, take_rows(hidden, first_b, span), labels)[0]
-    unconditional = jnp.where(context_bl, mask_id, noisy)  # the context masked wherever it is seen
-    twice = lambda x: jnp.concatenate([x, x])  # noqa: E731
-    hidden = _scoring_hidden(model, jnp.concatenate([noisy, unconditional]),
-                             jnp.concatenate([clean_bl, jnp.where(context_bl, mask_id, clean_bl)]), twice(valid_bl),
-                             block_size)
-    conditional, guide = jnp.split(model.lm_logits(take_rows(hidden, twice(first_b), span)).astype(jnp.float32), 2)
+    unconditional = jnp.where(context_l, mask_id, noisy)  # the context masked wherever it is seen
+    hidden = score(jnp.concatenate([noisy, unconditional]), jnp.stack([clean_l, jnp.where(context_l, mask_id, clean_l)]),
+                   valid_l, first)
+    twice = jnp.concatenate([first_b, first_b])
+    conditional, guide = jnp.split(model.lm_logits(take_rows(hidden, twice, span)).astype(jnp.float32), 2)
     return label_scores(guide + (cfg + 1) * (conditional - guide), labels).logp
 
 
@@ -223,19 +268,18 @@ def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *
                          "(pass context_len, or cfg=0)")
     block = model.config.block_size if model.config.attention == "block_causal" else None
     width = _bucket(len(clean))
-    tokens, valid = _pad_rows([clean.tolist()] * len(masked), width, pad_id)
-    mask = np.zeros(tokens.shape, bool)
+    tokens, valid = _pad_rows([clean.tolist()], width, pad_id)
+    mask = np.zeros((len(masked), width), bool)
     mask[:, : len(clean)] = masked
     read = np.flatnonzero(masked.any(axis=0))  # the columns any pattern masks: the continuation's
     if read.size == 0:
         return np.zeros(masked.shape)
     span = min(_bucket(read[-1] - read[0] + 1), width)
     first = min(int(read[0]), width - span)
-    context = np.broadcast_to(np.arange(width) < context_len, tokens.shape)
     graphdef, params = nnx.split(model)
-    scores = _masked_scores(graphdef, params, tokens, mask, valid, np.full(len(masked), first, np.int32), context,
+    scores = _masked_scores(graphdef, params, tokens[0], mask, valid[0], np.int32(first), np.arange(width) < context_len,
                             span=span, block_size=block, mask_id=mask_id, cfg=float(cfg))
-    full = np.zeros(tokens.shape, np.float32)
+    full = np.zeros(mask.shape, np.float32)
     full[:, first : first + span] = np.asarray(jax.device_get(scores))
     return np.where(masked, full[:, : len(clean)], 0.0)
 
