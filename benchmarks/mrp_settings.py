@@ -1,14 +1,21 @@
-"""MRP head training on toy-sdar with one noise level per row (`mrp.mask_rate=per_row`, the
-reference's draw and the default) against one per (row, block) (`per_block`, the shipped head's
-config): each head is trained for --steps steps from configs/mrp/toy-sdar.yaml (all else equal),
-then scored on held-out toy-constraint batches under both kinds of noise.
+"""The settings of configs/mrp/toy-sdar.yaml against the alternatives its comments name: an MRP
+head on toy-sdar trained for --steps steps from that config with one setting changed (all else
+equal), then scored on held-out toy-constraint batches.
 
-    PYTHONPATH=. python benchmarks/mrp_mask_rate.py [--steps 600] [--runs runs/mrp-mask-rate]
-        [--out benchmarks/results/mrp_mask_rate]
+- noise: one level per row (`mrp.mask_rate=per_row`, the reference's draw and the default)
+  against one per (row, block) (`per_block`, the config's), each scored under both kinds;
+- the head's output norm starting at 1 (`mrp.init_norm_scale=1.0`, the reference's) instead of 0;
+- head matrices drawn with std 0.02 (`mrp.init_std=0.02`) instead of 0.2 (the reference's);
+- learning rate 1e-3 (`train.lr=1e-3`, the reference's) instead of 3e-3.
+
+    PYTHONPATH=. python benchmarks/mrp_settings.py [--steps 600] [--runs runs/mrp-settings]
+        [--out benchmarks/results/mrp_settings]
 
 A run directory that already holds a finished run is reused (train resumes it, a no-op). Writes
 results.md: mean KL(next step's logits || logits + residual) over 4 batches of 64 held-out
-problems at the positions still masked after one reveal, beside the no-residual baseline.
+problems at the positions still masked after one reveal, beside the no-residual baseline. One
+seed per run: `--seed N` trains every run with `train.seed=N` and `data.seed=N + 2` (the config's
+are 0 and 2) and writes results-seedN.md.
 """
 
 import argparse
@@ -32,9 +39,18 @@ TASK = "toy-constraint"
 BATCHES, EXAMPLES, SEED = 4, 64, 777  # held out: the training data uses seed 2
 
 
-def train_head(rate: str, steps: int, run_dir: Path) -> Path:
-    run = load_run_config(CONFIG, [f"mrp.mask_rate={rate}", f"train.steps={steps}", f"train.eval_every={steps}",
-                                   f"train.checkpoint_every={steps}"])
+CHANGES = {  # the config's own settings first; each other run changes one (scored with per-block noise)
+    "the config (per_block noise, output norm from 0, init_std 0.2, lr 3e-3)": [],
+    "per_row noise": ["mrp.mask_rate=per_row"],
+    "output norm from 1": ["mrp.init_norm_scale=1.0"],
+    "init_std 0.02": ["mrp.init_std=0.02"],
+    "lr 1e-3": ["train.lr=1e-3"],
+}
+
+
+def train_head(change: list[str], steps: int, seed: int, run_dir: Path) -> Path:
+    run = load_run_config(CONFIG, [*change, f"train.seed={seed}", f"data.seed={seed + 2}", f"train.steps={steps}",
+                                   f"train.eval_every={steps}", f"train.checkpoint_every={steps}"])
     train(run, run_dir, progress=True)
     return run_dir / "model"
 
@@ -59,21 +75,32 @@ def held_out_kl(model_dir: Path, rate: str) -> tuple[float, float]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--runs", default="runs/mrp-mask-rate")
-    ap.add_argument("--out", default="benchmarks/results/mrp_mask_rate")
+    ap.add_argument("--seed", type=int, default=0, help="train.seed (data.seed is this + 2)")
+    ap.add_argument("--runs", default="runs/mrp-settings")
+    ap.add_argument("--out", default="benchmarks/results/mrp_settings")
     args = ap.parse_args()
-    heads = {rate: train_head(rate, args.steps, Path(args.runs) / rate) for rate in MASK_RATES}
-    lines = [f"# MRP head on toy-sdar: noise per row vs per block ({args.steps} steps each, {CONFIG})", "",
-             f"Held-out {TASK}: mean KL over {BATCHES} x {EXAMPLES} problems (lower is better).", "",
+    runs = Path(args.runs) / f"seed{args.seed}"
+    heads = {name: train_head(change, args.steps, args.seed, runs / f"run{i}")
+             for i, (name, change) in enumerate(CHANGES.items())}
+    config_head, per_row_head = list(heads.values())[:2]
+    lines = [f"# MRP head on toy-sdar: the settings of {CONFIG} against one change each ({args.steps} steps each)",
+             "", f"Held-out {TASK}: mean KL over {BATCHES} x {EXAMPLES} problems (lower is better); `train.seed` "
+             f"{args.seed}, `data.seed` {args.seed + 2}.", "",
+             "## Noise per row vs per block", "",
              "| trained with | scored with | KL with head | KL without head |", "|---|---|---|---|"]
-    for trained, model_dir in heads.items():
+    for trained, model_dir in (("per_block", config_head), ("per_row", per_row_head)):
         for scored in MASK_RATES:
             kl, baseline = held_out_kl(model_dir, scored)
             lines.append(f"| {trained} | {scored} | {kl:.4f} | {baseline:.4f} |")
-    lines += ["", f"`PYTHONPATH=. python benchmarks/mrp_mask_rate.py --steps {args.steps}`"]
+    lines += ["", "## One change each, scored with per-block noise", "",
+              "| run | KL with head | KL without head |", "|---|---|---|"]
+    for name, model_dir in heads.items():
+        kl, baseline = held_out_kl(model_dir, "per_block")
+        lines.append(f"| {name} | {kl:.4f} | {baseline:.4f} |")
+    lines += ["", f"`PYTHONPATH=. python benchmarks/mrp_settings.py --steps {args.steps} --seed {args.seed}`"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / ("results.md" if args.seed == 0 else f"results-seed{args.seed}.md")).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
