@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,19 @@ def peaked_random_model(family: str, args, *, num_kv_heads: int) -> dlmjax.Trans
     model = dlmjax.init_model(cfg, seed=0)
     model.lm_head.kernel[...] = model.lm_head.kernel[...] * args.head_scale
     return model
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall ms of fn() (its result waited for), after one untimed call (compile)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 def write_results(out: Path, tag: str, record: dict, lines: list[str]) -> None:

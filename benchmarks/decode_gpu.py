@@ -57,7 +57,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, as `python benchmarks/X.py`
 
 import dlmjax
-from benchmarks.common import random_prompt, torch_cache_name, write_results, written_when_done_or_stopped
+from benchmarks.common import median_ms, random_prompt, torch_cache_name, write_results, written_when_done_or_stopped
 from benchmarks.decode_throughput import SHAPES, random_sdar, run_batches
 from benchmarks.exactness import _prefill, step_inputs, step_ms
 from dlmjax import kernels
@@ -133,22 +133,11 @@ def build_model(shape: str):
     return dlmjax.init_model(cfg, seed=0), init_head(cfg, num_layers=head_layers, init_std=0.02, seed=0), name
 
 
-def timed(fn, repeats: int) -> float:
-    """Median wall ms of fn() (its result waited for), after one untimed call (compile)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 def bandwidth(mib: int, repeats: int) -> float:
     """Bytes/s of a device copy (x + 1 reads and writes every byte)."""
     x = jnp.ones((mib * 2**20 // 2,), jnp.bfloat16)
     add = jax.jit(lambda a: a + 1)
-    return 2 * x.nbytes / (timed(lambda: add(x), repeats) / 1e3)
+    return 2 * x.nbytes / (median_ms(lambda: add(x), repeats) / 1e3)
 
 
 def experts_read(num_experts: int, top_k: int, tokens: int) -> float:
@@ -295,7 +284,8 @@ def section_prefill(model, args, peak, modes):
                 graphdef, state = nnx.split(model)
                 before = len(kernels.refusals("attention"))
                 try:
-                    ms = timed(lambda: _prefill(graphdef, state, tokens, jnp.zeros(length)), max(1, args.repeats // 4))
+                    ms = median_ms(lambda: _prefill(graphdef, state, tokens, jnp.zeros(length)),
+                                   max(1, args.repeats // 4))
                 except Exception as error:  # RESOURCE_EXHAUSTED: out of device memory
                     ms, status = None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
                 else:
@@ -327,7 +317,7 @@ def section_argmax(model, args, modes):
             with kernels.use(mode):
                 fn = jax.jit(lambda h: residual_argmax(h, w, mask_id=cfg.mask_token_id))
                 before = len(kernels.refusals("residual_argmax"))
-                ms = timed(lambda: fn(x), args.repeats)
+                ms = median_ms(lambda: fn(x), args.repeats)
                 path = path_of("residual_argmax", before)
             records.append(dict(positions=m, kernels=mode, path=path, ms=ms))
             lines.append(f"| {m} | {mode} | {path} | {ms:.3f} |")
@@ -386,7 +376,7 @@ def _timed_choice(kernel: str, mode: str, fn, repeats: int) -> tuple[float | Non
         jax.block_until_ready(fn())  # traced (and compile-probed) under the mode
         if len(kernels.refusals(kernel)) > refused:  # this call's refusal, not an earlier one's
             return None, "reference (refused)"
-        return timed(fn, repeats), path_of(kernel, refused)
+        return median_ms(fn, repeats), path_of(kernel, refused)
 
 
 def section_tiles(model, args, peak):

@@ -30,9 +30,7 @@ import argparse
 import os
 import platform
 import shlex
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -42,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import peaked_random_model, write_results  # noqa: E402
+from benchmarks.common import median_ms, peaked_random_model, write_results  # noqa: E402
 from benchmarks.decode_throughput import SHAPES  # noqa: E402
 from dlmjax import ModelConfig  # noqa: E402
 from dlmjax.lm_eval import likelihood  # noqa: E402
@@ -73,16 +71,6 @@ def compiled_costs(jitted, *args, **kwargs) -> dict:
                 temp_mib=round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1))
 
 
-def median_ms(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compiled and warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e3, 2)
-
-
 def measure(model, context: int, args, rng) -> dict:
     cfg = model.config
     total = context + args.continuation
@@ -107,7 +95,8 @@ def measure(model, context: int, args, rng) -> dict:
         row[name] = compiled_costs(fn, *fn_args, **static)
         if not args.compile_only:
             scores[name] = np.asarray(fn(*fn_args, **static))
-            row[name]["cpu_ms"] = median_ms(lambda fn=fn, fn_args=fn_args: fn(*fn_args, **static), args.repeats)
+            call = partial(fn, *fn_args, **static)
+            row[name]["cpu_ms"] = round(median_ms(call, args.repeats), 2)
     if args.compile_only:
         row["layout_over_cached"] = {key: round(row["layout"][key] / row["cached"][key], 1)
                                      for key in ("gflops", "temp_mib")}

@@ -468,7 +468,7 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
     tokens, valid = likelihood._pad_rows([clean.tolist()] * 5, width, 0)
     mask = np.pad(masked, ((0, 0), (0, width - 46)))
     with dlmjax.numerics(row_tile=16):
-        if block:  # the whole [noisy ; clean] rows through the same scorer
+        if block:  # the whole rows (a window of all 48 columns) through the same scorer
             whole = likelihood._masked_scores(*nnx.split(model), tokens[0], mask, valid[0], np.int32(0),
                                               np.zeros(width, bool), span=width, block_size=block, mask_id=mask_id)
         else:  # the model's own (for Dream, shifted) logits of the whole noisy rows
