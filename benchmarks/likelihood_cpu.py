@@ -8,7 +8,10 @@ masking about half of the continuation. Both scorers read the same continuation 
 - layout: every pattern's row of 2L columns, [noisy ; clean], in one forward with
   `objectives.block_diffusion_visibility` (its [B, 2L, 2L] visibility, attention over 2L keys);
 - cached (`likelihood.masked_logprobs`): the clean row forwarded once into a KV cache, then per
-  pattern only the blocks that hold the continuation, against that cache.
+  pattern only the blocks that hold the continuation, packed side by side (as many as the
+  context is long) against that cache.
+  The clean forward serves every batch of a request: "cached" is a request's first batch (clean
+  forward and patterns), "next" each further batch (`mc_num` / `mc_batch` batches in all).
 
 For each it reports XLA's compiled FLOPs and temporary bytes (what the program allocates beside
 its inputs and outputs: on an accelerator, what has to fit) and the median CPU time of
@@ -16,11 +19,18 @@ its inputs and outputs: on an accelerator, what has to fit) and the median CPU t
 (qk norm, block-causal) at `--hidden`/`--layers`, fp32. CPU wall time is not the target (the
 accelerators are); FLOPs and bytes carry over.
 
-With `--compile-only SHAPE` (sdar-1.7b, sdar-8b) the model is one layer of that shape in bf16 with
-its real vocabulary, never materialised: only the compiled FLOPs and temporary bytes are reported.
+With `--compile-only SHAPE` (sdar-1.7b, sdar-8b) the model is `--layers` layers (1 by default) of
+that shape in bf16 with its real vocabulary, never materialised: only the compiled FLOPs and
+temporary bytes are reported.
 
-    PYTHONPATH=. python benchmarks/likelihood_cpu.py --out benchmarks/results/likelihood_cpu
+    PYTHONPATH=. python benchmarks/likelihood_cpu.py --contexts 128 512 1024 --out benchmarks/results/likelihood_cpu
     PYTHONPATH=. python benchmarks/likelihood_cpu.py --compile-only sdar-1.7b --contexts 512 2048 \
+        --out benchmarks/results/likelihood_cpu
+    PYTHONPATH=. python benchmarks/likelihood_cpu.py --compile-only sdar-1.7b --layers 28 --contexts 2048 \
+        --out benchmarks/results/likelihood_cpu
+    PYTHONPATH=. python benchmarks/likelihood_cpu.py --compile-only sdar-1.7b --layers 28 --contexts 2048 \
+        --block 32 --continuation 32 --out benchmarks/results/likelihood_cpu
+    PYTHONPATH=. python benchmarks/likelihood_cpu.py --contexts 128 512 1024 --block 32 --continuation 32 \
         --out benchmarks/results/likelihood_cpu
 """
 
@@ -46,6 +56,14 @@ from dlmjax import ModelConfig  # noqa: E402
 from dlmjax.lm_eval import likelihood  # noqa: E402
 from dlmjax.models.transformer import abstract_model, take_rows  # noqa: E402
 from dlmjax.train.objectives import block_diffusion_visibility, noisy_half_hidden  # noqa: E402
+
+
+@partial(jax.jit, static_argnames=("graphdef", "span", "block_size", "mask_id"))
+def first_batch_scores(graphdef, params, clean_l, masked_bl, valid_l, first, context_l, *, span, block_size, mask_id):
+    """A request's first batch of the cached scorer: its clean forward, then the patterns."""
+    state = likelihood._clean_state(graphdef, params, clean_l[None], valid_l, block_size=block_size)
+    return likelihood._masked_scores(graphdef, params, clean_l, masked_bl, valid_l, first, context_l, state, span=span,
+                                     block_size=block_size, mask_id=mask_id)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "span", "block_size", "mask_id"))
@@ -86,9 +104,13 @@ def measure(model, context: int, args, rng) -> dict:
     graphdef, params = nnx.split(model)
     static = dict(span=span, block_size=cfg.block_size, mask_id=cfg.mask_token_id)
     cached_args = (graphdef, params, tokens[0], mask, valid[0], first, np.zeros(width, bool))
+    state_of = partial(likelihood._clean_state, graphdef, block_size=cfg.block_size)
+    state = (jax.eval_shape(state_of, params, tokens[:1], valid[0]) if args.compile_only
+             else state_of(params, tokens[:1], valid[0]))
     layout_args = (graphdef, params, np.repeat(tokens, args.patterns, 0), mask, np.repeat(valid, args.patterns, 0),
                    first)
-    runs = {"cached": (likelihood._masked_scores, cached_args), "layout": (layout_scores, layout_args)}
+    runs = {"cached": (first_batch_scores, cached_args), "next": (likelihood._masked_scores, (*cached_args, state)),
+            "layout": (layout_scores, layout_args)}
     row = dict(context=context, continuation=args.continuation, patterns=args.patterns, width=width)
     scores = {}
     for name, (fn, fn_args) in runs.items():
@@ -114,7 +136,7 @@ def main(argv=None):
     parser.add_argument("--continuation", type=int, default=8)
     parser.add_argument("--patterns", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, help="4 (random model) or 1 (--compile-only)")
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--block", type=int, default=4, help="SDAR's block (LLaDA2: 32)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -124,13 +146,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.compile_only:
-        shape = dict(SHAPES[args.compile_only], num_layers=1)
+        args.layers = args.layers or 1
+        shape = dict(SHAPES[args.compile_only], num_layers=args.layers)
         model = abstract_model(ModelConfig(family="sdar", vocab_size=151936, head_dim=128, attention="block_causal",
                                            block_size=args.block, qk_norm=True, mask_token_id=151669,
                                            pad_token_id=151643, max_position_embeddings=32768, dtype="bfloat16",
                                            **shape))
-        args.hidden, args.layers, args.vocab = shape["hidden_size"], 1, 151936
+        args.hidden, args.vocab = shape["hidden_size"], 151936
     else:
+        args.layers = args.layers or 4
         model = peaked_random_model("sdar", argparse.Namespace(**vars(args), head_scale=1.0), num_kv_heads=2)
     rng = np.random.default_rng(0)
     rows = []
@@ -143,7 +167,8 @@ def main(argv=None):
                   model=dict(shape=args.compile_only or "random", hidden=args.hidden, layers=args.layers,
                              vocab=args.vocab, block=args.block, dtype="bfloat16" if args.compile_only else "float32"),
                   rows=rows)
-    model_words = (f"One {args.compile_only} layer (hidden {args.hidden}, vocab {args.vocab}), bf16, compiled only"
+    model_words = (f"{args.layers} {args.compile_only} layer(s) (hidden {args.hidden}, vocab {args.vocab}), bf16, "
+                   "compiled only"
                    if args.compile_only else
                    f"Random SDAR-like model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, fp32")
     lines = [f"# Block-causal likelihood scorer: cached vs the [noisy ; clean] layout ({jax.default_backend()})", "",
@@ -152,16 +177,19 @@ def main(argv=None):
              f"{args.patterns} masking patterns of a {args.continuation}-token continuation. CPU time is not the "
              "target; FLOPs and temporary bytes are what carry over to an accelerator.", ""]
     timed = not args.compile_only
-    lines += ["| context | layout GFLOP | cached GFLOP | layout temp MiB | cached temp MiB"
-              + (" | layout ms | cached ms | max abs diff |" if timed else " |"),
-              "|---|---|---|---|---" + ("|---|---|---|" if timed else "|")]
+    lines += ["| context | layout GFLOP | cached GFLOP | next GFLOP | layout temp MiB | cached temp MiB | next temp MiB"
+              + (" | layout ms | cached ms | next ms | max abs diff |" if timed else " |"),
+              "|---|---|---|---|---|---|---" + ("|---|---|---|---|" if timed else "|")]
     for r in rows:
-        lay, cac = r["layout"], r["cached"]
-        lines.append(f"| {r['context']} | {lay['gflops']} | {cac['gflops']} | {lay['temp_mib']} | {cac['temp_mib']} |"
-                     + (f" {lay['cpu_ms']} | {cac['cpu_ms']} | {r['max_abs_diff']:.1e} |" if timed else ""))
+        lay, cac, nxt = r["layout"], r["cached"], r["next"]
+        lines.append(f"| {r['context']} | {lay['gflops']} | {cac['gflops']} | {nxt['gflops']} | {lay['temp_mib']} | "
+                     f"{cac['temp_mib']} | {nxt['temp_mib']} |"
+                     + (f" {lay['cpu_ms']} | {cac['cpu_ms']} | {nxt['cpu_ms']} | {r['max_abs_diff']:.1e} |"
+                        if timed else ""))
     print("\n".join(lines))
     if args.out:
-        write_results(args.out, f"cpu-{args.compile_only or 'random'}-block{args.block}", record, lines)
+        name = f"{args.compile_only}-layers{args.layers}" if args.compile_only else "random"
+        write_results(args.out, f"cpu-{name}-block{args.block}", record, lines)
     return record
 
 

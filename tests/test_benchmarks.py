@@ -261,3 +261,18 @@ def test_the_exactness_benchmark_runs_the_comparisons_asked_for():
     _, model, tokenizer, head = load_checkpoint("toy-sdar")
     rows = list(bench.agreement_runs(model, head, tokenizer, ["1+2=", "3+4="], 8, 2, ("mrp-spec",)))
     assert rows == [("mrp-spec:drafts=3 vs static", 1.0, 1.0)]
+
+
+def test_the_likelihood_benchmark_runs_and_its_scorers_agree(tmp_path):
+    """benchmarks/likelihood_cpu.py at a tiny random shape: the cached scorer (first batch and a
+    further one) and the [noisy ; clean] layout each report FLOPs, temporary bytes and time, and
+    their log-probs agree; the results file is written."""
+    bench = benchmark_module("likelihood_cpu")
+    record = bench.main(["--contexts", "40", "--hidden", "64", "--layers", "1", "--vocab", "128", "--patterns", "4",
+                         "--repeats", "1", "--out", str(tmp_path)])
+    (row,) = record["rows"]
+    for scorer in ("cached", "next", "layout"):
+        assert row[scorer]["gflops"] > 0 and row[scorer]["temp_mib"] >= 0 and row[scorer]["cpu_ms"] > 0
+    assert row["next"]["gflops"] < row["cached"]["gflops"]  # a further batch does not forward the clean row again
+    assert row["max_abs_diff"] < 1e-5
+    assert "| 40 |" in (tmp_path / "cpu-random-block4.md").read_text()

@@ -469,13 +469,17 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
     mask = np.pad(masked, ((0, 0), (0, width - 46)))
     with dlmjax.numerics(row_tile=16):
         if block:  # the whole rows (a window of all 48 columns) through the same scorer
-            whole = likelihood._masked_scores(*nnx.split(model), tokens[0], mask, valid[0], np.int32(0),
-                                              np.zeros(width, bool), span=width, block_size=block, mask_id=mask_id)
+            graphdef, params = nnx.split(model)
+            clean_state = likelihood._clean_state(graphdef, params, tokens[:1], valid[0], block_size=block)
+            whole = likelihood._masked_scores(graphdef, params, tokens[0], mask, valid[0], np.int32(0),
+                                              np.zeros(width, bool), clean_state, span=width, block_size=block,
+                                              mask_id=mask_id)
         else:  # the model's own (for Dream, shifted) logits of the whole noisy rows
             logits = model(jnp.where(mask, mask_id, tokens), valid_bl=jnp.asarray(valid)).logits
             logp = jax.nn.log_softmax(logits, axis=-1)
             whole = jnp.take_along_axis(logp, jnp.asarray(tokens)[..., None], axis=-1)[..., 0]
-    np.testing.assert_allclose(got, np.where(masked, np.asarray(whole)[:, :46], 0.0), rtol=0, atol=1e-5)
+    # fp32: the packed patterns' attention sums over wider key rows than the whole rows' (2e-6 relative)
+    np.testing.assert_allclose(got, np.where(masked, np.asarray(whole)[:, :46], 0.0), rtol=1e-5, atol=1e-5)
     assert np.count_nonzero(got) == masked.sum()
     nothing = masked_logprobs(model, clean, np.zeros_like(masked), mask_id=mask_id)  # no column to score
     assert nothing.shape == masked.shape and not nothing.any()
@@ -484,26 +488,32 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
 @pytest.mark.parametrize("cfg", [0.0, 1.0])
 def test_a_block_causal_scorer_forwards_the_clean_row_once_and_per_pattern_only_the_scored_blocks(toy_sdar, cfg,
                                                                                                  monkeypatch):
-    """toy-sdar (block 8), a 40-token context and a 6-token continuation (48 columns): the clean
-    row goes through the model once (with cfg, with its context masked too: 2 rows), and each of
-    the 5 patterns (10 rows with cfg) only the 16 scored columns' blocks, in 16 + 2 x 8 - 2 = 30
-    columns; the training layout would forward 5 rows of 2 x 48."""
+    """toy-sdar (block 8), a 100-token context and a 6-token continuation (112 columns), 5 patterns
+    2 per forward: the clean row goes through the model once for all of them (with cfg, with its
+    context masked too: 2 rows), and each pattern only the 16 scored columns' blocks, in
+    16 + 2 x 8 - 2 = 30 columns, packed two to a forward row (60 columns, within the 112 of the
+    cache) against one copy of the clean row's cache. The training layout would forward 5 rows of
+    2 x 112, and a cache per pattern would hold 5 rows."""
     import jax
 
     from dlmjax.models.transformer import Transformer
 
     model = toy_sdar[1]
-    clean = np.random.default_rng(1).integers(3, 30, 46)
-    masked = np.zeros((5, 46), bool)
-    masked[:, 40:] = True
+    clean = np.random.default_rng(1).integers(3, 30, 106)
+    masked = np.zeros((5, 106), bool)
+    masked[:, 100:] = True
     forwarded, real_call = [], Transformer.__call__
-    monkeypatch.setattr(Transformer, "__call__",
-                        lambda self, tokens, *a, **kw: forwarded.append(tuple(tokens.shape)) or real_call(
-                            self, tokens, *a, **kw))
+
+    def spy(self, tokens, *a, cache=None, **kw):
+        forwarded.append((tuple(tokens.shape), cache.k[0].shape[0] if cache is not None else None))
+        return real_call(self, tokens, *a, cache=cache, **kw)
+
+    monkeypatch.setattr(Transformer, "__call__", spy)
     with jax.disable_jit():  # every forward seen, none served from a compiled program of another test
-        masked_logprobs(model, clean, masked, mask_id=model.config.mask_token_id, cfg=cfg, context_len=40)
+        masked_logprobs(model, clean, masked, mask_id=model.config.mask_token_id, cfg=cfg, context_len=100,
+                        batch_size=2)
     rows = 2 if cfg else 1
-    assert forwarded == [(rows, 48), (5 * rows, 30)]
+    assert forwarded == [((rows, 112), rows)] + [((rows, 2 * 30), rows)] * 3
 
 
 def whole_row_reference(model, clean, masked, *, mask_id, cfg=0.0, context_len=0):
@@ -536,23 +546,32 @@ def whole_row_reference(model, clean, masked, *, mask_id, cfg=0.0, context_len=0
 
 
 @pytest.mark.parametrize("which", ["toy_sdar", "fast_dllm_v2"])
-def test_a_block_causal_masked_position_is_scored_as_its_noisy_block_after_the_clean_ones(which, request):
+@pytest.mark.parametrize("context_blocks", [3, 12])
+def test_a_block_causal_masked_position_is_scored_as_its_noisy_block_after_the_clean_ones(which, context_blocks,
+                                                                                         request):
     """The reference is the model's plain forward of the clean blocks before a position's block
     and that block as the pattern masks it: the log-prob at the position (for Fast-dLLM
     v2's shifted logits, the column before it, which for a block's first position is the clean
     block's last). The continuation starts mid-block and crosses two block boundaries, whose first
-    positions are masked in some patterns and not in others."""
+    positions are masked in some patterns and not in others. After a short context each pattern
+    has a forward row of its own; after a long one, two patterns share one (`_packed_copies`)."""
     from test_decoding import peaky_model
+
+    from dlmjax.lm_eval import likelihood
 
     model = request.getfixturevalue("toy_sdar")[1] if which == "toy_sdar" else peaky_model(which, 3)
     block, mask_id = model.config.block_size, model.config.mask_token_id
     rng = np.random.default_rng(2)
-    context_len, total = 3 * block - 2, 5 * block + 1
+    context_len, total = context_blocks * block - 2, (context_blocks + 2) * block + 1
+    span = likelihood._bucket(total - context_len)
+    width = span + 2 * block - 2
+    assert likelihood._packed_copies(4, width, likelihood._bucket(total)) == (1 if context_blocks == 3 else 2)
     clean = rng.integers(2, min(model.config.vocab_size, 30), total).astype(np.int32)
     masked = np.zeros((4, total), bool)
     masked[:, context_len:] = rng.random((4, total - context_len)) < 0.5
-    masked[:2, [3 * block, 4 * block]] = True
-    masked[2:, [3 * block, 4 * block]] = False
+    boundaries = [context_blocks * block, (context_blocks + 1) * block]
+    masked[:2, boundaries] = True
+    masked[2:, boundaries] = False
     got = masked_logprobs(model, clean, masked, mask_id=mask_id)
     np.testing.assert_allclose(got, whole_row_reference(model, clean, masked, mask_id=mask_id), rtol=1e-5, atol=1e-5)
 

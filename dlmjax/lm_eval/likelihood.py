@@ -51,10 +51,10 @@ from flax import nnx
 
 from dlmjax import arithmetic, kernels
 from dlmjax.decoding import policies
+from dlmjax.decoding.engine import copy_parts
 from dlmjax.losses import label_scores
 from dlmjax.models import layers
-from dlmjax.models.transformer import KVCache, Transformer, put_rows, take_rows
-from dlmjax.train.objectives import noisy_half_hidden
+from dlmjax.models.transformer import KVCache, Transformer, take_rows
 
 LENGTH_BUCKET = 16  # sequences are right-padded to a multiple of this: few compiled shapes
 
@@ -176,17 +176,33 @@ def sample_masks(context: list[int], continuation: list[int], *, mc_num: int, se
     return MaskSamples(tokens, masked, weight)
 
 
-def _scoring_hidden(model: Transformer, noisy_bl, clean_cl, valid_l, first, *, span: int, block_size):
-    """[B, L, D] the final-normed hidden state that scores each position of the noisy rows (for a
-    shifted-logit model, the column before it). The positions read are the `span` from `first`;
-    a block-causal model computes only what those need (`_block_scoring_hidden`). The B noisy
-    rows take the C clean rows `clean_cl` in turn: the first B / C rows the first, and so on."""
+@partial(arithmetic.jit, static_argnames=("graphdef", "block_size"))
+def _clean_state(graphdef, params, clean_cl, valid_l, *, block_size: int | None):
+    """What every masking pattern of the clean rows `clean_cl` [C, L] reads from them: for a
+    block-causal model (KV cache with every key seen by later blocks only, final-normed hidden
+    [C, L, D]) from one forward of those rows, block-causal as their half of the layout
+    `[noisy ; clean]` sees; nothing for a bidirectional model, whose noisy rows are forwarded
+    whole."""
+    if not block_size:
+        return None
+    model = nnx.merge(graphdef, params)
+    c, length = clean_cl.shape
+    positions_cl = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (c, length))
+    clean = model(clean_cl, positions_cl, valid_bl=jnp.broadcast_to(valid_l, (c, length)),
+                  cache=KVCache.init(model.config, c, length), write_cache=True, compute_logits=False)
+    return _seen_by_later_blocks(clean.cache, block_size), clean.hidden
+
+
+def _scoring_hidden(model: Transformer, noisy_bl, clean_state, valid_l, first, *, span: int, block_size):
+    """[B, span, D] the final-normed hidden states that score the `span` positions from `first`
+    of the noisy rows (for a shifted-logit model, the column before each). A block-causal model
+    computes only what those need (`_block_scoring_hidden`) from its `_clean_state`."""
     if block_size:
-        return _block_scoring_hidden(model, noisy_bl, clean_cl, valid_l, first, span=span, block_size=block_size)
+        return _block_scoring_hidden(model, noisy_bl, clean_state, valid_l, first, span=span, block_size=block_size)
     hidden = model(noisy_bl, valid_bl=jnp.broadcast_to(valid_l, noisy_bl.shape), compute_logits=False).hidden
     if model.config.shift_logits:  # Dream: p scored from p - 1 and 0 from itself, as its logits are
         hidden = layers.shift_right(hidden)
-    return hidden
+    return take_rows(hidden, jnp.full(noisy_bl.shape[:1], first, jnp.int32), span)
 
 
 def _seen_by_later_blocks(cache: KVCache, block_size: int) -> KVCache:
@@ -197,70 +213,89 @@ def _seen_by_later_blocks(cache: KVCache, block_size: int) -> KVCache:
     return cache.replace(positions=cache.positions + block_size)
 
 
-def _block_scoring_hidden(model: Transformer, noisy_bl, clean_cl, valid_l, first, *, span: int, block_size: int):
+def _block_scoring_hidden(model: Transformer, noisy_bl, clean_state, valid_l, first, *, span: int, block_size: int):
     """`_scoring_hidden` of a block-causal model: the training layout `[noisy ; clean]` (each noisy
     block sees its own noisy tokens and the clean blocks before it), computed without the 2L x 2L
-    attention of that layout's one forward, and with the clean tokens forwarded once.
+    attention of that layout's one forward, and with the clean tokens forwarded once
+    (`_clean_state`: C clean rows; the B noisy rows take them in turn, the first B / C rows the
+    first, and so on).
 
-    The clean rows are forwarded alone (block-causal, as their half of the layout sees) into a KV
-    cache. Each noisy row then forwards only the blocks that hold the read positions, against its
-    clean row's cache (`_seen_by_later_blocks`), each block a segment of its own so that blocks
-    do not see each other. Every other noisy column is context or suffix, never masked, and its
-    hidden state there equals the clean one: it is taken from the clean forward."""
-    cfg = model.config
-    c, length = clean_cl.shape
+    Each noisy row forwards only the blocks that hold the read positions, against its clean row's
+    cache, every block a segment of its own so that no block sees another. Rows of one clean row
+    go `_packed_copies` at a time side by side in one forward row (as PSD's verification packs
+    drafts), against one copy of the cache: packing more saves copies of the cache (memory) and
+    costs attention among the packed columns (FLOPs), and packing up to the cache's length keeps
+    that attention within the cache's own. Where a shifted-logit model scores a block's first
+    position from the column before it, that column is the clean block's last, taken from the
+    clean forward."""
+    cache, clean_hidden = clean_state
+    c, length = clean_hidden.shape[:2]
     rows = noisy_bl.shape[0]
-    positions_cl = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (c, length))
-    valid_cl = jnp.broadcast_to(valid_l, (c, length))
-    clean = model(clean_cl, positions_cl, valid_bl=valid_cl, cache=KVCache.init(cfg, c, length), write_cache=True,
-                  compute_logits=False)
-    per_row = lambda x: jnp.repeat(x, rows // c, axis=0)  # noqa: E731  clean row i -> its noisy rows
-    cache = _seen_by_later_blocks(clean.cache, block_size)
-    cache = cache.replace(k=tuple(map(per_row, cache.k)), v=tuple(map(per_row, cache.v)),
-                          positions=per_row(cache.positions), valid=per_row(cache.valid))
     # the blocks from the one holding `first` to the one holding first + span - 1, in a static
     # width that also fits where those blocks start late in the row
     width = min(length, span + 2 * block_size - 2)
     start = jnp.minimum(first - first % block_size, length - width)
-    start_b = jnp.full((rows,), start, jnp.int32)
-    chunk_positions = jnp.broadcast_to(start + jnp.arange(width, dtype=jnp.int32), (rows, width))
-    chunk = model(take_rows(noisy_bl, start_b, width), chunk_positions, segments_bl=chunk_positions // block_size + 1,
-                  valid_bl=take_rows(jnp.broadcast_to(valid_l, noisy_bl.shape), start_b, width), cache=cache,
-                  compute_logits=False)
-    clean_hidden = per_row(clean.hidden)
-    noisy_hidden = put_rows(clean_hidden, start_b, chunk.hidden)
-    return noisy_half_hidden(jnp.concatenate([noisy_hidden, clean_hidden], axis=1), block_size, cfg.shift_logits)
+    columns = start + jnp.arange(width, dtype=jnp.int32)
+    packed = _packed_copies(rows // c, width, length)
+    forward_rows = rows // packed
+    per_forward_row = lambda x: jnp.repeat(x, forward_rows // c, axis=0)  # noqa: E731  clean row i -> its rows
+    cache = cache.replace(k=tuple(map(per_forward_row, cache.k)), v=tuple(map(per_forward_row, cache.v)),
+                          positions=per_forward_row(cache.positions), valid=per_forward_row(cache.valid))
+    blocks_per_row = -(-length // block_size)
+    segments = jnp.arange(packed, dtype=jnp.int32)[:, None] * blocks_per_row + columns // block_size + 1
+    as_forward_rows = lambda x: jnp.broadcast_to(x.reshape(-1), (forward_rows, packed * width))  # noqa: E731
+    chunk = model(
+        jax.lax.dynamic_slice_in_dim(noisy_bl, start, width, axis=1).reshape(forward_rows, packed * width),
+        as_forward_rows(jnp.tile(columns, packed)), segments_bl=as_forward_rows(segments),
+        valid_bl=as_forward_rows(jnp.tile(jax.lax.dynamic_slice_in_dim(valid_l, start, width), packed)),
+        cache=cache, chunk_parts=copy_parts(packed, width), compute_logits=False,
+    ).hidden.reshape(rows, width, -1)
+    offset = jnp.full((rows,), first - start, jnp.int32)
+    own = take_rows(chunk, offset, span)
+    if not model.config.shift_logits:
+        return own
+    # column p - 1 for each read p: of the noisy chunk, or for a block's first position of the clean
+    # row (the chunk's own column before `start` is never read: `start` is a block's first position)
+    before = take_rows(jnp.pad(chunk, ((0, 0), (1, 0), (0, 0))), offset, span)
+    clean_before = jax.lax.dynamic_slice_in_dim(jnp.pad(clean_hidden, ((0, 0), (1, 0), (0, 0))), first, span, axis=1)
+    read = (first + jnp.arange(span))[None, :, None]
+    before = jnp.where(read % block_size == 0, jnp.repeat(clean_before, rows // c, axis=0), before)
+    return jnp.where(read == 0, own, before)  # position 0 scores from itself
+
+
+def _packed_copies(copies: int, width: int, length: int) -> int:
+    """How many of a clean row's `copies` noisy chunks of `width` columns one forward row packs:
+    the most that divides `copies` and fits the cache's `length` (at least 1)."""
+    return max(n for n in range(1, copies + 1) if copies % n == 0 and (n == 1 or n * width <= length))
 
 
 @partial(arithmetic.jit, static_argnames=("graphdef", "span", "block_size", "mask_id", "cfg"))
-def _masked_scores(graphdef, params, clean_l, masked_bl, valid_l, first, context_l, *, span, block_size,
+def _masked_scores(graphdef, params, clean_l, masked_bl, valid_l, first, context_l, clean_state, *, span, block_size,
                    mask_id, cfg=0.0):
     """log p(clean token | the noisy row) at the `span` positions from `first`: [B, span] (read
-    where masked), for the B masking patterns `masked_bl` of the one sequence `clean_l` [L]. Only
-    those positions, the continuation's, get logits. With `cfg` > 0, from the guided logits
-    (module docstring; `context_l` marks the context)."""
+    where masked), for the B masking patterns `masked_bl` of the one sequence `clean_l` [L], whose
+    `_clean_state` is given. Only those positions, the continuation's, get logits. With `cfg` > 0,
+    from the guided logits (module docstring; `context_l` marks the context, and the clean state
+    is that of [clean, clean with the context masked])."""
     model = nnx.merge(graphdef, params)
-    rows = masked_bl.shape[0]
     noisy = jnp.where(masked_bl, mask_id, clean_l)
-    first_b = jnp.full((rows,), first, jnp.int32)
-    labels = take_rows(jnp.broadcast_to(clean_l, masked_bl.shape), first_b, span)
-    score = partial(_scoring_hidden, model, span=span, block_size=block_size)
+    labels = jax.lax.dynamic_slice_in_dim(jnp.broadcast_to(clean_l, masked_bl.shape), first, span, axis=1)
+    score = partial(_scoring_hidden, model, clean_state=clean_state, valid_l=valid_l, first=first, span=span,
+                    block_size=block_size)
     if not cfg:
-        hidden = score(noisy, clean_l[None], valid_l, first)
-        return token_logprobs(model, take_rows(hidden, first_b, span), labels)[0]
+        return token_logprobs(model, score(noisy), labels)[0]
     unconditional = jnp.where(context_l, mask_id, noisy)  # the context masked wherever it is seen
-    hidden = score(jnp.concatenate([noisy, unconditional]), jnp.stack([clean_l, jnp.where(context_l, mask_id, clean_l)]),
-                   valid_l, first)
-    twice = jnp.concatenate([first_b, first_b])
-    conditional, guide = jnp.split(model.lm_logits(take_rows(hidden, twice, span)).astype(jnp.float32), 2)
+    conditional, guide = jnp.split(model.lm_logits(score(jnp.concatenate([noisy, unconditional]))).astype(jnp.float32), 2)
     return label_scores(guide + (cfg + 1) * (conditional - guide), labels).logp
 
 
 def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *, mask_id: int,
-                    pad_id: int = 0, cfg: float = 0.0, context_len: int = 0) -> np.ndarray:
+                    pad_id: int = 0, cfg: float = 0.0, context_len: int = 0, batch_size: int | None = None) -> np.ndarray:
     """[S, L] log-probs of the clean tokens at the masked positions of each pattern (0 elsewhere)
-    for one sequence `clean` [L] under its masking patterns `masked` [S, L]; with `cfg` > 0,
-    guided against the rows with their first `context_len` tokens masked too."""
+    for one sequence `clean` [L] under its masking patterns `masked` [S, L], `batch_size`
+    patterns per forward (all at once by default); with `cfg` > 0, guided against the rows with
+    their first `context_len` tokens masked too. A block-causal model forwards the clean row once
+    for all of them (`_clean_state`)."""
     if cfg < 0:
         raise ValueError(f"cfg={cfg} is negative; the guidance scale is 0 (none) or more, as in LLaDA's evaluation")
     if cfg and not context_len:
@@ -269,6 +304,7 @@ def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *
     block = model.config.block_size if model.config.attention == "block_causal" else None
     width = _bucket(len(clean))
     tokens, valid = _pad_rows([clean.tolist()], width, pad_id)
+    context = np.arange(width) < context_len
     mask = np.zeros((len(masked), width), bool)
     mask[:, : len(clean)] = masked
     read = np.flatnonzero(masked.any(axis=0))  # the columns any pattern masks: the continuation's
@@ -277,10 +313,18 @@ def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *
     span = min(_bucket(read[-1] - read[0] + 1), width)
     first = min(int(read[0]), width - span)
     graphdef, params = nnx.split(model)
-    scores = _masked_scores(graphdef, params, tokens[0], mask, valid[0], np.int32(first), np.arange(width) < context_len,
-                            span=span, block_size=block, mask_id=mask_id, cfg=float(cfg))
+    clean_rows = np.stack([tokens[0], np.where(context, mask_id, tokens[0])]) if cfg else tokens
+    clean_state = _clean_state(graphdef, params, clean_rows, valid[0], block_size=block)
+    batch_size = batch_size or len(mask)
     full = np.zeros(mask.shape, np.float32)
-    full[:, first : first + span] = np.asarray(jax.device_get(scores))
+    for start in range(0, len(mask), batch_size):
+        patterns = mask[start : start + batch_size]
+        rows = len(patterns)
+        if rows < batch_size:  # one compiled shape: pad with copies, dropped below
+            patterns = np.concatenate([patterns, np.repeat(patterns[:1], batch_size - rows, axis=0)])
+        scores = _masked_scores(graphdef, params, tokens[0], patterns, valid[0], np.int32(first), context, clean_state,
+                                span=span, block_size=block, mask_id=mask_id, cfg=float(cfg))
+        full[start : start + rows, first : first + span] = np.asarray(jax.device_get(scores))[:rows]
     return np.where(masked, full[:, : len(clean)], 0.0)
 
 
@@ -329,15 +373,7 @@ def masked_diffusion_bound(model: Transformer, context: list[int], continuation:
         raise ValueError("the continuation is empty; there is nothing to score")
     block = model.config.block_size if model.config.attention == "block_causal" else None
     samples = sample_masks(context, continuation, mc_num=mc_num, seed=seed, block_size=block, suffix=suffix)
-    values = []
-    batch_size = min(batch_size, mc_num)  # fewer samples than a batch: no padded rows
-    for start in range(0, mc_num, batch_size):
-        masked = samples.masked[start : start + batch_size]
-        rows = len(masked)
-        if rows < batch_size:  # one compiled shape: pad with copies, dropped below
-            masked = np.concatenate([masked, np.repeat(masked[:1], batch_size - rows, axis=0)])
-        logp = masked_logprobs(model, samples.tokens, masked, mask_id=mask_id, pad_id=pad_id, cfg=cfg,
-                               context_len=len(context))[:rows]
-        values.append(np.sum(logp * samples.weight[start : start + rows], axis=1, dtype=np.float64))
-    values = np.concatenate(values)
+    logp = masked_logprobs(model, samples.tokens, samples.masked, mask_id=mask_id, pad_id=pad_id, cfg=cfg,
+                           context_len=len(context), batch_size=min(batch_size, mc_num))
+    values = np.sum(logp * samples.weight, axis=1, dtype=np.float64)
     return values if return_samples else float(values.mean())
