@@ -174,7 +174,8 @@ def main(argv=None):
     lines = [f"# Block-causal likelihood scorer: cached vs the [noisy ; clean] layout ({jax.default_backend()})", "",
              f"`{command}`", "",
              f"{model_words}; block {args.block}; jax {jax.__version__}, {os.cpu_count()} CPUs. One batch of "
-             f"{args.patterns} masking patterns of a {args.continuation}-token continuation. CPU time is not the "
+             f"{args.patterns} masking patterns of a {args.continuation}-token continuation: cached is a request's "
+             "first batch (the clean forward and the patterns), next each further batch. CPU time is not the "
              "target; FLOPs and temporary bytes are what carry over to an accelerator.", ""]
     timed = not args.compile_only
     lines += ["| context | layout GFLOP | cached GFLOP | next GFLOP | layout temp MiB | cached temp MiB | next temp MiB"
