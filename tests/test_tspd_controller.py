@@ -14,8 +14,8 @@ import pytest
 from dlmjax.decoding.api import generate
 from dlmjax.decoding.spec import DecoderSpecError, decoder_spec, parse_decoder
 from dlmjax.heads.controller import (
-    ControllerMismatchError, controller_module, export_controller, load_controller, mlp_logits, model_fingerprint,
-    save_controller,
+    ControllerMismatchError, check_features, controller_module, export_controller, load_controller, mlp_logits,
+    model_fingerprint, save_controller,
 )
 from dlmjax.io.safetensors import SafetensorsFile
 from dlmjax.traces import TraceError, collect_traces, load_traces, save_traces
@@ -161,7 +161,7 @@ def test_features_are_clamped_to_the_range_of_the_training_traces(trained, tmp_p
     np.testing.assert_array_equal(np.asarray(mlp_logits(params, far)), np.asarray(mlp_logits(params, edge)))
     stored = SafetensorsFile(w.path)
     unbounded = {k: stored.get(k) for k in stored.keys() if k not in ("feature_min", "feature_max")}
-    from dlmjax.io.safetensors import save_file
+    from dlmjax.io.safetensors import CheckpointError, save_file
 
     old = tmp_path / "old.safetensors"
     save_file(unbounded, old, metadata=stored.metadata)
@@ -256,3 +256,43 @@ def test_learn2pd_block_filter_trains_decodes_and_kinds_do_not_mix(trained, sdar
         parse_decoder("learn2pd")
     filter_in_the_checkout = Path(__file__).parents[1] / "benchmarks/results/tspd_toy/learn2pd_filter.safetensors"
     assert load_controller(str(filter_in_the_checkout)).kind == "block"
+
+
+def test_controller_files_of_the_wrong_shapes_and_thresholds_of_zero_are_refused(tmp_path):
+    """Every tensor's shape is checked against the features the metadata names, on save and on load:
+    a block filter with one output (one score would decide all K positions), a token controller
+    with two (the second silently ignored), and fc1/fc2 of different hidden sizes (a dot_general
+    error mid-decode) are refused naming the tensor. A threshold of 0 commits the whole block at
+    once: refused for tspd and ce, as for threshold."""
+    from dlmjax.io.safetensors import CheckpointError, save_file
+
+    shipped = load_controller("toy-sdar")
+    block_filter = load_controller(str(Path(__file__).parents[1] / "benchmarks/results/tspd_toy/learn2pd_filter.safetensors"))
+    hidden = shipped.params["fc1_w"].shape[0]
+    wrong = {
+        "token controller with two outputs": (shipped, {"fc2_w": np.zeros((2, hidden)), "fc2_b": np.zeros(2)},
+                                              r"fc2.weight is \(2, \d+\), expected \(1, \d+\)"),
+        "fc2 of another hidden size": (shipped, {"fc2_w": np.zeros((1, hidden + 1))}, r"fc2.weight .* expected"),
+        "block filter with one output": (block_filter, {"fc2_w": block_filter.params["fc2_w"][:1],
+                                                        "fc2_b": block_filter.params["fc2_b"][:1]},
+                                         r"fc2.weight is \(1, \d+\), expected \(8, \d+\)"),
+    }
+    for name, (w, changed, message) in wrong.items():
+        params = {**w.params, **changed}
+        with pytest.raises(InputError, match=message):
+            save_controller(params, tmp_path / "refused.safetensors", features=w.features, threshold=w.threshold,
+                            model=w.model, block=w.block)
+        path = tmp_path / f"{name.replace(' ', '_')}.safetensors"
+        shutil.copy(Path(w.path), path)  # the same file with the one tensor changed
+        f = SafetensorsFile(path)
+        tensors = {key: np.asarray(f.get(key)) for key in f.keys()}
+        tensors.update({key.replace("fc2_w", "fc2.weight").replace("fc2_b", "fc2.bias"): np.asarray(v, np.float32)
+                        for key, v in changed.items()})
+        save_file(tensors, path, metadata=f.metadata)
+        with pytest.raises(CheckpointError, match=f"does not hold the controller its metadata names: .*{message}"):
+            load_controller(str(path))
+    for spec in ("tspd:controller=toy-sdar,threshold=0", "tspd+ce:controller=toy-sdar,tau=0", "ce:tau=0"):
+        with pytest.raises(DecoderSpecError, match=r"must be in \(0, 1\)"):
+            parse_decoder(spec)
+    with pytest.raises(InputError, match=r"or \['block_confidence'\] alone"):
+        check_features(["block_confidence", "confidence"])

@@ -253,13 +253,17 @@ def ce_rules(cfg, kal: Kalman, commit_bk, masked_bk):
     return commit_bk & masked_bk
 
 
+# (0, 1): at 0 every masked token is above it, and the whole block commits at once (as `threshold`'s tau)
+STRICT_UNIT = Range(0, 1, low_open=True, high_open=True)
+
+
 @dataclass(frozen=True)
 class _CEOptions(DiffusionDecoder):
     """CE options: tau (threshold), horizon (forecast rounds), z (lower bound = mean - z std), q/r
     (process/measurement noise), lookahead/stabilize (the two rules), osc_eps (smallest velocity
     change that counts as oscillation), floor (forecast mean under which a commit is held)."""
 
-    limits = {"tau": Range(0, 1, high_open=True), "horizon": AT_LEAST_1, "z": AT_LEAST_0, "q": AT_LEAST_0,
+    limits = {"tau": STRICT_UNIT, "horizon": AT_LEAST_1, "z": AT_LEAST_0, "q": AT_LEAST_0,
               "r": POSITIVE, "osc_eps": AT_LEAST_0, "floor": PROBABILITY}
     tau: float = 0.9
     horizon: int = 2
@@ -278,7 +282,7 @@ class _ControllerOptions(DiffusionDecoder):
     one (toy-sdar). threshold: commit where P(final) > threshold (default: the controller's
     calibrated one). features: optional '+'-joined feature names, checked against the controller's."""
 
-    limits = {"threshold": Range(0, 1, high_open=True)}
+    limits = {"threshold": STRICT_UNIT}
     controller: str = ""
     threshold: float | None = None
     features: str = ""

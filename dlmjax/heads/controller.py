@@ -62,7 +62,7 @@ def check_features(features) -> tuple[str, ...]:
     unknown = [f for f in features if f not in FEATURES]
     if not features or unknown or len(set(features)) != len(features):
         raise InputError(f"controller features {list(features)}: give a non-empty list of distinct names from "
-                         f"{', '.join(FEATURES)}")
+                         f"{', '.join(FEATURES)}, or {list(BLOCK_FEATURES)} alone (the Learn2PD block filter)")
     return features
 
 
@@ -170,14 +170,28 @@ class ControllerWeights:
                 f"{'+'.join(features)}; drop the decoder's features= option or train a controller on that set")
 
 
+def shape_problems(params: dict, features) -> list[str]:
+    """What is wrong with the shapes of a controller's tensors (PyTorch layout) for `features`: a
+    token controller reads the F named features and gives one logit; a block filter
+    (BLOCK_FEATURES) reads a block's K confidences and gives K. Empty when they fit."""
+    hidden, width = params["fc1_w"].shape
+    if features != BLOCK_FEATURES and width != len(features):
+        return [f"fc1.weight {params['fc1_w'].shape} reads {width} inputs, and {len(features)} features are named"]
+    outputs = width if features == BLOCK_FEATURES else 1
+    expected = {"fc1_b": (hidden,), "fc2_w": (outputs, hidden), "fc2_b": (outputs,), **{b: (width,) for b in _BUFFERS}}
+    return [f"{_TORCH_NAMES[name]} is {tuple(params[name].shape)}, expected {shape}"
+            for name, shape in expected.items() if tuple(params[name].shape) != shape]
+
+
 def save_controller(controller: Controller | dict, path: str | Path, *, features, threshold: float, model: dict,
                     block: int | None = None) -> Path:
     """Write the controller as one safetensors file in PyTorch layout (module docstring); `block`:
     the block its traces were decoded in."""
     params = controller.params() if isinstance(controller, Controller) else controller
     features = check_features(features)
-    if features != BLOCK_FEATURES and params["fc1_w"].shape[1] != len(features):
-        raise InputError(f"controller has {params['fc1_w'].shape[1]} inputs but {len(features)} features were named")
+    problems = shape_problems(params, features)
+    if problems:
+        raise InputError(f"controller for features {list(features)}: {'; '.join(problems)}")
     path = Path(path)
     if path.suffix != ".safetensors":
         path = path / CONTROLLER_FILE
@@ -231,10 +245,9 @@ def _read_controller(path: str, sha256: str) -> ControllerWeights:
         else:
             raise CheckpointError(f"{path}: TSPD controller is missing tensor {theirs!r}")
     features = check_features(json.loads(meta["features"]))
-    width = params["fc1_w"].shape[1] if features == BLOCK_FEATURES else len(features)
-    if params["fc1_w"].shape[1] != width or any(params[b].shape != (width,) for b in _BUFFERS):
-        raise CheckpointError(f"{path}: fc1.weight {params['fc1_w'].shape} does not read the {len(features)} "
-                              f"features named in its metadata")
+    problems = shape_problems(params, features)
+    if problems:
+        raise CheckpointError(f"{path} does not hold the controller its metadata names: {'; '.join(problems)}")
     return ControllerWeights(params=params, features=features, threshold=float(meta["threshold"]),
                              model=json.loads(meta["model"]), path=str(path),
                              block=int(meta["block"]) if "block" in meta else None, sha256=sha256)
