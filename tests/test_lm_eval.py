@@ -776,3 +776,21 @@ def test_causal_rolling_windows_of_all_documents_are_scored_together_without_pad
     alone = DlmjaxLM(pretrained="toy-ar", batch_size=1, mesh_data=1, warmup=False)
     assert totals == pytest.approx([alone.loglikelihood_rolling([d], disable_tqdm=True)[0] for d in documents],
                                    rel=1e-5)
+
+
+def test_a_context_cut_to_fit_the_model_is_warned_about(caplog):
+    """A loglikelihood context longer than the model is left-truncated, as lm-eval's HF model does,
+    and a warning says so (generate_until's did; a cut few-shot prompt changes the score); a rolling
+    window, cut to fit by design, is not warned about."""
+    import logging
+
+    lm = DlmjaxLM(pretrained="toy-ar", mesh_data=1, warmup=False)
+    long_context = list(range(3, 13)) * (lm.max_length // 10 + 1)
+    with caplog.at_level(logging.WARNING, logger="dlmjax"):
+        context, continuation = lm._fit(long_context, [5, 6])
+        assert len(context) + len(continuation) == lm.max_length + 1 and context == long_context[-len(context):]
+        assert "left-truncated" in caplog.text
+        caplog.clear()
+        lm._fit(long_context, [5, 6], rolling=True)
+        lm._fit([4, 5], [5, 6])
+        assert "left-truncated" not in caplog.text

@@ -479,7 +479,11 @@ class DlmjaxLM(TemplateLM):
         if room < 1:
             raise RequestError(f"a continuation of {len(continuation)} tokens does not fit the model's length "
                                f"{self.max_length} with any context")
-        return (list(context) or [self.prefix_token_id])[-room:], continuation
+        context = list(context) or [self.prefix_token_id]
+        if len(context) > room and not rolling:  # a rolling window's context is cut to fit by design
+            log.warning("a context of %d tokens is left-truncated to %d to score a %d-token continuation (model "
+                        "length %d)", len(context), room, len(continuation), self.max_length)
+        return context[-room:], continuation
 
     def _scored_length(self, rolling: bool = False) -> int:
         """Most tokens one window scores: a causal model reads all but the last of context +
