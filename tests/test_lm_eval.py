@@ -478,7 +478,7 @@ def test_masked_logprobs_score_the_continuation_window_as_the_whole_rows_would(w
             logits = model(jnp.where(mask, mask_id, tokens), valid_bl=jnp.asarray(valid)).logits
             logp = jax.nn.log_softmax(logits, axis=-1)
             whole = jnp.take_along_axis(logp, jnp.asarray(tokens)[..., None], axis=-1)[..., 0]
-    # fp32: the packed patterns' attention sums over wider key rows than the whole rows' (2e-6 relative)
+    # fp32: the window's program and the whole rows' differ in widths, so in reduction order (2e-6 relative)
     np.testing.assert_allclose(got, np.where(masked, np.asarray(whole)[:, :46], 0.0), rtol=1e-5, atol=1e-5)
     assert np.count_nonzero(got) == masked.sum()
     nothing = masked_logprobs(model, clean, np.zeros_like(masked), mask_id=mask_id)  # no column to score
