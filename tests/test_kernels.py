@@ -220,7 +220,8 @@ def kernel_models(tmp_path_factory):
         prompts = [tokenizer.encode(p) for p in ("12+7=", "3*4=", "ab")]
         models[name] = (model, prompts, head, drafter)
     sdar = models["toy-sdar"][0].config
-    block_filter = save_controller(Controller(sdar.block_size, seed=1), cache / "block_filter.safetensors",
+    block_filter = save_controller(Controller(sdar.block_size, outputs=sdar.block_size, seed=1),
+                                   cache / "block_filter.safetensors",
                                    features=BLOCK_FEATURES, threshold=0.5, model=model_fingerprint(sdar))
     return models, str(block_filter)
 
