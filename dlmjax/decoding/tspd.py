@@ -55,7 +55,7 @@ from dlmjax.heads.controller import (
     BLOCK_FEATURES, FEATURES, ControllerMismatchError, load_controller, mlp_logits, mlp_outputs,
 )
 from dlmjax.models.transformer import take_rows
-from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, PROBABILITY, Range
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, PROBABILITY, STRICT_UNIT
 
 # -- trajectory features ------------------------------------------------------------------------
 
@@ -253,16 +253,13 @@ def ce_rules(cfg, kal: Kalman, commit_bk, masked_bk):
     return commit_bk & masked_bk
 
 
-# (0, 1): at 0 every masked token is above it, and the whole block commits at once (as `threshold`'s tau)
-STRICT_UNIT = Range(0, 1, low_open=True, high_open=True)
-
-
 @dataclass(frozen=True)
 class _CEOptions(DiffusionDecoder):
     """CE options: tau (threshold), horizon (forecast rounds), z (lower bound = mean - z std), q/r
     (process/measurement noise), lookahead/stabilize (the two rules), osc_eps (smallest velocity
     change that counts as oscillation), floor (forecast mean under which a commit is held)."""
 
+    # tau 0 (as threshold 0 below): every masked token is above it, and the whole block commits at once
     limits = {"tau": STRICT_UNIT, "horizon": AT_LEAST_1, "z": AT_LEAST_0, "q": AT_LEAST_0,
               "r": POSITIVE, "osc_eps": AT_LEAST_0, "floor": PROBABILITY}
     tau: float = 0.9

@@ -42,8 +42,8 @@ from dlmjax.config import ModelConfig
 from dlmjax.train.mrp import LOSSES
 from dlmjax.train.objectives import MASK_RATES, WEIGHTINGS
 from dlmjax.validation import (
-    AT_LEAST_0, AT_LEAST_1, POSITIVE, PROBABILITY, SEED_RANGE, InputError, OneOf, Range, annotation_kinds,
-    check_fields, check_value,
+    AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, POSITIVE, PROBABILITY, SEED_RANGE, STRICT_UNIT, InputError, OneOf, Range,
+    annotation_kinds, check_fields, check_value,
 )
 
 OBJECTIVES = ("block_diffusion", "next_token", "mrp", "drafter", "tspd")
@@ -229,8 +229,7 @@ class TSPDSection:
     holdout: float = 0.2  # fraction of the traces' prompts held out (eval and threshold calibration)
     target_precision: float = 0.999  # calibrated threshold: the smallest with this held-out precision
 
-    limits = {"hidden": AT_LEAST_1, "holdout": Range(0, 1, low_open=True, high_open=True),
-              "target_precision": Range(0, 1, low_open=True)}
+    limits = {"hidden": AT_LEAST_1, "holdout": STRICT_UNIT, "target_precision": OPEN_UNIT}
 
     def __post_init__(self):
         check_fields(self, "tspd.", error=RunConfigError)
