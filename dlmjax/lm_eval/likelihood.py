@@ -177,14 +177,11 @@ def sample_masks(context: list[int], continuation: list[int], *, mc_num: int, se
 
 
 @partial(arithmetic.jit, static_argnames=("graphdef", "block_size"))
-def _clean_state(graphdef, params, clean_cl, valid_l, *, block_size: int | None):
-    """What every masking pattern of the clean rows `clean_cl` [C, L] reads from them: for a
-    block-causal model (KV cache with every key seen by later blocks only, final-normed hidden
-    [C, L, D]) from one forward of those rows, block-causal as their half of the layout
-    `[noisy ; clean]` sees; nothing for a bidirectional model, whose noisy rows are forwarded
-    whole."""
-    if not block_size:
-        return None
+def _clean_state(graphdef, params, clean_cl, valid_l, *, block_size: int):
+    """What every masking pattern of a block-causal model reads from the clean rows `clean_cl`
+    [C, L]: (KV cache with every key seen by later blocks only, final-normed hidden [C, L, D]),
+    from one forward of those rows, block-causal as their half of the layout `[noisy ; clean]`
+    sees. (A bidirectional model's noisy rows are forwarded whole and read no clean state.)"""
     model = nnx.merge(graphdef, params)
     c, length = clean_cl.shape
     positions_cl = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (c, length))
@@ -314,7 +311,7 @@ def masked_logprobs(model: Transformer, clean: np.ndarray, masked: np.ndarray, *
     first = min(int(read[0]), width - span)
     graphdef, params = nnx.split(model)
     clean_rows = np.stack([tokens[0], np.where(context, mask_id, tokens[0])]) if cfg else tokens
-    clean_state = _clean_state(graphdef, params, clean_rows, valid[0], block_size=block)
+    clean_state = _clean_state(graphdef, params, clean_rows, valid[0], block_size=block) if block else None
     batch_size = batch_size or len(mask)
     full = np.zeros(mask.shape, np.float32)
     for start in range(0, len(mask), batch_size):
