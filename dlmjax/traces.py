@@ -30,6 +30,8 @@ On-disk format: a directory with
   meta.json    {"format": "dlmjax-tspd-traces", "version": 1, "features", "model" (fingerprint),
                 "model_source", "count", "positives", "num_prompts", "tasks", "block",
                 "max_new_tokens" (per task), "rollout", "cache" (exact for block-causal models), "seed"}
+Each prompt is traced once (`distinct`; `collect_traces` refuses a repeat), and the toy tasks'
+prompts exclude their evaluation sets' (`task_prompts`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from dlmjax.validation import InputError, count_arg, seed_arg
 
 TRACE_FORMAT = "dlmjax-tspd-traces"
 TRACE_VERSION = 1
+DRAWS_PER_PROMPT = 16  # task_prompts: draws per wanted prompt before a toy task counts as having no more
 FIELDS = ("features", "label", "prompt", "round", "block", "token", "target")
 
 
@@ -212,8 +215,15 @@ def trace_block(cfg, block: int | None) -> int:
 def collect_traces(model, prompt_ids: list[list[int]], *, max_new_tokens: int, batch_size: int = 32, mesh=None,
                    block: int | None = None, cache: str = "none", rollout: str = "egp",
                    eos_ids: tuple[int, ...] | None = None) -> dict:
-    """Traces of every prompt, `batch_size` prompts per batch (a multiple of the mesh's data
-    axis with `mesh`; the last batch is padded with copies of its first prompt, dropped after)."""
+    """Traces of every prompt (each given once), `batch_size` prompts per batch (a multiple of the
+    mesh's data axis with `mesh`; the last batch is padded with copies of its first prompt, dropped after)."""
+    first = {}
+    for i, ids in enumerate(prompt_ids):
+        j = first.setdefault(tuple(ids), i)
+        if j != i:
+            raise TraceError(f"prompt {i} repeats prompt {j}: its traces would be the same again, and a held-out "
+                             "split by prompt would hold copies of training prompts; pass each prompt once "
+                             "(dlmjax.traces.distinct)")
     data = 1 if mesh is None else mesh.shape["data"]
     if batch_size % data:
         raise TraceError(f"batch_size={batch_size} must be a multiple of the {data} data-parallel devices")
@@ -264,19 +274,34 @@ def load_traces(path: str | Path, *, expect_model: dict | None = None) -> tuple[
 
 
 def task_prompts(tasks: list[str], per_task: int, seed: int):
-    """[(task, prompts)] from the toy tasks' generators (seed 1234 is the eval sets': use another)."""
+    """[(task, prompts)]: per toy task, the first `per_task` distinct prompts its generator draws
+    with `seed` that are not in the task's evaluation set (`dlmjax eval`'s prompts, seed 1234), or
+    all it finds in DRAWS_PER_PROMPT x per_task draws where the task has fewer (toy-constraint has
+    39 prompts, 38 of them in its evaluation set)."""
+    from dlmjax.evaluation.tasks import load_eval_set
     from dlmjax.toy.tasks import get_task
 
-    return [(t, [ex.prompt for ex in get_task(t).generate(per_task, seed)]) for t in tasks]
+    out = []
+    for task in tasks:
+        evaluated = {item.prompt for item in load_eval_set(task).items}
+        drawn = distinct(ex.prompt for ex in get_task(task).generate(DRAWS_PER_PROMPT * per_task, seed))
+        out.append((task, [p for p in drawn if p not in evaluated][:per_task]))
+    return out
+
+
+def distinct(prompts) -> list:
+    """The prompts in order, each once: a repeated prompt decodes to the same traces again, and a
+    held-out split by prompt (dlmjax.train.tspd) would hold copies of training prompts."""
+    return list(dict.fromkeys(prompts))
 
 
 def prompts_from_file(path: str | Path, *, field: str = "prompt", limit: int | None = None) -> list[str]:
     """Prompts from a JSONL file (`field` of each object, e.g. GSM8K's `question`) or a text file
-    (one prompt per line; blank lines skipped). Training traces should not come from a test split."""
+    (one prompt per line; blank lines skipped), each once. Training traces should not come from a test split."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"--prompts {path}: no such file")
-    prompts = []
+    prompts, seen, repeats = [], set(), 0
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -288,11 +313,17 @@ def prompts_from_file(path: str | Path, *, field: str = "prompt", limit: int | N
             if not isinstance(row, dict) or not isinstance(row.get(field), str) or not row[field]:
                 raise TraceError(f"{path}:{number}: no text field {field!r} (pass --field NAME)")
             line = row[field]
+        if line in seen:
+            repeats += 1
+            continue
+        seen.add(line)
         prompts.append(line)
         if limit is not None and len(prompts) == limit:
             break
     if not prompts:
         raise TraceError(f"{path} holds no prompts")
+    if repeats:
+        print(f"note: {path}: {repeats} repeated prompts skipped (each is traced once)")
     return prompts
 
 
@@ -322,6 +353,9 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
     lengths = {t: (max_new_tokens or {}).get(t, TOY_MAX_NEW_TOKENS.get(t, 32)) for t in tasks}
     parts, offsets, total = [], [], 0
     for task, prompts in task_prompts(tasks, per_task, seed):
+        if len(prompts) < per_task:
+            print(f"note: {task} has {len(prompts)} distinct prompt(s) outside its evaluation set, fewer than "
+                  f"--per-task {per_task}")
         ids = [tokenizer.encode_prompt(p) for p in prompts]
         parts.append(collect_traces(model, ids, max_new_tokens=lengths[task], batch_size=batch_size, mesh=mesh,
                                     block=block, cache=cache, rollout=rollout,

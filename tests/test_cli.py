@@ -271,10 +271,11 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
 
     questions = ["12+7-3", "4 distinct digits, sum 11", "3+0+0+5"]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": q + "\n", "answer": "x"}) + "\n"
-                                                  for q in questions))
+                                                  for q in questions[:1] + questions))  # the first twice
     out = tmp_path / "traces"
     assert main(["traces", "--model", "toy-sdar", "--prompts", str(tmp_path / "train.jsonl"), "--field", "question",
                  "--per-task", "2", "--max-new-tokens", "16", "--seed", "1234", "--out", str(out)]) == 0
+    assert "1 repeated prompts skipped" in capsys.readouterr().out  # --per-task 2 counts distinct prompts
     arrays, meta = load_traces(out)  # (--seed 1234 draws the toy tasks' eval prompts; with --prompts, nothing)
     assert meta["tasks"] == ["train"] and meta["num_prompts"] == 2 and meta["max_new_tokens"] == {"train": 16}
     _, model, tokenizer, _ = load_checkpoint("toy-sdar")

@@ -197,3 +197,26 @@ def test_traces_refuse_whole_blocks_past_a_bidirectional_models_length_and_recor
     assert meta["cache"] == "exact"  # a block-causal model's own cache, whatever --cache says
     _, meta = traces_for_prompts(model, tokenizer, ["1+2\n"], name="p", max_new_tokens=4, cache="prefix", block=4)
     assert meta["cache"] == "prefix"
+
+
+def test_each_prompt_is_traced_once_and_none_is_an_evaluation_prompt():
+    """A repeated prompt decodes to the same traces again, and the held-out split by prompt would
+    hold copies of training prompts (toy-constraint has 39 distinct prompts: 512 draws of it had put
+    half the held-out prompts in training too, and all of its evaluation prompts): the toy draws
+    are distinct and outside the evaluation sets, and a repeat is refused."""
+    from dlmjax.evaluation.tasks import load_eval_set
+    from dlmjax.presets import load_checkpoint
+    from dlmjax.toy.tasks import get_task
+    from dlmjax.traces import task_prompts
+
+    (_, constraint), (_, arith) = task_prompts(["toy-constraint", "toy-arith"], 2048, seed=0)
+    evaluated = {t: {item.prompt for item in load_eval_set(t).items} for t in ("toy-constraint", "toy-arith")}
+    assert len(set(constraint)) == len(constraint) == 1  # toy-constraint's 39 prompts less its 38 evaluated
+    assert len(set(arith)) == len(arith) == 2048 and not set(arith) & evaluated["toy-arith"]
+    draws = [ex.prompt for ex in get_task("toy-arith").generate(2200, 0)]
+    assert len(set(draws[:2048]) & evaluated["toy-arith"]) == 2  # what the old draws traced
+    assert arith == [p for p in dict.fromkeys(draws) if p not in evaluated["toy-arith"]][:2048]  # in order
+    _, model, tokenizer, _ = load_checkpoint("toy-sdar")
+    ids = [tokenizer.encode(p) for p in ("3+4\n", "5+1\n", "3+4\n")]
+    with pytest.raises(TraceError, match="prompt 2 repeats prompt 0"):
+        collect_traces(model, ids, max_new_tokens=8)

@@ -84,7 +84,8 @@ def calibrate_threshold(probs, labels, target_precision: float) -> tuple[float, 
 
 
 def split_prompts(prompt_ids, holdout: float, seed: int):
-    """(train mask, held-out mask) over token-rounds, split by prompt."""
+    """(train mask, held-out mask) over token-rounds, split by prompt index (dlmjax.traces traces
+    each prompt once, so no held-out prompt is also a training one)."""
     prompts = np.unique(prompt_ids)
     rng = np.random.default_rng(seed)
     held = set(rng.permutation(prompts)[: max(1, int(round(holdout * len(prompts))))].tolist())
