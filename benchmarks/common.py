@@ -52,11 +52,12 @@ def peaked_random_model(family: str, args, *, num_kv_heads: int) -> dlmjax.Trans
     return model
 
 
-def median_ms(fn, repeats: int) -> float:
-    """Median wall ms of fn() (its result waited for), after one untimed call (compile)."""
+def median_ms(fn, repeats: int, *, warmup: int = 1) -> float:
+    """Median wall ms of fn() (its result waited for), after `warmup` untimed calls (compile)."""
     import jax
 
-    jax.block_until_ready(fn())
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -22,16 +22,16 @@ import argparse
 import json
 import platform
 import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlmjax.models.fused import join_gate_up, join_qkv, split_gate_up, split_qkv
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import median_ms  # noqa: E402
+from dlmjax.models.fused import join_gate_up, join_qkv, split_gate_up, split_qkv  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -48,17 +48,6 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
     return p.parse_args(argv)
-
-
-def _median_ms(fn, *args, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def layer_weights(args, dtype, seed: int):
@@ -117,8 +106,8 @@ def main(argv=None) -> int:
                            for a, b in zip(jax.tree.leaves(sep_fn(x, separate)), jax.tree.leaves(fused_fn(x, fused))))
                 sep_ms, fused_ms = [], []
                 for _ in range(3):  # alternate so background load hits both alike
-                    sep_ms.append(_median_ms(sep_fn, x, separate, warmup=args.warmup, repeats=args.repeats))
-                    fused_ms.append(_median_ms(fused_fn, x, fused, warmup=args.warmup, repeats=args.repeats))
+                    sep_ms.append(median_ms(lambda: sep_fn(x, separate), args.repeats, warmup=args.warmup))
+                    fused_ms.append(median_ms(lambda: fused_fn(x, fused), args.repeats, warmup=args.warmup))
                 row = dict(projection=name, dtype=dtype_name, tokens=tokens, layers=args.layers,
                            separate_ms=min(sep_ms), fused_ms=min(fused_ms), max_abs_diff=diff)
                 row["speedup"] = row["separate_ms"] / row["fused_ms"]

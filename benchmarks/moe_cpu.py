@@ -21,9 +21,7 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -32,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dlmjax  # noqa: E402
+from benchmarks.common import median_ms  # noqa: E402
 from dlmjax.models import moe  # noqa: E402
 
 
@@ -60,17 +59,6 @@ def routed_layer(x_td, router_de, gate_up, down, cfg, experts_fn):
     return moe.combine(experts_fn(x_td, experts_tk, gate_up, down), weights_tk)
 
 
-def time_call(fn, *xs, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*xs))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*xs))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -94,7 +82,7 @@ def main(argv=None):
     for tokens in args.tokens:
         x = jnp.asarray(rng.normal(size=(tokens, d)), jnp.float32)
         out = {name: fn(x, router, gate_up, down) for name, fn in paths.items()}
-        ms = {name: time_call(fn, x, router, gate_up, down, warmup=args.warmup, repeats=args.repeats)
+        ms = {name: median_ms(lambda: fn(x, router, gate_up, down), args.repeats, warmup=args.warmup)
               for name, fn in paths.items()}
         row = dict(tokens=tokens, **{f"{name}_ms": round(t, 2) for name, t in ms.items()},
                    dense_over_tiled=round(ms["dense"] / ms["tiled"], 2),

@@ -34,9 +34,7 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -45,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dlmjax  # noqa: E402
+from benchmarks.common import median_ms  # noqa: E402
 from dlmjax.models import moe  # noqa: E402
 from dlmjax.sharding import make_mesh  # noqa: E402
 
@@ -74,17 +73,6 @@ def layer_config(args) -> dlmjax.ModelConfig:
                               norm_topk_prob=False)
 
 
-def time_call(fn, *xs, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*xs))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*xs))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -107,7 +95,7 @@ def main(argv=None):
     xs = {t: np.asarray(rng.normal(size=(t, d)), np.float32) for t in args.tokens}
     local = jax.jit(lambda x, r, g, w: moe.moe_forward(x, r, None, g, w, cfg))
     expected = {t: np.asarray(local(x, router, gate_up, down)) for t, x in xs.items()}
-    local_ms = {t: time_call(local, x, router, gate_up, down, warmup=args.warmup, repeats=args.repeats)
+    local_ms = {t: median_ms(lambda: local(x, router, gate_up, down), args.repeats, warmup=args.warmup)
                 for t, x in xs.items()}
 
     rows = []
@@ -127,7 +115,7 @@ def main(argv=None):
                 fn = jax.jit(lambda x, r, g, w, mode=mode: moe.moe_forward(x, r, None, g, w, cfg, dispatch=mode))
                 hlo = fn.lower(x, *params).compile().as_text()
                 got = np.asarray(fn(x, *params))
-                row[f"{mode}_ms"] = round(time_call(fn, x, *params, warmup=args.warmup, repeats=args.repeats), 2)
+                row[f"{mode}_ms"] = round(median_ms(lambda: fn(x, *params), args.repeats, warmup=args.warmup), 2)
                 row[f"{mode}_collective_bytes_per_device"] = collective_bytes(hlo)
                 row[f"{mode}_max_abs_diff"] = float(np.abs(got - expected[t]).max())
             rows.append(row)
