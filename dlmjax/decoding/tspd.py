@@ -121,7 +121,6 @@ def block_abs_pos(fwd, block_b):
 # -- the Kalman filter (pure, elementwise over any leading shape) ---------------------------------
 
 A = ((1.0, 1.0), (0.0, 1.0))
-VELOCITY_PRIOR_VAR = 1.0  # velocity variance after the first observation (confidences live in [0, 1])
 
 
 @struct.dataclass
@@ -149,9 +148,10 @@ def kalman_predict(x, p, q: float):
 def kalman_update(state: Kalman, z, *, q: float, r: float, osc_eps: float = 0.0) -> Kalman:
     """One observation z [...] (float32): the two-point start for the first two, then predict + update."""
     z = z.astype(jnp.float32)
-    # n == 0: x = [z, 0], P = diag(r, prior)
+    # n == 0: x = [z, 0]; no covariance yet (a forecast before two observations has infinite
+    # variance, and the two-point start replaces it)
     x0 = jnp.stack([z, jnp.zeros_like(z)], -1)
-    p0 = jnp.broadcast_to(_mat(((r, 0.0), (0.0, VELOCITY_PRIOR_VAR))), (*z.shape, 2, 2))
+    p0 = jnp.zeros((*z.shape, 2, 2), jnp.float32)
     # n == 1: the two-point start
     x1 = jnp.stack([z, z - state.x[..., 0]], -1)
     p1 = jnp.broadcast_to(_mat(((r, r), (r, 2 * r))), (*z.shape, 2, 2))
