@@ -276,8 +276,9 @@ class _CEOptions(DiffusionDecoder):
 @dataclass(frozen=True)
 class _ControllerOptions(DiffusionDecoder):
     """controller: a tspd_controller.safetensors file, a directory with one, or a preset that ships
-    one (toy-sdar). threshold: commit where P(final) > threshold (default: the controller's
-    calibrated one). features: optional '+'-joined feature names, checked against the controller's."""
+    one (toy-sdar). threshold: commit where the controller's score (trained class-balanced: not
+    P(final)) > threshold (default: its calibrated one). features: optional '+'-joined feature
+    names, checked against the controller's."""
 
     limits = {"threshold": STRICT_UNIT}
     controller: str = ""

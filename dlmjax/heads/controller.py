@@ -20,7 +20,7 @@ PyTorch:
                                sd["fc2.weight"], sd["fc2.bias"]))
 
 The clamp keeps a feature inside the range the controller was trained on: an MLP's output past
-it is an extrapolation (a controller trained on 48-token toy answers gave P(final) = 1 to every
+it is an extrapolation (a controller trained on 48-token toy answers gave a score of 1 to every
 token past position 200, whatever its confidence). A file without `feature_min`/`feature_max`
 (written before they existed) is read unclamped.
 """
