@@ -311,6 +311,43 @@ def test_chat_options_of_lm_evals_hf_model(monkeypatch, tmp_path):
         DlmjaxLM(pretrained="toy-ar", mesh_data=1, add_bos_token="maybe")
 
 
+@pytest.mark.parametrize("post_processor", [False, True])
+def test_add_bos_token_encodes_as_lm_evals_hf_model_does(tmp_path, post_processor):
+    """HFLM hands add_bos_token to transformers' tokenizer and to `encode`: true puts BOS first where
+    the tokenizer names one and its special tokens add none (SmolLM2: bos_token <|endoftext|>), and
+    once where they do (Llama 3); false adds no special tokens; a text that starts with BOS gets no
+    second one, unless add_special_tokens=True is passed."""
+    import shutil
+
+    from tokenizers import Tokenizer as Backend, processors
+
+    from dlmjax.presets import resolve_model
+
+    transformers = pytest.importorskip("transformers")
+    model_dir = tmp_path / "toy-ar"
+    shutil.copytree(resolve_model("toy-ar"), model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|endoftext|>"}))
+    if post_processor:
+        backend = Backend.from_file(str(model_dir / "tokenizer.json"))
+        bos = backend.token_to_id("<|endoftext|>")
+        backend.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                               special_tokens=[("<|endoftext|>", bos)])
+        backend.save(str(model_dir / "tokenizer.json"))
+    for flag in (None, True, False):
+        option = {} if flag is None else {"add_bos_token": flag}
+        lm = DlmjaxLM(pretrained=str(model_dir), mesh_data=1, warmup=False,
+                      **{k: str(v).lower() for k, v in option.items()})
+        theirs = transformers.AutoTokenizer.from_pretrained(str(model_dir), **option)
+        for text in ("12+7-3\n", "<|endoftext|>12+7\n"):
+            special = {"add_special_tokens": False} if text.startswith("<|endoftext|>") else (
+                {} if flag is None else {"add_special_tokens": flag})  # HFLM.tok_encode's rule
+            assert lm.tok_encode(text) == theirs.encode(text, **special), (flag, text)
+            assert lm.tok_encode(text, add_special_tokens=True) == theirs.encode(text, add_special_tokens=True)
+        if flag and not post_processor:
+            assert lm.tok_encode("12+7-3\n")[0] == lm.tokenizer.bos_id  # SmolLM2's case: added by the flag
+
+
 # ---------------------------------------------------------------------------------- likelihoods
 
 
