@@ -376,7 +376,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default="toy-sdar", help="preset or checkpoint directory (default: toy-sdar)")
     p.add_argument("--tasks", default=None, help="comma-separated toy tasks (default: toy-arith,toy-constraint)")
     p.add_argument("--per-task", type=count_arg, default=None,
-                   help="prompts per task (default 256; with --prompts: the first N, default all)")
+                   help="distinct prompts per toy task, none from its evaluation set (default 256); with --prompts: "
+                        "the first N distinct ones (default all)")
     p.add_argument("--prompts", default=None,
                    help="instead of toy tasks: a JSONL file (--field of each object) or a text file (one prompt per "
                         "line), e.g. a training split's questions; needs --max-new-tokens")
