@@ -237,15 +237,15 @@ def experts_path(model, experts: str | None):
         set_expert_implementation(model, "auto")
 
 
-def section_step(model, args, bw, modes):
+def section_step(model, args, bw, modes, lines, records):
     cfg = model.config
     experts = "" if not cfg.num_experts else ("; of each MoE layer's experts, those that random routing of the "
                                               "step's tokens hits")
-    lines = [f"Decode step: {args.block} tokens against {args.prompt_len} cached, median of {args.repeats} "
+    start = len(lines)  # this section's first line (lines holds the sections before it)
+    lines += [f"Decode step: {args.block} tokens against {args.prompt_len} cached, median of {args.repeats} "
              f"(roofline = (weights + KV read) / {bw / 1e9:.0f} GB/s{experts}):", "",
              "| batch | kernels | attention path | ms | roofline ms | % of roofline |", "|---:|---|---|---:|---:|---:|"]
-    print("\n".join(lines), flush=True)
-    records = []
+    print("\n".join(lines[start:]), flush=True)
     for batch in args.batches:
         roof = 1e3 * (weight_bytes(model, tokens=batch * args.block) + kv_bytes(cfg, batch, args.prompt_len)) / bw
         block_bk, cache = step_inputs(model, batch, args.prompt_len, args.block)
@@ -259,12 +259,12 @@ def section_step(model, args, bw, modes):
             records.append(dict(batch=batch, kernels=mode, experts=experts, path=path, ms=ms, roofline_ms=roof))
             lines.append(f"| {batch} | {label} | {path} | {ms:.3f} | {roof:.3f} | {100 * roof / ms:.0f}% |")
             print(lines[-1], flush=True)
-    return lines, records
 
 
-def section_prefill(model, args, peak, modes):
+def section_prefill(model, args, peak, modes, lines, records):
     cfg = model.config
-    lines = [f"Prefill (batch 1, one forward writing the KV cache), peak {peak or '?'} TFLOP/s; memory budget "
+    start = len(lines)  # this section's first line (lines holds the sections before it)
+    lines += [f"Prefill (batch 1, one forward writing the KV cache), peak {peak or '?'} TFLOP/s; memory budget "
              "(computed, GiB): weights + KV cache + largest layer's activations with flash attention, and the XLA "
              "einsum's per-layer scores for comparison:", "",
              "| tokens | budget GiB (flash) | einsum scores GiB |", "|---:|---:|---:|"]
@@ -275,8 +275,8 @@ def section_prefill(model, args, peak, modes):
         lines.append(f"| {length} | {budget['total_flash']:.3g} | {budget['einsum_scores']:.3g} |")
     lines += ["", "| tokens | kernels | attention path | ms | TFLOP/s | % of peak | device peak GiB |",
               "|---:|---|---|---:|---:|---:|---:|"]
-    print("\n".join(lines), flush=True)
-    records = [dict(budget=b) for b in budgets]
+    print("\n".join(lines[start:]), flush=True)
+    records += [dict(budget=b) for b in budgets]
     for length in args.prefill:
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size - 2, (1, length)), jnp.int32)
         for mode, experts, label in variants(model, args, modes):
@@ -301,16 +301,15 @@ def section_prefill(model, args, peak, modes):
                 share = f"{100 * tflops / peak:.0f}%" if peak else "?"
                 lines.append(f"| {length} | {label} | {path} | {ms:.1f} | {tflops:.3g} | {share} | {peak_gib:.1f} |")
             print(lines[-1], flush=True)
-    return lines, records
 
 
-def section_argmax(model, args, modes):
+def section_argmax(model, args, modes, lines, records):
     cfg = model.config
     w = model.lm_head_weight()
-    lines = [f"Greedy scores of M positions from hidden states (V = {cfg.vocab_size}): residual_argmax vs "
+    start = len(lines)  # this section's first line (lines holds the sections before it)
+    lines += [f"Greedy scores of M positions from hidden states (V = {cfg.vocab_size}): residual_argmax vs "
              "full logits + scoring:", "", "| positions | kernels | path | ms |", "|---:|---|---|---:|"]
-    print("\n".join(lines), flush=True)
-    records = []
+    print("\n".join(lines[start:]), flush=True)
     for m in args.argmax_positions:
         x = jax.random.normal(jax.random.key(0), (m, cfg.hidden_size)).astype(cfg.dtype)
         for mode in modes:
@@ -322,7 +321,6 @@ def section_argmax(model, args, modes):
             records.append(dict(positions=m, kernels=mode, path=path, ms=ms))
             lines.append(f"| {m} | {mode} | {path} | {ms:.3f} |")
             print(lines[-1], flush=True)
-    return lines, records
 
 
 ATTENTION_OPTIONS = ("tile_q", "tile_k", "split_k", "warps", "stages")  # kernels.attention.attention's
@@ -379,15 +377,15 @@ def _timed_choice(kernel: str, mode: str, fn, repeats: int) -> tuple[float | Non
         return median_ms(fn, repeats), path_of(kernel, refused)
 
 
-def section_tiles(model, args, peak):
+def section_tiles(model, args, peak, lines, records):
     cfg = model.config
     kernel_mode = "on" if jax.default_backend() in kernels.ACCELERATORS else "interpret"
-    lines = [f"Kernel tiles ({kernel_mode}), each kernel alone. Flash attention over a block-causal prefill (batch 1, "
+    start = len(lines)  # this section's first line (lines holds the sections before it)
+    lines += [f"Kernel tiles ({kernel_mode}), each kernel alone. Flash attention over a block-causal prefill (batch 1, "
              f"{cfg.num_heads} heads over {cfg.num_kv_heads}, head dim {cfg.head_dim}; TFLOP/s of the visible half, "
              f"peak {peak or '?'}):", "", "| tokens | tiles | path | ms | TFLOP/s | % of peak |",
              "|---:|---|---|---:|---:|---:|"]
-    print("\n".join(lines), flush=True)
-    records = []
+    print("\n".join(lines[start:]), flush=True)
     for length in args.prefill:
         q, parts, flops = prefill_parts(cfg, length)
         for tiles, mode, options in tile_rows("XLA einsum", args.attention_tiles, ATTENTION_OPTIONS, kernel_mode):
@@ -414,18 +412,17 @@ def section_tiles(model, args, peak):
             records.append(dict(kernel="residual_argmax", positions=m, tiles=tiles, path=path, ms=ms))
             lines.append(f"| {m} | {tiles} | {path} | {'' if ms is None else f'{ms:.3f}'} |")
             print(lines[-1], flush=True)
-    return lines, records
 
 
-def section_decoders(model, head, args):
+def section_decoders(model, head, args, lines, records):
     rng = np.random.RandomState(0)
     prompts = [random_prompt(rng, model.config, args.prompt_len) for _ in range(args.prompts)]
-    lines = [f"Decoders ({len(prompts)} prompts of {args.prompt_len} tokens, {args.max_new} new tokens, fixed batches, "
+    start = len(lines)  # this section's first line (lines holds the sections before it)
+    lines += [f"Decoders ({len(prompts)} prompts of {args.prompt_len} tokens, {args.max_new} new tokens, fixed batches, "
              f"kernels {args.decoder_kernels}):", "",
              "| decoder | batch | first call s (compile) | forwards | tokens/s | wall s |",
              "|---|---:|---:|---:|---:|---:|"]
-    print("\n".join(lines), flush=True)
-    records = []
+    print("\n".join(lines[start:]), flush=True)
     with kernels.use(args.decoder_kernels):
         for spec in args.decoders:
             for batch in args.batches:
@@ -439,10 +436,9 @@ def section_decoders(model, head, args):
                                     tokens_per_s=rate, wall_s=wall))
                 lines.append(f"| `{spec}` | {batch} | {first:.1f} | {forwards} | {rate:.0f} | {wall:.2f} |")
                 print(lines[-1], flush=True)
-    return lines, records
 
 
-def section_transformers(model, args):
+def section_transformers(model, args, lines, records):
     """transformers' eager Qwen3 forward of the same shape: `block` tokens against `prompt_len` cached."""
     import torch
     from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
@@ -451,12 +447,14 @@ def section_transformers(model, args):
     if cfg.family != "sdar":  # transformers has no class for the MoE diffusion families (remote code only)
         line = f"transformers' eager forward skipped: {cfg.family} has no transformers class (Qwen3 layout only)"
         print(line, flush=True)
-        return [line], []
+        lines.append(line)
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and jax.default_backend() != "cpu":  # a TPU host: torch has no kernel on jax's device
         line = f"transformers' eager forward skipped: torch has no {jax.default_backend()} device here"
         print(line, flush=True)
-        return [line], []
+        lines.append(line)
+        return
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[str(jnp.dtype(cfg.dtype))]
     hf = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -465,10 +463,10 @@ def section_transformers(model, args):
     with torch.device(device):  # initialised where it runs (on the host, 2B weights take minutes)
         net = Qwen3ForCausalLM(hf).to(dtype=dtype).eval()
     cache_name = torch_cache_name(net)
-    lines = [f"transformers {__import__('transformers').__version__} eager forward on {device} "
+    start = len(lines)  # this section's first line (lines holds the sections before it)
+    lines += [f"transformers {__import__('transformers').__version__} eager forward on {device} "
              f"({args.block} tokens against {args.prompt_len} cached):", "", "| batch | ms |", "|---:|---:|"]
-    print("\n".join(lines), flush=True)
-    records = []
+    print("\n".join(lines[start:]), flush=True)
     for batch in args.batches:
         ids = torch.randint(0, cfg.vocab_size - 2, (batch, args.prompt_len + args.block), device=device)
         with torch.no_grad():
@@ -491,7 +489,6 @@ def section_transformers(model, args):
         records.append(dict(batch=batch, ms=ms, device=device))
         lines.append(f"| {batch} | {ms:.2f} |")
         print(lines[-1], flush=True)
-    return lines, records
 
 
 def parse_args(argv=None):
@@ -563,12 +560,13 @@ def main(argv=None):
     bandwidth_line = f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s"
     print(bandwidth_line, flush=True)
     lines, results = header + [bandwidth_line, ""], dict(bandwidth_bytes_per_s=bw)
-    sections = dict(step=lambda: section_step(model, args, bw, args.kernels),
-                    prefill=lambda: section_prefill(model, args, peak, args.kernels),
-                    argmax=lambda: section_argmax(model, args, ["on", "off"]),  # the kernel itself vs XLA
-                    tiles=lambda: section_tiles(model, args, peak),
-                    decoders=lambda: section_decoders(model, head, args),
-                    transformers=lambda: section_transformers(model, args))
+    # each section appends its lines and records as it measures them, so a stopped run writes its rows so far
+    sections = dict(step=lambda *out: section_step(model, args, bw, args.kernels, *out),
+                    prefill=lambda *out: section_prefill(model, args, peak, args.kernels, *out),
+                    argmax=lambda *out: section_argmax(model, args, ["on", "off"], *out),  # the kernel itself vs XLA
+                    tiles=lambda *out: section_tiles(model, args, peak, *out),
+                    decoders=lambda *out: section_decoders(model, head, args, *out),
+                    transformers=lambda *out: section_transformers(model, args, *out))
 
     def write(finished: bool):
         write_results(Path(args.out or Path(__file__).parent / "results" / "decode_gpu"),
@@ -576,15 +574,14 @@ def main(argv=None):
                       dict(command=command, jax=jax.__version__, model=name,
                            device=f"{device.platform} {device.device_kind}", finished=finished, **results), lines)
 
-    stopped = ["Stopped before the end: the sections above are the ones finished (the log holds the rows of the one "
-               "cut off)."]
+    stopped = ["", "Stopped before the end: the last section holds the rows measured before the stop."]
     with written_when_done_or_stopped(write, lines, stopped):
         for key, run in sections.items():
             if key in args.skip:
                 continue
-            section_lines, records = run()
-            lines += section_lines + [""]
-            results[key] = records
+            results[key] = []
+            run(lines, results[key])
+            lines.append("")
     return results
 
 
