@@ -311,12 +311,17 @@ def test_chat_options_of_lm_evals_hf_model(monkeypatch, tmp_path):
         DlmjaxLM(pretrained="toy-ar", mesh_data=1, add_bos_token="maybe")
 
 
-@pytest.mark.parametrize("post_processor", [False, True])
-def test_add_bos_token_encodes_as_lm_evals_hf_model_does(tmp_path, post_processor):
-    """HFLM hands add_bos_token to transformers' tokenizer and to `encode`: true puts BOS first where
-    the tokenizer names one and its special tokens add none (SmolLM2: bos_token <|endoftext|>), and
-    once where they do (Llama 3); false adds no special tokens; a text that starts with BOS gets no
-    second one, unless add_special_tokens=True is passed."""
+@pytest.mark.parametrize("bos_token,post_processor", [
+    ("<|endoftext|>", None),  # SmolLM2: names a BOS, its special tokens add none
+    ("<|endoftext|>", "<|endoftext|> $A"),  # Llama 3: they add BOS
+    ("<|unk|>", "<|unk|> $A <|endoftext|>"),  # BOS and a trailing EOS
+    (None, None),  # Qwen: no BOS
+])
+def test_add_bos_token_encodes_as_lm_evals_hf_model_does(tmp_path, bos_token, post_processor):
+    """HFLM hands add_bos_token to transformers' tokenizer, which rebuilds its post-processor: true
+    makes the special tokens BOS alone (where the tokenizer names one; SmolLM2's add none), false
+    none; unset keeps tokenizer.json's. A text that starts with the prefix token gets no special
+    tokens, unless add_special_tokens=True is passed."""
     import shutil
 
     from tokenizers import Tokenizer as Backend, processors
@@ -327,24 +332,24 @@ def test_add_bos_token_encodes_as_lm_evals_hf_model_does(tmp_path, post_processo
     model_dir = tmp_path / "toy-ar"
     shutil.copytree(resolve_model("toy-ar"), model_dir)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|endoftext|>"}))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": bos_token}))
     if post_processor:
         backend = Backend.from_file(str(model_dir / "tokenizer.json"))
-        bos = backend.token_to_id("<|endoftext|>")
-        backend.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
-                                                               special_tokens=[("<|endoftext|>", bos)])
+        specials = [(t, backend.token_to_id(t)) for t in ("<|endoftext|>", "<|unk|>") if t in post_processor]
+        backend.post_processor = processors.TemplateProcessing(single=post_processor, special_tokens=specials)
         backend.save(str(model_dir / "tokenizer.json"))
     for flag in (None, True, False):
         option = {} if flag is None else {"add_bos_token": flag}
         lm = DlmjaxLM(pretrained=str(model_dir), mesh_data=1, warmup=False,
                       **{k: str(v).lower() for k, v in option.items()})
         theirs = transformers.AutoTokenizer.from_pretrained(str(model_dir), **option)
-        for text in ("12+7-3\n", "<|endoftext|>12+7\n"):
-            special = {"add_special_tokens": False} if text.startswith("<|endoftext|>") else (
+        prefix = theirs.decode(lm.prefix_token_id)
+        for text in ("12+7-3\n", f"{prefix}12+7\n"):
+            special = {"add_special_tokens": False} if text.startswith(prefix) else (
                 {} if flag is None else {"add_special_tokens": flag})  # HFLM.tok_encode's rule
             assert lm.tok_encode(text) == theirs.encode(text, **special), (flag, text)
             assert lm.tok_encode(text, add_special_tokens=True) == theirs.encode(text, add_special_tokens=True)
-        if flag and not post_processor:
+        if flag and bos_token and not post_processor:
             assert lm.tok_encode("12+7-3\n")[0] == lm.tokenizer.bos_id  # SmolLM2's case: added by the flag
 
 

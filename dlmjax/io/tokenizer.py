@@ -54,16 +54,8 @@ class Tokenizer:
         the tokenizer adds (Llama 3's BOS; none for Qwen, SDAR, Dream), unless the text already
         starts with the BOS token, as a chat template writes it (lm-eval's rule: no second BOS).
         `special=False`: none at all (`encode`)."""
-        return self.backend.encode(text, add_special_tokens=special and not self.starts_with_bos(text)).ids
-
-    def starts_with_bos(self, text: str) -> bool:
         bos = self.template_tokens.get("bos_token")
-        return bool(bos) and text.startswith(bos)
-
-    def adds_bos(self) -> bool:
-        """Whether its special tokens put BOS first (Llama 3's post-processor does; SmolLM2's names a
-        BOS and adds none)."""
-        return self.bos_id is not None and self.backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_id]
+        return self.backend.encode(text, add_special_tokens=special and not (bos and text.startswith(bos))).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

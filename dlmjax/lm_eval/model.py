@@ -67,9 +67,9 @@ MODEL_ARGS: dict[str, tuple[object, str]] = {
     "tspd_controller": (None, "TSPD controller (default: the model's own)"),
     "progress": (True, "dlmjax's progress bars (lm-eval's own stay): true or false"),
     "warmup": (True, "decode the first slots once untimed before each task (tokens/s excludes compilation)"),
-    "add_bos_token": (None, "add the tokenizer's special tokens (Llama 3's BOS) to contexts, and BOS where they hold "
-                            "none (SmolLM2): true or false (default: what the tokenizer adds, unless the text starts "
-                            "with BOS; lm-eval's HF model's rule)"),
+    "add_bos_token": (None, "true: BOS alone as the contexts' special tokens (also where the tokenizer adds none: "
+                            "SmolLM2), false: none (default: what the tokenizer adds, unless the text starts with "
+                            "BOS; lm-eval's HF model's rule)"),
     "enable_thinking": (None, "chat template variable (Qwen3: false turns thinking off), as lm-eval's HF model takes it"),
     "max_batch_size": (None, "lm-eval's option; not used"),
     "device": (None, "lm-eval's option; not used (JAX places arrays on its devices)"),
@@ -236,11 +236,6 @@ class DlmjaxLM(TemplateLM):
         set_expert_dispatch(self.model, args["expert_dispatch"])
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path, self.model.config)
-        # HFLM makes transformers' tokenizer with add_bos_token: its special tokens then start with BOS
-        # (true, where the tokenizer names one) or hold none (false), whatever its post-processor adds
-        self.own_specials_bos = self.tokenizer.adds_bos()
-        self.specials_bos = self.own_specials_bos if self.add_bos_token is None else (
-            self.add_bos_token and self.tokenizer.bos_id is not None)
         self.causal = self.model.config.attention == "causal"
         if self.cfg and self.causal:
             raise ModelArgsError(f"model_args cfg={self.cfg} guides a diffusion model's log-likelihood against its "
@@ -334,15 +329,18 @@ class DlmjaxLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """lm-eval's HF model's rule: `add_special_tokens` if given; else model_args add_bos_token
-        if set, else the tokenizer's own special tokens; none when the text starts with BOS. As
-        HFLM hands add_bos_token to transformers' tokenizer, the special tokens then hold BOS first
-        (true; SmolLM2's add none) or no BOS (false; Llama 3's add one)."""
+        if set, else the tokenizer's own special tokens; none when the text starts with the prefix
+        token (BOS, else EOS). With add_bos_token set, HFLM's transformers tokenizer has its
+        post-processor rebuilt: its special tokens are BOS alone (true, where the tokenizer names
+        one) or none (false), whatever tokenizer.json's post-processor adds."""
         if add_special_tokens is None:
-            add_special_tokens = self.add_bos_token is not False and not self.tokenizer.starts_with_bos(string)
-        ids = self.tokenizer.backend.encode(string, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.specials_bos != self.own_specials_bos:
-            ids = [self.tokenizer.bos_id, *ids] if self.specials_bos else ids[1:]
-        return ids
+            prefix = self.tokenizer.decode([self.prefix_token_id], skip_special_tokens=False)
+            add_special_tokens = self.add_bos_token is not False and not string.startswith(prefix)
+        if self.add_bos_token is None:
+            return self.tokenizer.backend.encode(string, add_special_tokens=add_special_tokens).ids
+        ids = self.tokenizer.encode(string)
+        bos = self.tokenizer.bos_id
+        return [bos, *ids] if add_special_tokens and self.add_bos_token and bos is not None else ids
 
     @property
     def tokenizer_name(self) -> str:
