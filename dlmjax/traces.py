@@ -27,11 +27,11 @@ On-disk format: a directory with
   traces.npz   features [N, F] float32 (columns: meta["features"]), label [N] bool,
                prompt [N] int32 (index into the prompt list), round [N] int32 (the row's round),
                block [N] int32, token [N] int32 (current argmax), target [N] int32 (y*)
-  meta.json    {"format": "dlmjax-tspd-traces", "version": 1, "features", "model" (fingerprint),
+  meta.json    {"format": "dlmjax-tspd-traces", "version": 2, "features", "model" (fingerprint),
                 "model_source", "count", "positives", "num_prompts", "tasks", "block",
                 "max_new_tokens" (per task), "rollout", "cache" (exact for block-causal models), "seed"}
-Each prompt is traced once (`distinct`; `collect_traces` refuses a repeat), and the toy tasks'
-prompts exclude their evaluation sets' (`task_prompts`).
+Each prompt is traced once (`distinct`; `collect_traces` refuses a repeat of token ids), and the
+toy tasks' prompts leave out their first EVAL_PROMPTS_EXCLUDED evaluation prompts (`task_prompts`).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ from dlmjax.models.transformer import take_rows
 from dlmjax.validation import InputError, count_arg, seed_arg
 
 TRACE_FORMAT = "dlmjax-tspd-traces"
-TRACE_VERSION = 1
-DRAWS_PER_PROMPT = 16  # task_prompts: draws per wanted prompt before a toy task counts as having no more
+TRACE_VERSION = 2  # 2: each prompt traced once (v1 could hold one twice, on both sides of a held-out split)
+EVAL_PROMPTS_EXCLUDED = 1024  # toy traces leave out the first this many prompts of each task's evaluation set
 FIELDS = ("features", "label", "prompt", "round", "block", "token", "target")
 
 
@@ -274,19 +274,25 @@ def load_traces(path: str | Path, *, expect_model: dict | None = None) -> tuple[
 
 
 def task_prompts(tasks: list[str], per_task: int, seed: int):
-    """[(task, prompts)]: per toy task, the first `per_task` distinct prompts its generator draws
-    with `seed` that are not in the task's evaluation set (`dlmjax eval`'s prompts, seed 1234), or
-    all it finds in DRAWS_PER_PROMPT x per_task draws where the task has fewer (toy-constraint has
-    39 prompts, 38 of them in its evaluation set)."""
-    from dlmjax.evaluation.tasks import load_eval_set
+    """[(task, prompts)]: per toy task (each named once), the first `per_task` distinct prompts its
+    generator draws with `seed` in `toy_draws(per_task)` draws, leaving out the task's evaluation
+    prompts (`dlmjax eval --limit N` takes the first N drawn with seed 1234; the first
+    EVAL_PROMPTS_EXCLUDED are left out). toy-constraint has 39 prompts, all of them evaluated."""
+    from dlmjax.evaluation.tasks import TOY_SEED
     from dlmjax.toy.tasks import get_task
 
     out = []
-    for task in tasks:
-        evaluated = {item.prompt for item in load_eval_set(task).items}
-        drawn = distinct(ex.prompt for ex in get_task(task).generate(DRAWS_PER_PROMPT * per_task, seed))
+    for task in distinct(tasks):
+        generator = get_task(task)
+        evaluated = {ex.prompt for ex in generator.generate(EVAL_PROMPTS_EXCLUDED, TOY_SEED)}
+        drawn = distinct(ex.prompt for ex in generator.generate(toy_draws(per_task), seed))
         out.append((task, [p for p in drawn if p not in evaluated][:per_task]))
     return out
+
+
+def toy_draws(per_task: int) -> int:
+    """How many prompts `task_prompts` draws to find `per_task` distinct ones."""
+    return max(4096, 16 * per_task)
 
 
 def distinct(prompts) -> list:
@@ -334,7 +340,10 @@ def traces_for_prompts(model, tokenizer, prompts: list[str], *, name: str, max_n
     or a dict of chat template variables, renders each as a user turn with the model's template)."""
     if chat:
         prompts = tokenizer.user_turns(prompts, chat)
-    ids = [tokenizer.encode_prompt(p) for p in prompts]
+    ids = [list(i) for i in distinct(tuple(tokenizer.encode_prompt(p)) for p in prompts)]
+    if len(ids) < len(prompts):
+        print(f"note: {len(prompts) - len(ids)} prompt(s) encode to the token ids of an earlier one"
+              f"{' (as chat turns)' if chat else ''}; each is traced once")
     traces = collect_traces(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size, mesh=mesh, block=block,
                             cache=cache, rollout=rollout, eos_ids=decode_stop_ids(model.config, tokenizer))
     meta = {"model": model_fingerprint(model.config), "num_prompts": len(ids), "tasks": [name], "chat": bool(chat),
@@ -350,20 +359,29 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
     `cache` matter for bidirectional models only (block-causal ones use their block and exact cache)."""
     from dlmjax.evaluation.tasks import TOY_MAX_NEW_TOKENS
 
-    lengths = {t: (max_new_tokens or {}).get(t, TOY_MAX_NEW_TOKENS.get(t, 32)) for t in tasks}
-    parts, offsets, total = [], [], 0
+    def toy_length(task):
+        return (max_new_tokens or {}).get(task, TOY_MAX_NEW_TOKENS.get(task, 32))
+
+    parts, offsets, total, traced = [], [], 0, []
     for task, prompts in task_prompts(tasks, per_task, seed):
         if len(prompts) < per_task:
-            print(f"note: {task} has {len(prompts)} distinct prompt(s) outside its evaluation set, fewer than "
-                  f"--per-task {per_task}")
+            print(f"note: {task}: {len(prompts)} distinct prompt(s) in {toy_draws(per_task)} draws outside its first "
+                  f"{EVAL_PROMPTS_EXCLUDED} evaluation prompts, fewer than --per-task {per_task}"
+                  + ("" if prompts else "; left out"))
+        if not prompts:
+            continue
+        traced.append(task)
         ids = [tokenizer.encode_prompt(p) for p in prompts]
-        parts.append(collect_traces(model, ids, max_new_tokens=lengths[task], batch_size=batch_size, mesh=mesh,
+        parts.append(collect_traces(model, ids, max_new_tokens=toy_length(task), batch_size=batch_size, mesh=mesh,
                                     block=block, cache=cache, rollout=rollout,
                                     eos_ids=decode_stop_ids(model.config, tokenizer)))
         offsets.append(total)
         total += len(ids)
-    meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": tasks, "seed": seed,
-            "block": trace_block(model.config, block), "max_new_tokens": lengths, "rollout": rollout,
+    if not traced:
+        raise TraceError(f"no prompts to trace: {', '.join(tasks)} drew none outside the evaluation sets")
+    meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": traced, "seed": seed,
+            "block": trace_block(model.config, block), "max_new_tokens": {t: toy_length(t) for t in traced},
+            "rollout": rollout,
             "cache": trace_cache(model.config, cache)}
     return concat(parts, offsets), meta
 
@@ -376,8 +394,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default="toy-sdar", help="preset or checkpoint directory (default: toy-sdar)")
     p.add_argument("--tasks", default=None, help="comma-separated toy tasks (default: toy-arith,toy-constraint)")
     p.add_argument("--per-task", type=count_arg, default=None,
-                   help="distinct prompts per toy task, none from its evaluation set (default 256); with --prompts: "
-                        "the first N distinct ones (default all)")
+                   help="distinct prompts per toy task, none among its first 1,024 evaluation prompts (default 256); "
+                        "with --prompts: the first N distinct ones (default all)")
     p.add_argument("--prompts", default=None,
                    help="instead of toy tasks: a JSONL file (--field of each object) or a text file (one prompt per "
                         "line), e.g. a training split's questions; needs --max-new-tokens")

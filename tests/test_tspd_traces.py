@@ -199,24 +199,36 @@ def test_traces_refuse_whole_blocks_past_a_bidirectional_models_length_and_recor
     assert meta["cache"] == "prefix"
 
 
-def test_each_prompt_is_traced_once_and_none_is_an_evaluation_prompt():
+def test_each_prompt_is_traced_once_and_none_is_an_evaluation_prompt(capsys):
     """A repeated prompt decodes to the same traces again, and the held-out split by prompt would
     hold copies of training prompts (toy-constraint has 39 distinct prompts: 512 draws of it had put
     half the held-out prompts in training too, and all of its evaluation prompts): the toy draws
-    are distinct and outside the evaluation sets, and a repeat is refused."""
+    are distinct and outside the first 1,024 evaluation prompts, a task named twice is traced once,
+    text prompts with the same token ids are traced once, and a repeat of ids is refused."""
     from dlmjax.evaluation.tasks import load_eval_set
     from dlmjax.presets import load_checkpoint
     from dlmjax.toy.tasks import get_task
-    from dlmjax.traces import task_prompts
+    from dlmjax.traces import task_prompts, traces_for_prompts, traces_for_tasks
+    from dlmjax.validation import InputError
 
-    (_, constraint), (_, arith) = task_prompts(["toy-constraint", "toy-arith"], 2048, seed=0)
-    evaluated = {t: {item.prompt for item in load_eval_set(t).items} for t in ("toy-constraint", "toy-arith")}
-    assert len(set(constraint)) == len(constraint) == 1  # toy-constraint's 39 prompts less its 38 evaluated
-    assert len(set(arith)) == len(arith) == 2048 and not set(arith) & evaluated["toy-arith"]
+    (_, constraint), (_, arith) = task_prompts(["toy-constraint", "toy-arith", "toy-arith"], 2048, seed=0)
+    evaluated = {item.prompt for item in load_eval_set("toy-arith", limit=1024).items}
+    assert constraint == []  # its 39 prompts are all among its first 1,024 evaluation prompts
+    assert len(set(arith)) == len(arith) == 2048 and not set(arith) & evaluated
     draws = [ex.prompt for ex in get_task("toy-arith").generate(2200, 0)]
-    assert len(set(draws[:2048]) & evaluated["toy-arith"]) == 2  # what the old draws traced
-    assert arith == [p for p in dict.fromkeys(draws) if p not in evaluated["toy-arith"]][:2048]  # in order
+    assert len(set(draws[:2048]) & evaluated) == 24  # what the first draws would have traced
+    assert arith == [p for p in dict.fromkeys(draws) if p not in evaluated][:2048]  # in order
     _, model, tokenizer, _ = load_checkpoint("toy-sdar")
+    _, meta = traces_for_tasks(model, tokenizer, ["toy-constraint", "toy-arith"], per_task=2)
+    assert meta["tasks"] == ["toy-arith"] and meta["num_prompts"] == 2 and list(meta["max_new_tokens"]) == ["toy-arith"]
+    assert "toy-constraint: 0 distinct prompt(s) in 4096 draws" in capsys.readouterr().out
+    with pytest.raises(TraceError, match="no prompts to trace"):
+        traces_for_tasks(model, tokenizer, ["toy-constraint"], per_task=2)
+    with pytest.raises(InputError, match="unknown task 'gsm8k'; valid tasks: toy-arith, toy-constraint"):
+        task_prompts(["gsm8k"], 2, seed=0)
+    _, meta = traces_for_prompts(model, tokenizer, ["12+7\u00e9\n", "12+7\u00df\n", "3+4\n"], name="p",
+                                 max_new_tokens=8)  # the toy tokenizer reads both letters as its unknown token
+    assert meta["num_prompts"] == 2 and "1 prompt(s) encode to the token ids of an earlier one" in capsys.readouterr().out
     ids = [tokenizer.encode(p) for p in ("3+4\n", "5+1\n", "3+4\n")]
     with pytest.raises(TraceError, match="prompt 2 repeats prompt 0"):
         collect_traces(model, ids, max_new_tokens=8)

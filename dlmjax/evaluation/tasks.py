@@ -24,7 +24,7 @@ from dlmjax.evaluation.sandbox import run_python
 from dlmjax.toy.tasks import get_task, gsm8k_correct, marked_number
 from dlmjax.validation import InputError, positive_int, read_json_file
 
-TOY_SEED = 1234  # the toy eval prompts: the same for every evaluation and test (TSPD traces exclude them; model and head training draws do not)
+TOY_SEED = 1234  # the toy eval prompts: the same for every evaluation and test (TSPD traces leave out the first 1,024; model and head training draws do not)
 # Generation budget per toy task: the longest target plus EOS, rounded up to a block multiple
 # for every block size that divides 16.
 TOY_MAX_NEW_TOKENS = {"toy-arith": 48, "toy-constraint": 16}
