@@ -381,8 +381,7 @@ def traces_for_tasks(model, tokenizer, tasks: list[str], *, per_task: int, seed:
         raise TraceError(f"no prompts to trace: {', '.join(tasks)} drew none outside the evaluation sets")
     meta = {"model": model_fingerprint(model.config), "num_prompts": total, "tasks": traced, "seed": seed,
             "block": trace_block(model.config, block), "max_new_tokens": {t: toy_length(t) for t in traced},
-            "rollout": rollout,
-            "cache": trace_cache(model.config, cache)}
+            "rollout": rollout, "cache": trace_cache(model.config, cache)}
     return concat(parts, offsets), meta
 
 
