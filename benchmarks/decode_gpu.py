@@ -455,6 +455,10 @@ def section_transformers(model, args, lines, records):
         print(line, flush=True)
         lines.append(line)
         return
+    start = len(lines)  # this section's first line (lines holds the sections before it)
+    lines += [f"transformers {__import__('transformers').__version__} eager forward on {device} "
+             f"({args.block} tokens against {args.prompt_len} cached):", "", "| batch | ms |", "|---:|---:|"]
+    print("\n".join(lines[start:]), flush=True)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[str(jnp.dtype(cfg.dtype))]
     hf = Qwen3Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -463,10 +467,6 @@ def section_transformers(model, args, lines, records):
     with torch.device(device):  # initialised where it runs (on the host, 2B weights take minutes)
         net = Qwen3ForCausalLM(hf).to(dtype=dtype).eval()
     cache_name = torch_cache_name(net)
-    start = len(lines)  # this section's first line (lines holds the sections before it)
-    lines += [f"transformers {__import__('transformers').__version__} eager forward on {device} "
-             f"({args.block} tokens against {args.prompt_len} cached):", "", "| batch | ms |", "|---:|---:|"]
-    print("\n".join(lines[start:]), flush=True)
     for batch in args.batches:
         ids = torch.randint(0, cfg.vocab_size - 2, (batch, args.prompt_len + args.block), device=device)
         with torch.no_grad():

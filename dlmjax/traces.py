@@ -301,7 +301,7 @@ def distinct(prompts) -> list:
     return list(dict.fromkeys(prompts))
 
 
-def prompts_from_file(path: str | Path, *, field: str = "prompt", limit: int | None = None) -> list[str]:
+def prompts_from_file(path: str | Path, *, field: str = "prompt") -> list[str]:
     """Prompts from a JSONL file (`field` of each object, e.g. GSM8K's `question`) or a text file
     (one prompt per line; blank lines skipped), each once. Training traces should not come from a test split."""
     path = Path(path)
@@ -324,8 +324,6 @@ def prompts_from_file(path: str | Path, *, field: str = "prompt", limit: int | N
             continue
         seen.add(line)
         prompts.append(line)
-        if limit is not None and len(prompts) == limit:
-            break
     if not prompts:
         raise TraceError(f"{path} holds no prompts")
     if repeats:
@@ -334,16 +332,18 @@ def prompts_from_file(path: str | Path, *, field: str = "prompt", limit: int | N
 
 
 def traces_for_prompts(model, tokenizer, prompts: list[str], *, name: str, max_new_tokens: int, chat=False,
-                       batch_size: int = 32, mesh=None, block: int | None = None, cache: str = "none",
-                       rollout: str = "egp") -> tuple[dict, dict]:
+                       limit: int | None = None, batch_size: int = 32, mesh=None, block: int | None = None,
+                       cache: str = "none", rollout: str = "egp") -> tuple[dict, dict]:
     """(traces, meta) over text prompts, e.g. a real checkpoint's training questions (`chat`: True,
-    or a dict of chat template variables, renders each as a user turn with the model's template)."""
+    or a dict of chat template variables, renders each as a user turn with the model's template),
+    the first `limit` whose token ids differ (a template may trim two texts to one)."""
     if chat:
         prompts = tokenizer.user_turns(prompts, chat)
     ids = [list(i) for i in distinct(tuple(tokenizer.encode_prompt(p)) for p in prompts)]
     if len(ids) < len(prompts):
         print(f"note: {len(prompts) - len(ids)} prompt(s) encode to the token ids of an earlier one"
               f"{' (as chat turns)' if chat else ''}; each is traced once")
+    ids = ids[:limit]
     traces = collect_traces(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size, mesh=mesh, block=block,
                             cache=cache, rollout=rollout, eos_ids=decode_stop_ids(model.config, tokenizer))
     meta = {"model": model_fingerprint(model.config), "num_prompts": len(ids), "tasks": [name], "chat": bool(chat),
@@ -433,13 +433,16 @@ def run(args) -> int:
             raise InputError("--prompts and --tasks both name the prompts; give one")
         if args.max_new_tokens is None or args.max_new_tokens < 1:
             raise InputError("--prompts needs --max-new-tokens N (N >= 1): the length the controller will decode")
-        prompts = prompts_from_file(args.prompts, field=args.field, limit=args.per_task)
+        prompts = prompts_from_file(args.prompts, field=args.field)
         traces, meta = traces_for_prompts(model, tokenizer, prompts, name=Path(args.prompts).stem,
-                                          max_new_tokens=args.max_new_tokens, chat=args.chat, **common)
+                                          max_new_tokens=args.max_new_tokens, chat=args.chat, limit=args.per_task,
+                                          **common)
     else:
         if args.chat or args.max_new_tokens is not None:
             raise InputError("--chat and --max-new-tokens go with --prompts; the toy tasks use their own lengths")
         tasks = [t.strip() for t in (args.tasks or "toy-arith,toy-constraint").split(",") if t.strip()]
+        if not tasks:
+            raise InputError(f"--tasks {args.tasks!r} names no task; give toy-arith, toy-constraint or both")
         traces, meta = traces_for_tasks(model, tokenizer, tasks, per_task=args.per_task or 256, seed=args.seed,
                                         **common)
     out = save_traces(traces, args.out, {**meta, "model_source": str(path)})

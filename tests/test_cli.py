@@ -291,6 +291,7 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
         (["--prompts", str(tmp_path / "bad.jsonl"), "--field", "question", "--max-new-tokens", "8"], "bad.jsonl:2"),
         (["--prompts", str(tmp_path / "train.jsonl"), "--tasks", "toy-arith", "--max-new-tokens", "8"], "give one"),
         (["--chat"], "go with --prompts"),
+        (["--tasks", ","], "names no task"),
     ]:
         assert main(["traces", "--model", "toy-sdar", *argv, "--out", str(tmp_path / "x")]) == 2
         assert message in capsys.readouterr().err

@@ -226,9 +226,9 @@ def test_each_prompt_is_traced_once_and_none_is_an_evaluation_prompt(capsys):
         traces_for_tasks(model, tokenizer, ["toy-constraint"], per_task=2)
     with pytest.raises(InputError, match="unknown task 'gsm8k'; valid tasks: toy-arith, toy-constraint"):
         task_prompts(["gsm8k"], 2, seed=0)
-    _, meta = traces_for_prompts(model, tokenizer, ["12+7\u00e9\n", "12+7\u00df\n", "3+4\n"], name="p",
-                                 max_new_tokens=8)  # the toy tokenizer reads both letters as its unknown token
-    assert meta["num_prompts"] == 2 and "1 prompt(s) encode to the token ids of an earlier one" in capsys.readouterr().out
+    _, meta = traces_for_prompts(model, tokenizer, ["12+7\u00e9\n", "12+7\u00df\n", "3+4\n", "5+1\n"], name="p",
+                                 max_new_tokens=8, limit=3)  # the toy tokenizer reads both letters as its unknown token
+    assert meta["num_prompts"] == 3 and "1 prompt(s) encode to the token ids of an earlier one" in capsys.readouterr().out
     ids = [tokenizer.encode(p) for p in ("3+4\n", "5+1\n", "3+4\n")]
     with pytest.raises(TraceError, match="prompt 2 repeats prompt 0"):
         collect_traces(model, ids, max_new_tokens=8)
