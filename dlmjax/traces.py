@@ -303,11 +303,12 @@ def distinct(prompts) -> list:
 
 def prompts_from_file(path: str | Path, *, field: str = "prompt") -> list[str]:
     """Prompts from a JSONL file (`field` of each object, e.g. GSM8K's `question`) or a text file
-    (one prompt per line; blank lines skipped), each once. Training traces should not come from a test split."""
+    (one prompt per line; blank lines skipped); `traces_for_prompts` traces a repeat once. Training
+    traces should not come from a test split."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"--prompts {path}: no such file")
-    prompts, seen, repeats = [], set(), 0
+    prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -319,15 +320,9 @@ def prompts_from_file(path: str | Path, *, field: str = "prompt") -> list[str]:
             if not isinstance(row, dict) or not isinstance(row.get(field), str) or not row[field]:
                 raise TraceError(f"{path}:{number}: no text field {field!r} (pass --field NAME)")
             line = row[field]
-        if line in seen:
-            repeats += 1
-            continue
-        seen.add(line)
         prompts.append(line)
     if not prompts:
         raise TraceError(f"{path} holds no prompts")
-    if repeats:
-        print(f"note: {path}: {repeats} repeated prompts skipped (each is traced once)")
     return prompts
 
 

@@ -275,7 +275,8 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
     out = tmp_path / "traces"
     assert main(["traces", "--model", "toy-sdar", "--prompts", str(tmp_path / "train.jsonl"), "--field", "question",
                  "--per-task", "2", "--max-new-tokens", "16", "--seed", "1234", "--out", str(out)]) == 0
-    assert "1 repeated prompts skipped" in capsys.readouterr().out  # --per-task 2 counts distinct prompts
+    # the repeat is traced once, and --per-task 2 counts distinct prompts
+    assert "1 prompt(s) encode to the token ids of an earlier one" in capsys.readouterr().out
     arrays, meta = load_traces(out)  # (--seed 1234 draws the toy tasks' eval prompts; with --prompts, nothing)
     assert meta["tasks"] == ["train"] and meta["num_prompts"] == 2 and meta["max_new_tokens"] == {"train": 16}
     _, model, tokenizer, _ = load_checkpoint("toy-sdar")
