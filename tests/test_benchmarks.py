@@ -276,3 +276,34 @@ def test_the_likelihood_benchmark_runs_and_its_scorers_agree(tmp_path):
     assert row["next"]["gflops"] < row["cached"]["gflops"]  # a further batch does not forward the clean row again
     assert row["max_abs_diff"] < 1e-5
     assert "| 40 |" in (tmp_path / "cpu-random-block4.md").read_text()
+
+
+def test_the_seen_prompts_benchmark_splits_accuracy_by_the_training_draws(tmp_path, capsys):
+    """benchmarks/toy_seen_prompts.py: an eval output row counts as seen exactly when its prompt (the
+    eval's draw at its index) is among the training configs' draws, per number of operations too."""
+    from dlmjax.evaluation.tasks import TOY_SEED
+    from dlmjax.toy.tasks import get_task
+    from dlmjax.train.config import load_run_config
+    from dlmjax.train.data import sample_examples
+
+    bench = benchmark_module("toy_seen_prompts")
+    config = bench.ROOT / "configs" / "toy-sdar.yaml"
+    run = load_run_config(config)
+    drawn = {ex.prompt for step in range(2)
+             for ex in sample_examples(run.data.tasks, run.train.batch_size, run.data.seed, step)}
+    assert bench.trained_prompts([config], steps=2) == drawn
+
+    examples = get_task("toy-arith").generate(6, TOY_SEED)
+    seen = {examples[0].prompt, examples[3].prompt}
+    rows = [{"task": "toy-arith", "decoder": "static", "index": i, "correct": i % 2 == 0} for i in range(6)]
+    split = bench.split_accuracy(rows, seen)
+    assert split["toy-arith", "static", "all"] == {"seen": [1, 2], "unseen": [2, 4]}
+    kinds = {bench.prompt_kind(ex) for ex in examples}
+    assert sum(split["toy-arith", "static", kind]["unseen"][1] for kind in kinds) == 4
+
+    outputs = tmp_path / "outputs.jsonl"
+    outputs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    bench.main([str(outputs), "--config", str(config), "--steps", "1"])
+    printed = capsys.readouterr().out
+    assert printed.strip() == bench.markdown(bench.split_accuracy(rows, bench.trained_prompts([config], steps=1)))
+    assert "| toy-arith | `static` | all |" in printed
