@@ -357,11 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a seed table on a published checkpoint (dlmjax/eval_presets/NAME.yaml, or a YAML file): its tasks, "
                          "generation lengths, chat template, batch size and decoders, checked against --model DIR "
                          "(family, mask id, block size); options given here override them")
-    ev.add_argument("--task", action="append", help="toy-arith, toy-constraint, gsm8k, gsm8k-cot (0-shot chain of thought, boxed answer), humaneval, mbpp, math500; repeat for several")
+    ev.add_argument("--task", action="append", help="toy-arith, toy-constraint, gsm8k, gsm8k-cot (0-shot chain of thought, boxed answer), humaneval, "
+                    "humaneval-instruct (an instruction before the code prompt), mbpp, mbpp-sanitized (its 257 "
+                    "hand-verified test problems), math500; repeat for several")
     ev.add_argument("--decoder", action="append", help="decoder SPEC as in `dlmjax generate`; repeat (default: a set)")
     ev.add_argument("--limit", type=count_arg, default=None,
                     help="first N prompts per task (toy tasks: N generated; default 128)")
-    ev.add_argument("--data", default=None, help="gsm8k(-cot)/humaneval/mbpp/math500 source: local .jsonl(.gz)/.json, a directory or a HF dataset name")
+    ev.add_argument("--data", default=None, help="gsm8k/humaneval/mbpp/math500 (and variants) source: local .jsonl(.gz)/.json, a directory or a HF dataset name")
     ev.add_argument("--strict-data", action="store_true",
                     help="refuse a --data file with unreadable rows (default: report their line numbers and skip them)")
     ev.add_argument("--out", default="eval-results",

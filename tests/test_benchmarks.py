@@ -8,7 +8,7 @@ import pytest
 from dlmjax.evaluation.math_answer import equivalent, last_boxed, math_correct, normalize
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.evaluation.tasks import (
-    DatasetError, MATH500_TEST, MBPP_TEST, extract_code, load_eval_set, mbpp_code, mbpp_program,
+    DatasetError, MATH500_TEST, MBPP_SANITIZED_TEST, MBPP_TEST, extract_code, load_eval_set, mbpp_code, mbpp_program,
 )
 
 
@@ -47,6 +47,46 @@ def test_mbpp_reference_solutions_pass_and_wrong_code_fails():
     chatty = [f"Here is the function:\n\n{code}", f"{code}\n\nThis removes the first and last occurrence."]
     assert loaded.score([item] * 2, chatty) == [True, True]
     assert mbpp_code("Sure:\ndef f(x):\n    return x\n    y = (\n") == "def f(x):\n    return x\n    y = (\n"  # a broken block stays broken
+
+
+def test_the_shipped_sanitized_mbpp_is_its_257_test_problems_with_opencompass_prompt():
+    """mbpp-sanitized: the hand-verified problems with task ids 11-510 (OpenCompass's sanitized_mbpp
+    test split, the SDAR and MRP authors' MBPP), prompted as OpenCompass's zero-shot mdblock config."""
+    rows = [json.loads(line) for line in MBPP_SANITIZED_TEST.read_text().splitlines()]
+    ids = [r["task_id"] for r in rows]
+    assert len(rows) == 257 and ids == sorted(ids) and set(ids) <= set(range(11, 511))
+    loaded = load_eval_set("mbpp-sanitized")
+    assert loaded.task == "mbpp-sanitized" and len(loaded.items) == 257 and not loaded.skipped
+    assert loaded.items[0].prompt == (
+        "You are an expert Python programmer, and here is your task:\nWrite a python function to remove first and "
+        "last occurrence of a given character from the string.\nYour code should pass these tests:\n\n"
+        'assert remove_Occ("hello","l") == "heo"\nassert remove_Occ("abcda","a") == "bcd"\n'
+        'assert remove_Occ("PHP","P") == "H"\n You should submit your final solution in the following format: '
+        "```python\n\n```")
+    # the rows whose asserts need their test_imports: the reference solutions pass, a wrong one fails
+    needing = [item for item in loaded.items if item.reference["test_imports"]]
+    assert len(needing) == 13
+    sample = loaded.items[::40] + needing[:3]
+    right = [f"```python\n{item.reference['code']}\n```" for item in sample]
+    assert loaded.score(sample, right) == [True] * len(sample)
+    assert loaded.score(loaded.items[:1], ["```python\ndef remove_Occ(s, ch):\n    return s\n```"]) == [False]
+
+
+def test_sanitized_mbpp_test_imports_run_before_the_asserts(tmp_path):
+    row = {"prompt": "t", "task_id": 11, "test_imports": ["import math"],
+           "test_list": ["assert math.isclose(half(3), 1.5)"]}
+    assert run_python(mbpp_program(row, "def half(x):\n    return x / 2\n"), timeout_s=5).passed
+    assert not run_python(mbpp_program({**row, "test_imports": []}, "def half(x):\n    return x / 2\n"),
+                          timeout_s=5).passed  # math is not imported by the code
+    bad = _write_jsonl(tmp_path / "s.jsonl", [row, {**row, "test_imports": "import math"}, {**row, "task_id": 600},
+                                              {"text": "an MBPP row, not a sanitized one", "task_id": 12,
+                                               "test_list": ["assert True"]}])
+    loaded = load_eval_set("mbpp-sanitized", data=bad)
+    assert len(loaded.items) == 1 and loaded.skipped == [
+        "row 2: 'test_imports' must be a list of import lines",
+        "row 3: task id 600 is not in MBPP's test split (11-510)",
+        "row 4: missing or empty 'prompt'",
+    ]
 
 
 def test_mbpp_code_that_loops_is_killed_and_fails():

@@ -242,6 +242,21 @@ def test_humaneval_scores_chat_answers_that_restate_the_function():
     assert loaded.score(items, wrong) == [False] * len(wrong)
 
 
+def test_humaneval_instruct_puts_opencompass_instruction_before_the_same_problems():
+    """humaneval-instruct (the SDAR and MRP authors' OpenCompass prompt): the instruction, then the
+    code prompt; the same rows and the same scorer, whose chat answers restate the function."""
+    plain, instruct = load_eval_set("humaneval", limit=3), load_eval_set("humaneval-instruct", limit=3)
+    assert instruct.task == "humaneval-instruct" and instruct.max_new_tokens == plain.max_new_tokens
+    for a, b in zip(plain.items, instruct.items):
+        assert b.prompt == "Read the following function signature and docstring, and fully implement the function " \
+            "described. Your response should only contain the code for this function.\n" + a.prompt
+        assert b.reference == a.reference
+    problem = instruct.items[0].reference
+    right = f"```python\n{problem['prompt']}{problem['canonical_solution']}```"
+    wrong = f"```python\n{problem['prompt']}    return None\n```"
+    assert instruct.score(instruct.items[:1] * 2, [right, wrong]) == [True, False]
+
+
 # -------------------------------------------------------------------------------------------- runner
 
 

@@ -9,6 +9,7 @@ import pytest
 from dlmjax.cli import main as cli_main
 from dlmjax.config import FAMILIES, ModelConfig
 from dlmjax.decoding.spec import parse_decoder
+from dlmjax.evaluation.tasks import EVAL_TASKS
 from dlmjax.heads.mrp import init_head, load_head, save_head
 from dlmjax.io.hf import export_model, load_config
 from dlmjax.io.tokenizer import Tokenizer
@@ -35,7 +36,7 @@ def test_preset_loads_validates_and_agrees_with_its_family(name):
     assert preset.name == name == Path(preset.path).stem
     assert preset.mask_token_id == family.default_mask_token_id  # the family's mask id (None for AR)
     assert preset.chat  # instruct/chat checkpoints: prompts through their own template
-    assert set(preset.tasks) <= {"gsm8k", "gsm8k-cot", "humaneval", "mbpp", "math500"}
+    assert set(preset.tasks) <= set(EVAL_TASKS) - {"toy-arith", "toy-constraint"}
     for spec in preset.decoders:
         decoder = parse_decoder(spec)
         if family.attention == "bidirectional":  # a decoding block only where the model has none
@@ -56,6 +57,10 @@ def test_the_seed_settings_the_presets_carry():
     assert mrp.block_size == 16 and mrp.checkpoint == "heavyball/sdar-8b-mrp-3lyr"
     assert {"static", "mrp-spec:drafts=1", "mrp-spec:drafts=4", "mrp-remask:tau=0.5,delta=1.0"} <= set(mrp.decoders)
     assert "gsm8k-cot" in mrp.tasks and "gsm8k" not in mrp.tasks  # GSM8K_SETTING 0shot_cot
+    # the SDAR and MRP authors' OpenCompass datasets: 0-shot CoT GSM8K, instructed HumanEval, sanitized MBPP
+    for name in ("sdar-1.7b-chat", "sdar-4b-chat", "sdar-8b-chat", "sdar-30b-a3b-chat", "sdar-1.7b-mrp",
+                 "sdar-4b-mrp", "sdar-8b-mrp"):
+        assert set(load_eval_preset(name).tasks) == {"gsm8k-cot", "math500", "humaneval-instruct", "mbpp-sanitized"}
     remask = parse_decoder(next(d for d in mrp.decoders if d.startswith("mrp-remask")))  # the seed's row first
     assert (remask.rule, remask.head_input, remask.head_context) == ("residual", "pre", "block")
     assert load_eval_preset("sdar-1.7b-chat").block_size == 4

