@@ -109,6 +109,7 @@ def test_code_is_taken_from_the_first_fence_or_the_text_before_done():
     # a completion that began inside a block (the chat template opened it) and closes it
     assert extract_code("def f(x):\n    return x\n```\n\nIt returns x.") == "def f(x):\n    return x\n"
     assert extract_code("Sure\n```\nx = 1\n```") == "x = 1\n"  # two fences: the first opens
+    assert extract_code("[BEGIN]\nx = 1\n[DONE]") == "\nx = 1\n"  # the MBPP paper's delimiters, both dropped
 
 
 def test_malformed_mbpp_rows_are_reported_with_line_numbers_and_skipped(tmp_path):
@@ -184,6 +185,13 @@ def test_the_shipped_math500_loads_and_every_solutions_boxed_answer_matches_its_
     ("\\text{East}", "east"),
     ("\u22125", "-5"),
     ("90°", "90"),
+    ("-\\pi/2", "-\\frac{\\pi}{2}"),
+    ("\\frac\\pi2", "\\frac{\\pi}{2}"),
+    ("\\mathbf{5}", "5"),
+    ("{1}", "1"),
+    ("6 square units", "6"),
+    ("\\frac{9}{5}", "1\\frac{4}{5}"),  # MATH-500 references write mixed numbers
+    ("137.5", "137 \\frac{1}{2}"),
 ])
 def test_math_answers_equal_in_common_latex_forms(predicted, reference):
     assert equivalent(predicted, reference)
@@ -202,6 +210,10 @@ def test_math_answers_equal_in_common_latex_forms(predicted, reference):
     ("3m", "3"),  # a variable, not a unit
     ("10^{3}", "1000"),  # no algebra
     ("\\pi/2", "\\frac{2}{\\pi}"),
+    ("1+\\sqrt{5}/2", "\\frac{1+\\sqrt{5}}{2}"),  # a slash binds tighter than +
+    ("11+9a/20", "\\frac{11+9a}{20}"),  # a MATH-500 reference
+    ("5 \\text{ million}", "5"),  # only unit words are dropped
+    ("2\\frac{1}{2}", "1"),
     ("\\begin{pmatrix}-2\\\\-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ 14 \\end{pmatrix}"),
 ])
 def test_different_math_answers_are_not_equal(predicted, reference):

@@ -16,13 +16,13 @@ from dlmjax.evaluation.report import pareto_front
 from dlmjax.evaluation.runner import compare_to, replicate_on, run_eval, token_agreement
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.evaluation.tasks import (
-    DatasetError, humaneval_program, load_eval_set, read_rows, truncate_completion,
+    DatasetError, gsm8k_cot_correct, humaneval_program, load_eval_set, read_rows, truncate_completion,
 )
 from dlmjax.io.hf import export_model, load_model
 from dlmjax.io.tokenizer import load_tokenizer
 from dlmjax.models.transformer import init_model
 from dlmjax.sharding import make_mesh
-from dlmjax.toy.tasks import extract_final_number
+from dlmjax.toy.tasks import extract_final_number, gsm8k_correct
 from dlmjax.toy.tokenizer import save_char_tokenizer
 from dlmjax.validation import InputError
 
@@ -183,11 +183,27 @@ def test_the_shipped_gsm8k_test_split_loads():
     scored = [f"16 - 3 - 4 = 9, so 9 * 2 = {answer}. \\boxed{{{answer}}}", f"\\boxed{{{answer}}} or maybe 7",
               f"It is \\boxed{{\\${answer}}}.", f"so {answer}", "\\boxed{7}", f"\\boxed{{7}}, not {answer}"]
     assert cot.score(cot.items[:1] * 6, scored) == [True, True, True, True, False, False]
+    # a box holding more than one number is no answer (its last number is not what it says)
+    assert cot.score(cot.items[:1] * 3, [f"\\boxed{{{answer} - 2}}", f"\\boxed{{20 - {answer}}}",
+                                         f"\\boxed{{12 \\text{{ and }} {answer}}}"]) == [False] * 3
 
 
-def test_dataset_errors_name_the_fix(tmp_path):
+def test_gsm8k_numbers_in_latex_and_unicode_forms():
+    """LaTeX thousands separators are read as commas, U+2212 as a minus, `.5` as a half."""
+    for written in ("\\boxed{1,\\!234}", "\\boxed{1{,}234}", "\\boxed{1\\,234}", "$1,\\!234$", "\\boxed{\\$1,234.00}"):
+        assert gsm8k_cot_correct(written, "#### 1234"), written
+        assert gsm8k_correct(written, "#### 1,234"), written
+    assert not gsm8k_correct("The answer is \u22123", "#### 3") and gsm8k_correct("The answer is \u22123", "#### -3")
+    assert not gsm8k_correct("The answer is .5", "#### 5") and gsm8k_correct("It is .5 liters", "#### 0.5")
+    assert gsm8k_correct("16-3=13, so 13", "#### 13") and not gsm8k_correct("1\\,2345", "#### 12345")
+
+
+def test_dataset_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(DatasetError, match="not found"):
         read_rows(tmp_path / "missing.jsonl")
+    (tmp_path / "rows.jsonl").write_text('{"a": 1}\n')  # `--data=~/rows.jsonl`: the shell leaves ~ as it is
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert read_rows("~/rows.jsonl") == [(1, {"a": 1})]
     with pytest.raises(DatasetError, match="no .jsonl"):
         read_rows(tmp_path)
     with pytest.raises(DatasetError, match="--data|datasets"):
@@ -233,6 +249,10 @@ def test_humaneval_scores_chat_answers_that_restate_the_function():
             f"```python\n{body}```",  # a fenced body
             f"{body}```\n\nThis checks every pair.",  # the chat template opened the fence, the answer closes it
             f"Here is the implementation:\n\n{prompt}{body}",  # unfenced, prose before
+            f"Here is the solution:\n\n{prompt}{body}\nThis function checks each pair.",  # prose after too
+            # a base model that finishes the body and goes on to write the function again
+            f"{body}\n\n\ndef {problem['entry_point']}(",
+            f"{body}\n\n{prompt}",
         ]
 
     loaded = load_eval_set("humaneval")

@@ -2,14 +2,15 @@
 
 `normalize` rewrites an answer into one spelling: no `$`, spaces, `\\left`/`\\right`, thin
 spaces, `\\displaystyle`; `\\dfrac`/`\\tfrac` -> `\\frac`; `\\frac12` -> `\\frac{1}{2}`;
-`\\sqrt2` -> `\\sqrt{2}`; trailing units in `\\text{...}`/`\\mbox{...}`, degrees (`^\\circ`,
+`\\frac\\pi2` -> `\\frac{\\pi}{2}`; `\\sqrt2` -> `\\sqrt{2}`; `{5}` -> `5`; `\\mathbf{5}` -> `5`; trailing unit
+words in `\\text{...}`/`\\mbox{...}` (not any word: `5\\text{ million}` stays), degrees (`^\\circ`,
 `^{\\circ}`, `degrees`), `\\%`, a leading `\\$`, a leading `x =`, thousands separators
 (`1,000`, `1{,}000`) and a trailing period dropped; a unit word after a number (`12 inches`),
 `°`, and a leading `x \\in` dropped; `\\text{(C)}` and `(C)` -> `C` (a multiple-choice letter);
-`1 \\text{ and } 2` -> `1,2`; a top-level `a/b` -> `\\frac{a}{b}` (`\\pi/2`); the minus sign
+`1 \\text{ and } 2` -> `1,2`; a top-level `a/b` of single terms -> `\\frac{a}{b}` (`\\pi/2`, not `1+\\pi/2`); the minus sign
 U+2212 -> `-`. `equivalent` compares the normal forms (plain words regardless of case), and
 else compares numbers exactly as fractions (`0.5`, `1/2`, `\\frac{1}{2}` and `\\frac12` are all
-one half; `50\\%` is 50, as MATH writes percentages), element by element for comma-separated
+one half; `1\\frac{4}{5}` is a mixed number; `50\\%` is 50, as MATH writes percentages), element by element for comma-separated
 tuples and intervals. It does no algebra: `2\\sqrt{2}` and `\\sqrt{8}`, `10^{3}` and `1000` are
 different answers here.
 """
@@ -21,10 +22,16 @@ from fractions import Fraction
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
 # unit words a number may carry in a boxed answer (as lm-eval's minerva_math strips such words)
-_UNITS = ("inches", "inch", "feet", "foot", "ft", "yards", "miles", "mph", "cm", "mm", "km", "meters", "metres",
-          "seconds", "minutes", "hours", "days", "weeks", "years", "dollars", "cents", "pounds", "ounces", "grams",
-          "kg", "square", "sq", "units", "unit", "degrees", "degree", "ways", "points", "people", "students")
-_UNIT_AFTER_NUMBER = re.compile(r"(?<=[\d}])\s+(?:" + "|".join(_UNITS) + r")(?:\^\{?\d\}?)?$")  # `12 inches`, not `3m`
+_UNITS = ("inches", "inch", "feet", "foot", "ft", "yards", "yard", "miles", "mile", "mph", "cm", "mm", "km", "m",
+          "meters", "meter", "metres", "metre", "seconds", "second", "sec", "s", "minutes", "minute", "min", "hours",
+          "hour", "days", "day", "weeks", "week", "years", "year", "dollars", "dollar", "cents", "cent", "pounds",
+          "pound", "lbs", "ounces", "ounce", "grams", "gram", "g", "kg", "liters", "liter", "litres", "litre", "km/h",
+          "m/s", "square", "sq", "cubic", "units", "unit", "degrees", "degree", "ways", "points", "people", "students")
+_UNIT = "(?:" + "|".join(re.escape(u) for u in sorted(_UNITS, key=len, reverse=True)) + r")(?:\^\{?\d\}?)?"
+_UNIT_AFTER_NUMBER = re.compile(r"(?<=[\d}])(?:\s+" + _UNIT + ")+$")  # `12 inches`, `6 square units`; not `3m`
+# a trailing unit in \text{...}: unit words only (`10\text{ million}` is not 10), squared or cubed too
+_TEXT_UNIT = re.compile(r"(?<=\S)\s*\\(?:text|mbox|textbf)\{\s*" + _UNIT + r"(?:\s+" + _UNIT + r")*\s*\}(?:\^\{?\d\}?)?$",
+                        re.IGNORECASE)
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
@@ -67,11 +74,16 @@ def _unwrap(answer: str, command: str) -> str:
     return "".join(out) + answer[i:]
 
 
+# one argument of a LaTeX command: a brace group without braces inside, a command (`\\pi`) or one character
+_ARGUMENT = r"(\{[^{}]*\}|\\[a-zA-Z]+|[0-9a-zA-Z])"
+
+
 def _short_args(answer: str) -> str:
-    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{x}` -> `\\frac{1}{x}`, `\\sqrt3` -> `\\sqrt{3}`."""
-    answer = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", answer)
-    answer = re.sub(r"\\frac(\d)(?=\{)", r"\\frac{\1}", answer)
-    answer = re.sub(r"\\frac\{([^{}]*)\}(\d)", r"\\frac{\1}{\2}", answer)
+    """`\\frac12` -> `\\frac{1}{2}`, `\\frac1{x}` -> `\\frac{1}{x}`, `\\frac\\pi2` -> `\\frac{\\pi}{2}`,
+    `\\sqrt3` -> `\\sqrt{3}` (no spaces left by then)."""
+    def braced(argument: str) -> str:
+        return argument if argument.startswith("{") else "{" + argument + "}"
+    answer = re.sub(r"\\frac" + _ARGUMENT + _ARGUMENT, lambda m: "\\frac" + braced(m[1]) + braced(m[2]), answer)
     return re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", answer)
 
 
@@ -84,8 +96,8 @@ def normalize(answer: str) -> str:
     a = a.replace("\\%", "").replace("%", "").replace("\\$", "").replace("°", "")
     a = re.sub(r"\\text\{\s*and\s*\}", ",", a)  # `1 \text{ and } 2`: two answers
     # a trailing unit, squared or cubed too (`864 \mbox{ inches}^2`, `60 \text{ km/h}`)
-    a = re.sub(r"(?<=\S)\s*\\(?:text|mbox|textbf)\{\s*[a-zA-Z][a-zA-Z .^0-9/]*\}(?:\^\{?\d\}?)?$", "", a)
-    for command in ("text", "textbf", "mbox", "mathrm"):
+    a = _TEXT_UNIT.sub("", a)
+    for command in ("text", "textbf", "mbox", "mathrm", "mathbf"):
         a = _unwrap(a, command)
     a = _UNIT_AFTER_NUMBER.sub("", a.strip())
     a = re.sub(r"^[a-zA-Z]\s*(?:=|\\in(?![a-zA-Z]))\s*(?=\S)", "", a)  # "x = 5" -> "5", "x \in [1,2]" -> "[1,2]"
@@ -94,11 +106,24 @@ def normalize(answer: str) -> str:
     if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", a):
         a = a.replace(",", "")
     a = re.sub(r"^\(([A-Z])\)$", r"\1", a)  # a multiple-choice letter: (C) -> C
+    while (group := _braced(a, 0)) is not None and group[1] == len(a):  # `{5}` -> `5`
+        a = group[0]
     return _slash_as_frac(a.rstrip("."))
 
 
+def _one_term(text: str) -> bool:
+    """No `+` or `-` outside brackets, but for a leading sign: `\\pi` or `-3\\sqrt{2}`, not `1+\\pi`."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
+        if ch in "+-" and depth == 0 and i > 0:
+            return False
+    return True
+
+
 def _slash_as_frac(a: str) -> str:
-    """A top-level `a/b` (one slash outside any bracket, no comma) as `\\frac{a}{b}`: `\\pi/2`."""
+    """A top-level `a/b` (one slash outside any bracket, no comma, one term on each side) as
+    `\\frac{a}{b}`: `\\pi/2`; `1+\\pi/2` stays (it is not `\\frac{1+\\pi}{2}`)."""
     depth, slashes = 0, []
     for i, ch in enumerate(a):
         depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
@@ -107,7 +132,10 @@ def _slash_as_frac(a: str) -> str:
     if len(slashes) != 1 or "," in a:
         return a
     top, bottom = a[:slashes[0]], a[slashes[0] + 1:]
-    return f"\\frac{{{top}}}{{{bottom}}}" if top and bottom else a
+    if not (top and bottom and _one_term(top) and _one_term(bottom)):
+        return a
+    sign, top = ("-", top[1:]) if top.startswith("-") else ("", top)
+    return f"{sign}\\frac{{{top}}}{{{bottom}}}"
 
 
 def _number(text: str) -> Fraction | None:
@@ -115,7 +143,10 @@ def _number(text: str) -> Fraction | None:
     sign = -1 if text.startswith("-") else 1
     text = text[1:] if text[:1] in "-+" else text
     frac = re.fullmatch(r"\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", text) or re.fullmatch(r"(-?[\d.]+)/(-?[\d.]+)", text)
+    mixed = re.fullmatch(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}", text)  # `1\frac{4}{5}`: one and four fifths
     try:
+        if mixed and int(mixed[2]) < int(mixed[3]):
+            return sign * (int(mixed[1]) + Fraction(int(mixed[2]), int(mixed[3])))
         if frac:
             return sign * Fraction(frac.group(1)) / Fraction(frac.group(2))
         if re.fullmatch(r"\d*\.?\d+", text):

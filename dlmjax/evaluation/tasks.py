@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from dlmjax.evaluation.math_answer import last_boxed, math_correct
 from dlmjax.evaluation.sandbox import run_python
-from dlmjax.toy.tasks import get_task, gsm8k_correct, marked_number
+from dlmjax.toy.tasks import get_task, gsm8k_correct, marked_number, numbers_in
 from dlmjax.validation import InputError, positive_int, read_json_file
 
 TOY_SEED = 1234  # the toy eval prompts: the same for every evaluation and test (TSPD traces leave out the first 1,024; model and head training draws do not)
@@ -94,7 +94,7 @@ def _read_json_lines(path: Path) -> list[tuple[int, Any]]:
 
 def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | None = None) -> list[tuple[int, Any]]:
     """Rows of a local file or directory, or of a Hugging Face dataset `name` (split `split`)."""
-    path = Path(source)
+    path = Path(source).expanduser()  # `--data=~/x.jsonl` reaches here unexpanded by the shell
     if path.is_dir():
         found = sorted(path.glob(f"{split}*.jsonl*")) or sorted(path.glob("*.jsonl*"))
         if not found:
@@ -185,10 +185,13 @@ def gsm8k_answer(completion: str) -> str:
 
 
 def gsm8k_cot_correct(completion: str, reference: str) -> bool:
-    """gsm8k-cot: the last `\\boxed{...}` answer's number (else the completion's last number, as
-    flexible extraction reads an answer that forgot the box) against the `#### N` answer."""
+    """gsm8k-cot: the number in the last `\\boxed{...}` answer (else the completion's last number, as
+    flexible extraction reads an answer that forgot the box) against the `#### N` answer. A box
+    holding more than one number (`\\boxed{5-2}`, `\\boxed{12 \\text{ and } 18}`) is no answer."""
     boxed = last_boxed(completion)
-    return gsm8k_correct(completion if boxed is None else boxed, reference)
+    if boxed is None:
+        return gsm8k_correct(completion, reference)
+    return len(numbers_in(boxed)) == 1 and gsm8k_correct(boxed, reference)
 
 
 def _gsm8k(data, strict: bool = False, cot: bool = False) -> EvalSet:
@@ -224,13 +227,15 @@ _AFTER_A_FUNCTION_STOPS = ("\nif __name__", "\nprint(", "\nassert ")
 
 def humaneval_code(problem: dict, completion: str) -> str:
     """The solution code of a completion: a fenced block's code where there is one (chat answers),
-    else the completion. Code that defines the entry point itself (a chat answer restating the
-    function) follows the prompt, whose imports and helpers it keeps and whose stub it replaces;
-    other code continues the prompt's function body, cut after it (`truncate_completion`)."""
+    else the completion. Code that opens unindented and defines the entry point itself (a chat
+    answer restating the function) follows the prompt, whose imports and helpers it keeps and whose
+    stub it replaces, without the prose around it; other code continues the prompt's function body,
+    cut after it (`truncate_completion`), also where a base model goes on to write the function again."""
     code = extract_code(completion, problem["prompt"]) if "```" in completion else completion
-    if re.search(rf"^def {re.escape(problem['entry_point'])}\s*\(", code, re.MULTILINE):
-        code = code[re.search(r"^(?:def|class|from|import|@)\b", code, re.MULTILINE).start():]  # no prose before
-        return f"{problem['prompt']}\n{truncate_completion(code, _AFTER_A_FUNCTION_STOPS)}"
+    first_line = next((line for line in code.split("\n") if line.strip()), "")
+    restates = re.search(rf"^def {re.escape(problem['entry_point'])}\s*\(", code, re.MULTILINE)
+    if restates and not first_line[:1].isspace():
+        return f"{problem['prompt']}\n{code_without_prose(truncate_completion(code, _AFTER_A_FUNCTION_STOPS))}"
     return f"{problem['prompt']}{truncate_completion(code)}"
 
 
@@ -301,8 +306,8 @@ def extract_code(completion: str, prompt_code: str = "") -> str:
     template opened (`_closes_a_block`); else the completion up to an `[DONE]` marker.
     `prompt_code`: the code the completion continues (HumanEval's prompt)."""
     opened = completion.find("```")
-    if opened < 0:
-        return completion.split("[DONE]")[0]
+    if opened < 0:  # the MBPP paper's format: [BEGIN] code [DONE]
+        return re.sub(r"^\s*\[BEGIN\]", "", completion.split("[DONE]")[0])
     if _closes_a_block(completion, opened, prompt_code):
         return completion[:opened]
     body = completion[completion.find("\n", opened) + 1:] if "\n" in completion[opened:] else ""
@@ -333,11 +338,16 @@ def mbpp_program(row: dict, completion: str) -> str:
 
 def mbpp_code(completion: str) -> str:
     """The code of an MBPP completion (`extract_code`); an unfenced chat answer that does not parse
-    loses the prose around its code: what comes before its first def/class/import line, and from
-    the unindented line after the longest run of lines from there that parses."""
+    loses the prose around its code (`code_without_prose`)."""
     code = extract_code(completion)
     if "```" in completion or _parses(code):
         return code
+    return code_without_prose(code)
+
+
+def code_without_prose(code: str) -> str:
+    """`code` from its first def/class/import line, up to the unindented line after the longest run
+    of lines from there that parses (the whole of it where it parses)."""
     start = re.search(r"^(?:def|class|from|import|@)\b", code, re.MULTILINE)
     if start is None:
         return code

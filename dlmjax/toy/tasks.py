@@ -47,7 +47,7 @@ from dlmjax.validation import InputError
 
 __all__ = [
     "ArithConfig", "ArithTask", "ConstraintConfig", "ConstraintTask", "Example", "TASKS", "Task",
-    "extract_final_number", "get_task", "gsm8k_correct",
+    "extract_final_number", "get_task", "gsm8k_correct", "numbers_in", "plain_numbers",
 ]
 
 
@@ -224,8 +224,20 @@ def get_task(name: str) -> Task:
 
 # --------------------------------------------------------------------------------------------- GSM8K
 
-# A minus counts only when it is not a binary operator ("16-3" is 16 and 3, "-5" is -5).
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?\d+(?:,\d{3})*(?!\d)(?:\.\d+)?")
+# A minus counts only when it is not a binary operator ("16-3" is 16 and 3, "-5" is -5); ".5" is a half.
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?(?:\d+(?:,\d{3})*(?!\d)(?:\.\d+)?|(?<![\d.])\.\d+)")
+# LaTeX thousands separators (`1{,}234`, `1,\!234`, `1\,234`) and the minus sign U+2212, as plain text writes them
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:\{,\}|,\\!|\\,)(?=\d{3}(?!\d))")
+
+
+def plain_numbers(text: str) -> str:
+    """`text` with LaTeX thousands separators as commas and U+2212 as `-`."""
+    return _LATEX_THOUSANDS.sub(",", text.replace("\u2212", "-"))
+
+
+def numbers_in(text: str) -> list[str]:
+    """The numbers of `text` as written (after `plain_numbers`), in order."""
+    return _NUMBER.findall(plain_numbers(text))
 
 
 def _canonical(number: str) -> str | None:
@@ -244,7 +256,7 @@ _ANSWER_LINE = re.compile(r"####[ \t]*(" + _NUMBER.pattern + r")(?![.)][ \t]+[A-
 
 def marked_number(text: str) -> str | None:
     """The canonical number of the last ``#### N`` line, None if there is none."""
-    marked = _ANSWER_LINE.findall(text)
+    marked = _ANSWER_LINE.findall(plain_numbers(text))
     return _canonical(marked[-1]) if marked else None
 
 
@@ -254,8 +266,8 @@ def extract_final_number(text: str) -> str | None:
     Canonical: no thousands commas or ``$``, a leading minus kept, no trailing period, decimals
     normalised (``"3.50"`` -> ``"3.5"``, ``"4.0"`` -> ``"4"``). None if there is no number.
     """
-    marked = _ANSWER_LINE.findall(text)
-    numbers = marked or _NUMBER.findall(text)
+    marked = _ANSWER_LINE.findall(plain_numbers(text))
+    numbers = marked or numbers_in(text)
     return _canonical(numbers[-1]) if numbers else None
 
 
