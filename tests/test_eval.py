@@ -201,8 +201,10 @@ def test_gsm8k_numbers_in_latex_and_unicode_forms():
 def test_dataset_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(DatasetError, match="not found"):
         read_rows(tmp_path / "missing.jsonl")
-    (tmp_path / "rows.jsonl").write_text('{"a": 1}\n')  # `--data=~/rows.jsonl`: the shell leaves ~ as it is
-    monkeypatch.setenv("HOME", str(tmp_path))
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "rows.jsonl").write_text('{"a": 1}\n')  # `--data=~/rows.jsonl`: the shell leaves ~ as it is
+    monkeypatch.setenv("HOME", str(home))
     assert read_rows("~/rows.jsonl") == [(1, {"a": 1})]
     with pytest.raises(DatasetError, match="no .jsonl"):
         read_rows(tmp_path)
