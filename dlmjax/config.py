@@ -231,6 +231,8 @@ _HF_FIXED: dict[str, Any] = {
 
 _ROPE_KEYS = {"default": set(), "linear": {"factor"},
               "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
+# keys a type's configs may carry that its RoPE does not read (transformers warns and goes on)
+_ROPE_UNREAD = {"linear": {"original_max_position_embeddings"}}
 
 
 ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -274,7 +276,7 @@ def rope_fields(raw: dict) -> dict:
         raise ConfigError(f"config key `{key}` = {scaling!r}: partial_rotary_factor="
                           f"{scaling['partial_rotary_factor']!r} inside `{key}` is not implemented (rotary over the "
                           "whole head only); the MoE families read a top-level partial_rotary_factor")
-    allowed = _ROPE_KEYS[kind] | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    allowed = _ROPE_KEYS[kind] | _ROPE_UNREAD.get(kind, set()) | {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     unknown = set(scaling) - allowed
     missing = _ROPE_KEYS[kind] - set(scaling)
     if unknown or missing:
@@ -409,8 +411,8 @@ def _from_hf_layout(raw: dict, fam: Family, problems: tuple[str, ...] = ()) -> M
     _refuse(fam.name, unknown, problems)
     num_heads = raw["num_attention_heads"]
     # absent keys take the defaults of transformers' config classes: Llama's KV heads = heads and
-    # head_dim = hidden / heads; Qwen2's and Qwen3's (and their diffusion kin's) 32 KV heads
-    # (Qwen3-MoE's 4), and Qwen3's (SDAR's) head_dim 128
+    # head_dim = hidden / heads, 2048 positions; Qwen2's and Qwen3's (and their diffusion kin's) 32 KV heads
+    # (Qwen3-MoE's 4), 32768 positions, and Qwen3's (SDAR's) head_dim 128
     default_kv_heads = num_heads if fam.name == "llama" else 4 if fam.name in QWEN3_MOE_FAMILIES else 32
     default_head_dim = 128 if fam.name in ("qwen3", "sdar") else raw["hidden_size"] // num_heads
     # Qwen2 (Dream, Fast-dLLM v2) always carry q/k/v biases and no o bias; Qwen3/Llama/SDAR have `attention_bias`.
@@ -427,7 +429,7 @@ def _from_hf_layout(raw: dict, fam: Family, problems: tuple[str, ...] = ()) -> M
         head_dim=raw.get("head_dim") or default_head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         **rope_fields(raw),
-        max_position_embeddings=raw.get("max_position_embeddings", 32768 if fam.name in QWEN3_MOE_FAMILIES else 4096),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048 if fam.name == "llama" else 32768),
         attention=fam.attention,
         # Real SDAR configs carry no block_size (it is a generation argument); 4 is SDAR's default.
         # Fast-dLLM v2 reads `bd_size` (its modeling code's default: 32).

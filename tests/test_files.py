@@ -134,3 +134,6 @@ def test_export_carries_every_tokenizer_file_of_its_source(tmp_path):
     out = dlmjax.export_model(model, tmp_path / "out", files_from=source)
     assert (out / "tokenizer.model").read_bytes() == b"\x0a\x03sp" and "tokenizer.model" in TOKENIZER_FILES
     assert (out / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ messages }}"
+    by_name = dlmjax.export_model(model, tmp_path / "by-name", files_from="toy-sdar")  # a preset, as load_model takes
+    assert (by_name / "tokenizer.json").read_bytes() == (dlmjax.io.hf.checkpoint_path("toy-sdar") / "tokenizer.json"
+                                                         ).read_bytes()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import dlmjax
+from dlmjax.io.safetensors import CheckpointError
 from dlmjax.presets import PRESETS
 from tiny_models import (
     additive_mask, llada_tensors, random_tokens, state_dict_numpy, torch_logits, torch_model, write_checkpoint,
@@ -222,6 +223,8 @@ def test_export_carries_the_sources_remote_code(model_type, tmp_path):
     with pytest.warns(DeprecationWarning, match="files_from"):  # the former name still works
         old_name = dlmjax.export_model(dlmjax.load_model(src), tmp_path / "old-name", tokenizer_from=src)
     assert json.loads((old_name / "config.json").read_text())["auto_map"] == auto_map
+    with pytest.raises(CheckpointError, match="not a directory"):  # a typo: refused, not an export without a tokenizer
+        dlmjax.export_model(dlmjax.load_model(src), tmp_path / "typo", files_from=tmp_path / "srcc")
 
 
 def test_bf16_load_is_as_accurate_as_pytorch_bf16(saved):
@@ -291,6 +294,19 @@ def test_rope_scaling_in_the_older_config_key_and_unsupported_types(tmp_path):
         load_config(tmp_path / "yarn")
 
 
+def test_linear_rope_with_an_unread_original_length_loads_as_linear():
+    """transformers' linear RoPE reads only `factor`; a config that also carries
+    `original_max_position_embeddings` (as some do) is the same model, not an unknown key."""
+    from dlmjax.config import ConfigError, rope_fields
+
+    base = {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    extra = {**base, "rope_scaling": {**base["rope_scaling"], "original_max_position_embeddings": 32}}
+    assert rope_fields(extra) == rope_fields(base) == {"rope_theta": 10000.0, "rope_scaling": "linear",
+                                                       "rope_factor": 2.0}
+    with pytest.raises(ConfigError, match="unknown \\['beta_fast'\\]"):
+        rope_fields({**base, "rope_scaling": {**base["rope_scaling"], "beta_fast": 32}})
+
+
 @pytest.mark.parametrize("family, changes, lost, hint", [
     ("qwen3", dict(attention="block_causal", block_size=4), "'attention': 'block_causal'", "family sdar"),
     ("llama", dict(shift_logits=True), "'shift_logits': True", None),
@@ -349,13 +365,16 @@ def test_llada_configs_must_name_what_llada_defaults_otherwise():
 
 
 def test_absent_head_dim_and_kv_heads_take_transformers_defaults(tmp_path):
-    """A config.json without head_dim or num_key_value_heads means what transformers' config class
-    defaults it to: Qwen3's head_dim is 128 (not hidden / heads), Qwen2's and Qwen3's KV heads 32,
-    Llama's KV heads its heads. Logits equal transformers' loaded from the same files."""
+    """A config.json without head_dim, num_key_value_heads or max_position_embeddings means what
+    transformers' config class defaults it to: Qwen3's head_dim is 128 (not hidden / heads), Qwen2's
+    and Qwen3's KV heads 32, Llama's KV heads its heads; 32768 positions for Qwen2 and Qwen3, 2048
+    for Llama (dlmjax's generation limit, written out on export). Logits equal transformers' loaded
+    from the same files."""
     cases = [("qwen3", dict(head_dim=128, num_key_value_heads=32, num_attention_heads=32), ("head_dim",
                                                                                          "num_key_value_heads")),
              ("qwen2", dict(num_key_value_heads=32, num_attention_heads=32, hidden_size=64), ("num_key_value_heads",)),
              ("llama", dict(num_key_value_heads=4, head_dim=8), ("num_key_value_heads", "head_dim"))]
+    cases = [(kind, shape, (*dropped, "max_position_embeddings")) for kind, shape, dropped in cases]
     tokens = random_tokens(1, 6)
     for kind, shape, dropped in cases:
         path = tmp_path / kind
@@ -366,8 +385,8 @@ def test_absent_head_dim_and_kv_heads_take_transformers_defaults(tmp_path):
         (path / "config.json").write_text(json.dumps(config))
         expected = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
         ours = dlmjax.load_model(path)
-        assert (ours.config.head_dim, ours.config.num_kv_heads) == (expected.config.head_dim,
-                                                                      expected.config.num_key_value_heads), kind
+        assert (ours.config.head_dim, ours.config.num_kv_heads, ours.config.max_position_embeddings) == (
+            expected.config.head_dim, expected.config.num_key_value_heads, expected.config.max_position_embeddings), kind
         assert max_diff(ours(jnp.asarray(tokens)).logits, torch_logits(expected, tokens)) <= TOL, kind
 
 

@@ -207,7 +207,8 @@ def test_a_fused_part_with_the_wrong_shape_is_named_with_its_config_field(checkp
     tensors = {k: np.array(shard.get(k)) for k in shard.keys()}
     tensors["model.layers.0.self_attn.q_proj.weight"] = np.zeros((24, 32), np.float32)  # 3 heads of 8, not 4
     dlmjax.io.safetensors.save_file(tensors, checkpoint / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"shape mismatch for 'model.layers.0.self_attn.q_proj.weight': checkpoint "
+    with pytest.raises(CheckpointError, match=r"shape mismatch for 'model.layers.0.self_attn.q_proj.weight' in "
+                                              r".*model.safetensors: checkpoint "
                                               r"\(32, 24\) after transpose, config expects \(32, 32\) \(its columns: "
                                               r"num_attention_heads x head_dim\)"):
         dlmjax.load_model(checkpoint)
@@ -219,6 +220,23 @@ def test_unexpected_tensor(checkpoint):
     tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(32, np.float32)
     dlmjax.io.safetensors.save_file(tensors, checkpoint / "model.safetensors")
     with pytest.raises(CheckpointError, match="has no place in a qwen3 model with this config .*qkv_bias=False"):
+        dlmjax.load_model(checkpoint)
+
+
+def test_a_tensor_of_a_layer_the_config_lacks_names_the_layer_count(tmp_path):
+    two_layers = dlmjax.export_model(dlmjax.init_model(from_hf_config({**QWEN3, "num_hidden_layers": 2})), tmp_path / "c")
+    edit_config(two_layers, num_hidden_layers=1)
+    with pytest.raises(CheckpointError, match=r"in .*model.safetensors is for layer 1, but config.json says "
+                                              r"num_hidden_layers=1"):
+        dlmjax.load_model(two_layers)
+
+
+def test_a_missing_head_names_tie_word_embeddings(checkpoint):
+    shard = SafetensorsFile(checkpoint / "model.safetensors")
+    tensors = {k: np.array(shard.get(k)) for k in shard.keys() if k != "lm_head.weight"}
+    dlmjax.io.safetensors.save_file(tensors, checkpoint / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensors \['lm_head.weight'\]; a head tied to the embedding "
+                                              "needs tie_word_embeddings: true"):
         dlmjax.load_model(checkpoint)
 
 

@@ -92,6 +92,26 @@ def test_qwen3_moe_export_is_per_expert_and_transformers_loads_it(qwen3_moe, tmp
     assert from_hf_config(config) == dlmjax.load_model(fused).config
 
 
+def test_a_bf16_moe_checkpoint_exports_bitwise_in_bf16(qwen3_moe, tmp_path):
+    """The softmax router is kept in float32 and used in the activations' dtype: a bf16 checkpoint
+    exports its gate in bf16 again (it came back float32, every tensor else bf16)."""
+    import ml_dtypes
+
+    _, fused, _ = qwen3_moe
+    source = SafetensorsFile(fused / "model.safetensors")
+    bf16 = {name: source.get(name).astype(ml_dtypes.bfloat16) for name in source.keys()}
+    config = {**json.loads((fused / "config.json").read_text()), "torch_dtype": "bfloat16"}
+    original = write_checkpoint(tmp_path / "bf16", config, bf16)
+    exported = SafetensorsFile(dlmjax.export_model(dlmjax.load_model(original), tmp_path / "out") / "model.safetensors")
+    again = SafetensorsFile(dlmjax.export_model(dlmjax.load_model(tmp_path / "out"), tmp_path / "again")
+                            / "model.safetensors")
+    gates = [name for name in exported.keys() if name.endswith("mlp.gate.weight")]
+    assert gates and all(exported.get(name).dtype == ml_dtypes.bfloat16 for name in exported.keys())
+    for name in gates:
+        np.testing.assert_array_equal(exported.get(name), bf16[name])
+    assert all(np.array_equal(exported.get(n).view(np.uint16), again.get(n).view(np.uint16)) for n in exported.keys())
+
+
 def test_qwen3_moe_reads_both_spellings_of_experts_and_rope():
     base = qwen3_moe_config_json(True)
     new_style = {k: v for k, v in base.items() if k not in ("num_experts", "rope_theta")}

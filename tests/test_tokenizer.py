@@ -275,6 +275,24 @@ def test_a_special_flag_declared_in_tokenizer_config_wins_as_in_transformers(tmp
     assert ours.mask_id == mask and ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "abc"
 
 
+def test_a_vocabulary_token_declared_special_in_tokenizer_config_is_special_as_in_transformers(tmp_path):
+    """A token of the model's own vocabulary (not an added token in tokenizer.json) that
+    tokenizer_config.json declares special: transformers makes it special on its id, so decoded
+    text drops it; dlmjax kept it as text."""
+    transformers = pytest.importorskip("transformers")
+    tok = char_tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    x = tok.token_to_id("x")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {str(x): {"content": "x", "special": True, "lstrip": False, "rstrip": False,
+                                          "normalized": False, "single_word": False}}}))
+    ours, theirs = load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = ours.encode("axb")
+    assert ids == theirs("axb", add_special_tokens=False)["input_ids"] and x in ids
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "ab"
+
+
 def test_chat_templates_see_every_special_token_as_transformers_passes_them(chat_pair, tmp_path):
     template = "{{ messages[0]['content'] }}[mask={{ mask_token }}][sep={{ sep_token }}][bos={{ bos_token }}]"
     path = chat_checkpoint(tmp_path / "vars", template, ["<|endoftext|>", "<|MASK|>", "<|sep|>"],

@@ -422,8 +422,12 @@ def load_model(
             if path == "lm_head.kernel":
                 continue  # a tied head saved explicitly: the embedding is the head, if they are equal
         if path not in expected:
+            layer = re.search(r"layers\.(\d+)\.", path)
+            if layer is not None and int(layer[1]) >= cfg.num_layers:
+                raise CheckpointError(f"tensor {name!r} in {file} is for layer {layer[1]}, but config.json says "
+                                      f"num_hidden_layers={cfg.num_layers}; check config.json")
             raise CheckpointError(
-                f"tensor {name!r} has no place in a {cfg.family} model with this config "
+                f"tensor {name!r} in {file} has no place in a {cfg.family} model with this config "
                 f"(qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias}, qk_norm={cfg.qk_norm}, "
                 f"tie_word_embeddings={cfg.tie_word_embeddings}); check config.json"
             )
@@ -434,8 +438,8 @@ def load_model(
         want = expected[path].shape
         if tuple(array.shape) != tensor_shape(rule, want, cfg):
             raise CheckpointError(
-                f"shape mismatch for {name!r}: checkpoint {tuple(array.shape)} after {rule.transform.name}, "
-                f"config expects {tensor_shape(rule, want, cfg)}{expected_fields(rule)}"
+                f"shape mismatch for {name!r} in {file}: checkpoint {tuple(array.shape)} after {rule.transform.name}, "
+                f"config expects {tensor_shape(rule, want, cfg)}{expected_fields(rule)}; check config.json"
             )
         source[path, rule.part] = name
         param = fused.add(rule, path, np.asarray(array).astype(expected[path].dtype))  # MoE routers: fp32
@@ -446,7 +450,10 @@ def load_model(
     missing = set(expected) - set(loaded)
     if missing:
         names = fused.missing(missing, key_map)
-        raise CheckpointError(f"checkpoint {ckpt_dir} is missing tensors {names[:8]}{' ...' if len(names) > 8 else ''}")
+        tied = ("; a head tied to the embedding needs tie_word_embeddings: true in config.json"
+                if "lm_head.kernel" in missing and not cfg.tie_word_embeddings else "")
+        raise CheckpointError(f"checkpoint {ckpt_dir} is missing tensors {names[:8]}{' ...' if len(names) > 8 else ''}"
+                              f"{tied}")
     state = nnx.from_flat_state(
         [(tuple(int(k) if k.isdigit() else k for k in p.split(".")), expected[p].replace(loaded[p])) for p in expected]
     )
@@ -492,6 +499,11 @@ def export_model(
         files_from = files_from if files_from is not None else tokenizer_from
     out_dir = Path(out_dir)
     check_export_target(out_dir)
+    if files_from is not None:
+        files_from = checkpoint_path(files_from)  # a preset name, as load_model takes
+        if not files_from.is_dir():  # a typo would give an export without its tokenizer
+            raise CheckpointError(f"files_from={str(files_from)!r} is not a directory: pass the directory the "
+                                  "model was loaded from (its tokenizer and remote code), or leave it out")
     with staged_dir(out_dir, keep_existing=True) as stage:
         _write_checkpoint(model, stage, files_from, max_shard_bytes)
     return out_dir
@@ -514,7 +526,10 @@ def _write_checkpoint(model: Transformer, out_dir: Path, files_from, max_shard_b
     key_map = key_rules(cfg)
     tensors: dict[str, np.ndarray] = {}
     for path, var in sorted(_flat_params(model).items()):
-        tensors.update(to_hf_tensors(path, np.asarray(jax.device_get(var[...])), key_map, cfg))
+        value = np.asarray(jax.device_get(var[...]))
+        if path.endswith(".router") and cfg.router != "sigmoid":
+            value = value.astype(cfg.dtype)  # kept in float32, used in the activations' dtype (moe.router_logits)
+        tensors.update(to_hf_tensors(path, value, key_map, cfg))
     tensors = moe_weights.published_tensors(cfg, tensors)
 
     shards: list[dict[str, np.ndarray]] = [{}]

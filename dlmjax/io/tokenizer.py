@@ -196,7 +196,7 @@ def _add_declared_tokens(backend: _Backend, ckpt_dir: Path, tok_cfg: dict) -> No
         flags = {k: bool(token[k]) for k in ("single_word", "lstrip", "rstrip", "normalized") if k in token}
         special = bool(token.get("special", False))
         if (known := backend.token_to_id(token["content"])) is not None:
-            if special and known in held and not held[known].special:  # transformers takes the config's flag
+            if special and (known not in held or not held[known].special):  # transformers takes the config's flag
                 backend.add_special_tokens([AddedToken(token["content"], special=True, **flags)])  # same id
             continue
         size = backend.get_vocab_size(with_added_tokens=True)
