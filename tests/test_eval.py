@@ -75,6 +75,18 @@ def test_sandbox_output_flood_is_cut_by_the_file_size_limit():
     assert not result.passed and time.perf_counter() - start < 5 and len(result.output) <= 2000
 
 
+def test_sandbox_kills_a_program_that_fills_its_directory():
+    """The file-size limit bounds one file; a loop writing file after file is killed once the
+    directory holds more than DISK_LIMIT_BYTES, long before its timeout."""
+    from dlmjax.evaluation.sandbox import DISK_LIMIT_BYTES
+
+    start = time.perf_counter()
+    result = run_python("i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(bytes(8 << 20))\n    i += 1", timeout_s=60)
+    assert result.status == "failed" and result.output.endswith(f"[killed: wrote more than {DISK_LIMIT_BYTES >> 20} MiB]")
+    assert time.perf_counter() - start < 30
+    assert run_python("open('small', 'wb').write(bytes(1 << 20))").passed  # a program that writes a little passes
+
+
 def test_sandbox_blocks_writes_outside_its_directory(tmp_path):
     targets = [tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "c.txt"]
     victim = tmp_path / "victim.txt"

@@ -2,7 +2,9 @@
 
 Layers, each of which alone stops the common failure modes:
 - its own session (process group) in a fresh temporary directory, killed as a group at the
-  timeout, so an infinite loop or a runaway child never outlives the call;
+  timeout, so an infinite loop or a runaway child never outlives the call, and killed as soon as
+  the directory holds more than `DISK_LIMIT_BYTES` (checked every `DISK_CHECK_S`: the file-size
+  limit bounds one file, not how many a loop writes);
 - resource limits: CPU seconds, address space, file size, open files, processes; as root, when
   `nobody` can run the interpreter (it cannot if Python or its virtualenv lives under /root), the
   child drops to `nobody` so the process limit is enforced and most of the filesystem is
@@ -37,10 +39,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 NOBODY = 65534
+DISK_LIMIT_BYTES = 256 * 2**20  # what the temporary directory may hold (the output file's 16 MiB and more)
+DISK_CHECK_S = 0.2
 
 _GUARD = r'''
 def _install_guard():
@@ -176,15 +181,41 @@ def run_python(program: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, 
                     raise
                 proc = start(None)
             try:
-                proc.wait(timeout=timeout_s)
-                status = "passed" if proc.returncode == 0 and finished in _tail(output) else "failed"
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                proc.wait()
-                status = "timeout"
+                status = _wait(proc, root, timeout_s)
+                if status is None:
+                    status = "passed" if proc.returncode == 0 and finished in _tail(output) else "failed"
             finally:
                 _kill_group(proc)  # children left behind by a program that exited
-        return SandboxResult(status=status, returncode=proc.returncode, output=_tail(output))
+        note = f"\n[killed: wrote more than {DISK_LIMIT_BYTES >> 20} MiB]" if status == "disk" else ""
+        return SandboxResult(status="failed" if status == "disk" else status, returncode=proc.returncode,
+                             output=_tail(output) + note)
+
+
+def _wait(proc: subprocess.Popen, root: Path, timeout_s: float) -> str | None:
+    """Wait for the program: None once it exits, "timeout" or "disk" where it was killed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            proc.wait(timeout=max(0.0, min(DISK_CHECK_S, deadline - time.monotonic())))
+            return None
+        except subprocess.TimeoutExpired:
+            over = "timeout" if time.monotonic() >= deadline else "disk" if _bytes_under(root) > DISK_LIMIT_BYTES else None
+            if over is not None:
+                _kill_group(proc)
+                proc.wait()
+                return over
+
+
+def _bytes_under(root: Path) -> int:
+    """The bytes of the files under `root` (a file that vanishes while counted counts 0)."""
+    total = 0
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _tail(path: Path, chars: int = 2000) -> str:
