@@ -113,7 +113,8 @@ def cmd_generate(args) -> int:
         mesh = make_mesh(model=1)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh,
                                                    expert_dispatch=args.expert_dispatch)
-    decoder = args.decoder or default_decoders(model)[0]
+    asked_drafter = args.drafter is not None and model.config.attention == "causal"  # --drafter DIR: decode with it
+    decoder = args.decoder or ("drafter" if asked_drafter else default_decoders(model)[0])
     decoder = _with_controller([decoder], args.model, path, args.tspd_controller)[0]
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     prompts = args.prompt
@@ -335,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="checkpoint directory or preset (toy-sdar, toy-ar, random-sdar, random-qwen3, random-*-moe, ...)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     gen.add_argument("--decoder", default=None,
-                     help=f"NAME or NAME:key=value,... (default: static; ar for causal models, fast-dllm-v2 for Fast-dLLM v2); decoders: "
+                     help=f"NAME or NAME:key=value,... (default: static; ar for causal models, drafter with --drafter, "
+                          "fast-dllm-v2 for Fast-dLLM v2); decoders: "
                           f"{', '.join(decoder_names())}")
     gen.add_argument("--max-new-tokens", type=count_arg, default=64,
                      help="tokens to generate, any number >= 1 (whole blocks are decoded and cut; default 64)")

@@ -200,7 +200,8 @@ def test_mrp_decoders_and_export_carry_the_head(tmp_path, capsys):
 
 def test_causal_model_defaults_to_ar_and_decodes_with_its_drafter(capsys, tmp_path):
     """toy-ar ships a DFlash drafter in drafter/: `--decoder drafter` uses it and gives ar's tokens;
-    no --decoder means ar; export carries the drafter; results carry the accepted length."""
+    no --decoder means ar (drafter with --drafter DIR); export carries the drafter; results carry the
+    accepted length."""
     prompts = ["--prompt", "12+7-3\n", "--prompt", "4 distinct digits, sum 17\n"]
     assert main(["generate", "--model", "toy-ar", *prompts, "--max-new-tokens", "24", "--json"]) == 0
     ar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -217,6 +218,11 @@ def test_causal_model_defaults_to_ar_and_decodes_with_its_drafter(capsys, tmp_pa
     assert main(["generate", "--model", str(tmp_path / "out"), *prompts, "--decoder", "drafter",
                  "--max-new-tokens", "24", "--json"]) == 0
     assert [json.loads(line)["tokens"] for line in capsys.readouterr().out.splitlines()] == [r["tokens"] for r in ar]
+    # --drafter DIR without --decoder decodes with that drafter (it was loaded by nothing: ar ran)
+    assert main(["generate", "--model", "toy-ar", *prompts, "--drafter", str(tmp_path / "out" / "drafter"),
+                 "--max-new-tokens", "24", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in ar] and all(r["mean_accepted_length"] > 1.0 for r in rows)
 
     out = tmp_path / "eval"
     assert main(["eval", "--model", "toy-ar", "--task", "toy-arith", "--limit", "4", "--no-progress",

@@ -163,6 +163,19 @@ def test_default_target_layer_ids_and_always_written():
         (lambda r: r["dflash_config"].update(target_layer_ids=[]), "target_layer_ids is empty"),
         # transformers drops the window without the switch (vLLM and SGLang then refuse the drafter)
         (lambda r: r.update(layer_types=["sliding_attention"], sliding_window=8), "use_sliding_window"),
+        # values of the wrong type are refused by name (they were truncated: 0.9 read as layer 0)
+        (lambda r: r["dflash_config"].update(target_layer_ids=[0.9, 1.9, 2.9]), r"target_layer_ids=\[0.9, 1.9, 2.9\] "
+                                                                                 "must be layer numbers"),
+        (lambda r: r["dflash_config"].update(target_layer_ids="0,1,2"), "target_layer_ids='0,1,2' must be a list"),
+        (lambda r: r["dflash_config"].update(mask_token_id=95.9), r"mask_token_id=95.9 must be an integer"),
+        (lambda r: r["dflash_config"].update(mask_token_id=True), r"mask_token_id=True must be an integer"),
+        (lambda r: r["dflash_config"].update(mask_token_id=None), r"mask_token_id=None must be an integer"),
+        (lambda r: r.update(block_size=4.5), r"block_size=4.5 must be an integer"),
+        (lambda r: r.update(block_size="8"), r"block_size='8' must be an integer"),
+        (lambda r: r.update(rms_norm_eps="1e-6"), r"rms_norm_eps='1e-6' must be a finite number"),
+        (lambda r: r.update(num_target_layers="36"), r"`num_target_layers`='36' must be an integer"),
+        (lambda r: r.update(num_key_value_heads=0), r"num_kv_heads=0 must be >= 1"),
+        (lambda r: r.update(num_key_value_heads=5), r"num_attention_heads=32 is not a multiple of num_key_value_heads=5"),
     ],
 )
 def test_strict_config_errors_name_the_key(change, message):

@@ -12,6 +12,7 @@ import dlmjax
 from dlmjax.decoding.ar import generate_ar
 from dlmjax.decoding.speculative import accept_sampled, generate_with_drafter
 from dlmjax.io.dflash import load_drafter
+from dlmjax.validation import InputError
 from drafter_reference import RefDrafter, speculative_greedy
 from test_drafter import tiny_drafter_config, write_reference_drafter
 from tiny_models import torch_model
@@ -57,6 +58,14 @@ def test_greedy_equals_target_greedy(pair, batch):
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(ar.tokens))
     np.testing.assert_array_equal(np.asarray(spec.num_generated), np.asarray(ar.num_generated))
     assert int(spec.target_forwards) <= 23 and spec.mean_accepted_length > 1.0  # some drafts were accepted
+    if batch == 1:  # a block that is no integer >= 2 is refused (0 meant the drafter's own, 2.7 became 2)
+        for block, message in ((0, "block=0 must be >= 1"), (2.7, "block=2.7 must be an integer"),
+                               (1, "at least 2 tokens")):
+            with pytest.raises(InputError, match=message):
+                generate_with_drafter(ours, drafter, prompts, max_new_tokens=4, block=block)
+        again = generate_with_drafter(ours, drafter, prompts, max_new_tokens=24, eos_ids=(), pad_id=0,
+                                      block=np.int64(drafter.config.block_size))
+        np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(spec.tokens))
 
 
 def test_bf16_greedy_equals_target_greedy_in_the_invariant_mode(pair, tmp_path):

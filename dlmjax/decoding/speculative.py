@@ -41,7 +41,7 @@ from dlmjax.decoding.policies import categorical_rows, nucleus_filter, row_keys
 from dlmjax.heads.drafter import Drafter, block_hidden, check_compatible, context_features
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
-from dlmjax.validation import InputError
+from dlmjax.validation import InputError, positive_int
 
 
 @struct.dataclass
@@ -236,7 +236,7 @@ def generate_with_drafter(
     """
     cfg = target.config
     check_compatible(drafter.config, cfg)
-    block = int(block or drafter.config.block_size)
+    block = drafter.config.block_size if block is None else positive_int("block", block)  # 2.7 is no block
     if block < 2:
         raise InputError(f"block={block}: a drafter block needs at least 2 tokens (the last token + 1 proposal)")
     if max_new_tokens < 1:

@@ -30,7 +30,7 @@ from flax import nnx
 from dlmjax.config import ROPE_FIELDS, ConfigError, ModelConfig
 from dlmjax.models import layers
 from dlmjax.models.transformer import Block, Linear, RMSNorm, Transformer
-from dlmjax.validation import InputError
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, POSITIVE, InputError, check_fields, is_count
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -88,10 +88,26 @@ class DrafterConfig:
     # text) pairs, kept so a published config.json round-trips unchanged (dlmjax.io.dflash).
     hf_extra: tuple[tuple[str, str], ...] = ()
 
+    limits = {**{name: AT_LEAST_1 for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                               "num_kv_heads", "head_dim", "vocab_size", "num_target_layers",
+                                               "block_size", "max_position_embeddings", "sliding_window",
+                                               "rope_original_max_positions")},
+              "mask_token_id": AT_LEAST_0, "rms_norm_eps": POSITIVE, "rope_theta": POSITIVE, "rope_factor": POSITIVE,
+              "rope_low_freq_factor": POSITIVE, "rope_high_freq_factor": POSITIVE}
+
     def __post_init__(self):
+        if isinstance(self.target_layer_ids, list):  # as config.json and YAML give it
+            object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        check_fields(self, "drafter ", error=ConfigError)  # types and `limits`: 0.9 is not a layer, "8" no block
+        if not all(is_count(i) for i in self.target_layer_ids):
+            raise ConfigError(f"target_layer_ids={list(self.target_layer_ids)!r} must be layer numbers (integers >= 0)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                              f"num_key_value_heads={self.num_kv_heads}")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers={self.num_layers}")
         bad = sorted(set(self.layer_types) - {FULL, SLIDING})

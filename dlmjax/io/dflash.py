@@ -46,6 +46,7 @@ from dlmjax.io.hf import (
 )
 from dlmjax.io.safetensors import CheckpointError, save_file
 from dlmjax.io.torch_file import read_pt, write_pt
+from dlmjax.validation import AT_LEAST_1, check_value
 
 ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS_FILE = "model.safetensors"
@@ -155,6 +156,8 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
     dtype = raw.get("dtype", raw.get("torch_dtype")) or "bfloat16"
     if dtype not in DTYPES:
         raise ConfigError(f"config key `dtype` = {dtype!r}; supported: {', '.join(DTYPES)}")
+    for key in ("num_hidden_layers", "num_target_layers"):  # the defaults below count with them
+        check_value(f"config key `{key}`", raw[key], "int", AT_LEAST_1, error=ConfigError)
     n = raw["num_hidden_layers"]
     layer_types, window = _layer_types(raw, n), _sliding_window(raw)
     if SLIDING in layer_types and window is None:
@@ -166,15 +169,17 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
     ids = dcfg.get("target_layer_ids")
     if ids is None:
         ids = default_target_layer_ids(raw["num_target_layers"], n)
-    elif isinstance(ids, list) and not ids:
+    elif not isinstance(ids, list):
+        raise ConfigError(f"dflash_config.target_layer_ids={ids!r} must be a list of target layer numbers")
+    elif not ids:
         raise ConfigError("dflash_config.target_layer_ids is empty: list the target layers the drafter reads, or "
                           "remove the key for DFlash's default")
     cfg = DrafterConfig(
         hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_layers=n,
         num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
         vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"], target_layer_ids=tuple(ids),
-        mask_token_id=int(dcfg["mask_token_id"]), block_size=int(block_size),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), **_rope(raw),
+        mask_token_id=dcfg["mask_token_id"], block_size=block_size, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        **_rope(raw),
         max_position_embeddings=raw.get("max_position_embeddings", _QWEN3_DEFAULT_POSITIONS), layer_types=layer_types,
         sliding_window=window if SLIDING in layer_types else None, dtype=dtype,
     )
