@@ -916,6 +916,23 @@ def test_flash_attention_memory_is_linear_in_length():
     assert scratch(1024, "interpret") / scratch(512, "interpret") < 2.2
 
 
+def test_the_key_ranges_memory_is_linear_in_length():
+    """key_ranges finds each query tile's keys a few tiles at a time: its scratch memory doubles
+    with the length (it held [B, L / tile_q, S] booleans: 80 MiB a row at 32k, 4x per doubling,
+    too small at 512 tokens for the test above to see)."""
+    from dlmjax.kernels.attention import key_ranges
+
+    def scratch(length):
+        def f(pos):
+            seg = jnp.zeros_like(pos)
+            return key_ranges(Visibility(pos, seg, pos, seg, pos >= 0, attention="block_causal", block_size=4), 64)
+
+        return jax.jit(f).lower(jax.ShapeDtypeStruct((1, length), jnp.int32)).compile().memory_analysis(
+        ).temp_size_in_bytes
+
+    assert scratch(16384) / scratch(8192) < 2.2
+
+
 def test_the_cli_sets_the_kernel_mode(monkeypatch):
     """`--kernels MODE` on generate/eval/train/traces: the command runs under that mode."""
     from dlmjax import cli

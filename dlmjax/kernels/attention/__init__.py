@@ -59,6 +59,9 @@ def _on_tpu() -> bool:
     return jax.default_backend() == "tpu"
 
 
+KEY_RANGE_TILES = 8  # query tiles whose key ranges `key_ranges` finds at once
+
+
 def key_ranges(vis, tile_q: int):
     """([B, T] int32 first key, [B, T] int32 one past the last key) that each tile of `tile_q`
     queries (T tiles; the last may hold padding) reads: the keys some query of the tile can see by
@@ -73,15 +76,22 @@ def key_ranges(vis, tile_q: int):
     s = vis.k_pos.shape[1]
     tiles = -(-l // tile_q)
     q_pos = jnp.pad(vis.q_pos, ((0, 0), (0, tiles * tile_q - l)), mode="edge").reshape(b, tiles, tile_q)
-    latest, earliest = q_pos.max(axis=-1)[..., None], q_pos.min(axis=-1)[..., None]  # [B, T, 1]
-    k_pos = vis.k_pos[:, None, :]  # [B, 1, S]
-    reach = _kernel.topology(latest, k_pos, vis.attention, vis.block_size)  # the tile's latest query sees most
-    if vis.window is not None:  # and its earliest reaches furthest back
-        reach &= earliest - k_pos < vis.window
-    seen = reach & vis.k_valid[:, None, :]
-    ends = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)
-    starts = jnp.where(seen.any(axis=-1), jnp.argmax(seen, axis=-1), s)
-    return starts.astype(jnp.int32), ends.astype(jnp.int32)
+
+    def ranges(bounds):  # [B] latest and earliest query positions of one tile -> [B] starts, ends
+        latest, earliest = (bound[:, None] for bound in bounds)
+        reach = _kernel.topology(latest, vis.k_pos, vis.attention, vis.block_size)  # its latest query sees most
+        if vis.window is not None:  # and its earliest reaches furthest back
+            reach &= earliest - vis.k_pos < vis.window
+        seen = reach & vis.k_valid
+        ends = jnp.max(jnp.where(seen, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)
+        starts = jnp.where(seen.any(axis=-1), jnp.argmax(seen, axis=-1), s)
+        return starts.astype(jnp.int32), ends.astype(jnp.int32)
+
+    # KEY_RANGE_TILES tiles at a time (lax.map vmaps `ranges` over them): [n, B, S] booleans, so this
+    # memory grows with S, not with L x S
+    bounds = (q_pos.max(axis=-1).T, q_pos.min(axis=-1).T)  # [T, B] each
+    starts, ends = jax.lax.map(ranges, bounds, batch_size=min(KEY_RANGE_TILES, tiles))
+    return starts.T, ends.T
 
 
 def _cudnn_serves(kv_parts) -> bool:
