@@ -1,6 +1,7 @@
 """The settings of configs/mrp/toy-sdar.yaml against the alternatives its comments name: an MRP
 head on toy-sdar trained for --steps steps from that config with one setting changed (all else
-equal), then scored on held-out toy-constraint batches.
+equal), then scored on toy-constraint batches drawn with another seed (new answers and masks; the
+task's 39 prompts are all in the training draws).
 
 - noise: one level per row (`mrp.mask_rate=per_row`, the reference's draw and the default)
   against one per (row, block) (`per_block`, the config's), each scored under both kinds;
@@ -12,8 +13,8 @@ equal), then scored on held-out toy-constraint batches.
         [--out benchmarks/results/mrp_settings]
 
 A run directory that already holds a finished run is reused (train resumes it, a no-op). Writes
-results.md: mean KL(next step's logits || logits + residual) over 4 batches of 64 held-out
-problems at the positions still masked after one reveal, beside the no-residual baseline. One
+results.md: mean KL(next step's logits || logits + residual) over 4 batches of 64 problems drawn
+with seeds 777-780 at the positions still masked after one reveal, beside the no-residual baseline. One
 seed per run: `--seed N` trains every run with `train.seed=N` and `data.seed=N + 2` (the config's
 are 0 and 2) and writes results-seedN.md.
 """
@@ -36,7 +37,7 @@ from dlmjax.train.objectives import MASK_RATES
 
 CONFIG = "configs/mrp/toy-sdar.yaml"
 TASK = "toy-constraint"
-BATCHES, EXAMPLES, SEED = 4, 64, 777  # held out: the training data uses seed 2
+BATCHES, EXAMPLES, SEED = 4, 64, 777  # other draws than the training data's (seed 2)
 
 
 CHANGES = {  # the config's own settings first; each other run changes one (scored with per-block noise)
@@ -55,7 +56,7 @@ def train_head(change: list[str], steps: int, seed: int, run_dir: Path) -> Path:
     return run_dir / "model"
 
 
-def held_out_kl(model_dir: Path, rate: str) -> tuple[float, float]:
+def eval_kl(model_dir: Path, rate: str) -> tuple[float, float]:
     """(mean KL with the head's residual, mean KL without it) under noise drawn `rate`."""
     model = load_model(model_dir)
     head = load_head(model_dir, model.config)
@@ -84,18 +85,18 @@ def main():
              for i, (name, change) in enumerate(CHANGES.items())}
     config_head, per_row_head = list(heads.values())[:2]
     lines = [f"# MRP head on toy-sdar: the settings of {CONFIG} against one change each ({args.steps} steps each)",
-             "", f"Held-out {TASK}: mean KL over {BATCHES} x {EXAMPLES} problems (lower is better); `train.seed` "
-             f"{args.seed}, `data.seed` {args.seed + 2}.", "",
+             "", f"{TASK}, batches drawn with seeds {SEED}-{SEED + BATCHES - 1}: mean KL over {BATCHES} x {EXAMPLES} "
+             f"problems (lower is better); `train.seed` {args.seed}, `data.seed` {args.seed + 2}.", "",
              "## Noise per row vs per block", "",
              "| trained with | scored with | KL with head | KL without head |", "|---|---|---|---|"]
     for trained, model_dir in (("per_block", config_head), ("per_row", per_row_head)):
         for scored in MASK_RATES:
-            kl, baseline = held_out_kl(model_dir, scored)
+            kl, baseline = eval_kl(model_dir, scored)
             lines.append(f"| {trained} | {scored} | {kl:.4f} | {baseline:.4f} |")
     lines += ["", "## One change each, scored with per-block noise", "",
               "| run | KL with head | KL without head |", "|---|---|---|"]
     for name, model_dir in heads.items():
-        kl, baseline = held_out_kl(model_dir, "per_block")
+        kl, baseline = eval_kl(model_dir, "per_block")
         lines.append(f"| {name} | {kl:.4f} | {baseline:.4f} |")
     lines += ["", f"`PYTHONPATH=. python benchmarks/mrp_settings.py --steps {args.steps} --seed {args.seed}`"]
     out = Path(args.out)

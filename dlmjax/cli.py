@@ -151,12 +151,16 @@ def cmd_export(args) -> int:
 
     src, out = resolve_model(args.src, "export SRC"), check_output_dir(args.out)
     check_export_target(out)
+    if (src / CONTROLLER_FILE).is_file() and not (src / "config.json").is_file():
+        raise InputError(f"{src} holds a TSPD controller alone (a TSPD training run's model/): decode with "
+                         f"--tspd-controller {src}, or copy {CONTROLLER_FILE} into the backbone's directory and "
+                         "export that")
     model = load_model(src)
     extras = []
     with staged_dir(out, keep_existing=True) as stage:  # `out` appears only once everything is written
         export_model(model, stage, files_from=src)
         if has_head(src):
-            save_head(load_head(src, model.config), stage)
+            save_head(load_head(src, model.config, stored_dtype=True), stage)  # a float32 head stays float32
             extras.append("its MRP head")
         if (src / CONTROLLER_FILE).is_file():
             export_controller(src, stage)

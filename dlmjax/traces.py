@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import zipfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -268,8 +269,12 @@ def load_traces(path: str | Path, *, expect_model: dict | None = None) -> tuple[
         fix = (f"train on the model they are of (backbone={source}), or " if source else "") + \
             "collect traces with the model the controller is for (`dlmjax traces --model MODEL`)"
         raise TraceError(f"{path} holds traces of {source or 'another model'} ({diff}: traces vs expected); {fix}")
-    with np.load(path / "traces.npz") as f:
-        arrays = {n: f[n] for n in FIELDS}
+    try:
+        with np.load(path / "traces.npz") as f:
+            arrays = {n: f[n] for n in FIELDS}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:  # a truncated or foreign file
+        raise TraceError(f"{path / 'traces.npz'} cannot be read ({err}); collect the traces again with "
+                         "`dlmjax traces`") from None
     return arrays, meta
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dlmjax
@@ -196,6 +197,18 @@ def test_mrp_decoders_and_export_carry_the_head(tmp_path, capsys):
     assert "with its MRP head" in capsys.readouterr().out
     head, again = load_head(ckpt), load_head(tmp_path / "again", model.config)
     assert (head.mrp_modules[0].eh_proj.kernel[...] == again.mrp_modules[0].eh_proj.kernel[...]).all()
+    # a float32 head beside a bf16 backbone (what training a head on it writes) is exported as it is
+    # stored (it was rounded to bf16)
+    from dlmjax.io.safetensors import SafetensorsFile
+
+    bf16 = tmp_path / "bf16"
+    dlmjax.export_model(dlmjax.load_model(src, dtype="bfloat16"), bf16, files_from=src)
+    save_head(init_head(model.config, num_layers=1, seed=5), bf16)
+    assert main(["export", str(bf16), str(tmp_path / "bf16-out")]) == 0
+    stored, exported = (SafetensorsFile(d / "mrp_head.safetensors") for d in (bf16, tmp_path / "bf16-out"))
+    assert stored.keys() == exported.keys()
+    for name in stored.keys():
+        assert exported.get(name).dtype == np.float32 and np.array_equal(exported.get(name), stored.get(name)), name
 
 
 def test_causal_model_defaults_to_ar_and_decodes_with_its_drafter(capsys, tmp_path):
@@ -259,6 +272,12 @@ def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path
     assert main(["export", "toy-sdar", str(tmp_path / "out")]) == 0
     assert "TSPD controller" in capsys.readouterr().out
     assert (tmp_path / "out" / "tspd_controller.safetensors").is_file()
+    alone = tmp_path / "run-model"  # a TSPD run's model/: the controller without a model
+    alone.mkdir()
+    (alone / "tspd_controller.safetensors").write_bytes((tmp_path / "out" / "tspd_controller.safetensors").read_bytes())
+    assert main(["export", str(alone), str(tmp_path / "out2")]) == 2
+    assert f"holds a TSPD controller alone (a TSPD training run's model/): decode with --tspd-controller {alone}" in \
+        capsys.readouterr().err
     assert main(["traces", "--model", "toy-sdar", "--tasks", "toy-arith", "--per-task", "2", "--out",
                  str(tmp_path / "traces")]) == 0
     assert {"traces.npz", "meta.json"} <= {p.name for p in (tmp_path / "traces").iterdir()}

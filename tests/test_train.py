@@ -290,6 +290,30 @@ def test_ctrl_c_right_after_a_log_step_keeps_its_checkpoint_and_its_log_row(tmp_
     assert [line["step"] for line in lines if "loss" in line] == [2, 4, 6]
 
 
+
+def test_ctrl_c_during_a_log_rows_tensorboard_flush_writes_the_row_once(tmp_path, monkeypatch):
+    """Ctrl-C after step 4's row reached metrics.jsonl, while TensorBoard flushed it: the row was
+    written again on the way out (the resumed log held step 4 twice)."""
+    from dlmjax.train.metrics import MetricsLog
+
+    flush = MetricsLog._add_scalars
+
+    def ctrl_c_at_step_4(self, row):
+        flush(self, row)
+        if row["step"] == 4 and "loss" in row and not getattr(self, "stopped", False):
+            self.stopped = True
+            raise KeyboardInterrupt
+
+    run = load_run_config("configs/toy-sdar.yaml", tiny_overrides() + ["train.log_every=2", "train.checkpoint_every=5"])
+    monkeypatch.setattr(MetricsLog, "_add_scalars", ctrl_c_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(run, tmp_path / "run", progress=False)
+    monkeypatch.undo()
+    train(run, tmp_path / "run", progress=False)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "loss" in line] == [2, 4, 6]
+
+
 def test_stops_anywhere_leave_the_log_of_the_uninterrupted_run(tmp_path, monkeypatch):
     """Stopped after a step that logs nothing (stop_at=3), by Ctrl-C inside step 4's evaluation,
     and killed mid-write of a log line: the resumed run's metrics.jsonl has the uninterrupted run's

@@ -211,6 +211,11 @@ def test_mismatches_are_clear_errors(trained, sdar, tmp_path):
     bad = load_run_config("configs/tspd/toy-sdar.yaml", [f"tspd.traces={root / 'traces'}", "train.steps=1"])
     with pytest.raises(TraceError, match="another model"):
         train(bad, tmp_path / "bad", progress=False)
+    causal = load_run_config("configs/tspd/toy-sdar.yaml", [f"tspd.traces={root / 'traces'}", "train.steps=1",
+                                                             "backbone=toy-ar"])
+    with pytest.raises(TraceError, match="backbone=toy-ar is a causal qwen3 model; a TSPD controller serves a "
+                                         "diffusion model"):  # it crashed on the causal model's mask id (None)
+        train(causal, tmp_path / "causal", progress=False)
     with pytest.raises(RunConfigError, match="tspd.traces"):
         load_run_config("configs/tspd/toy-sdar.yaml", ["tspd.traces=''"])
     with pytest.raises(RunConfigError, match="features"):

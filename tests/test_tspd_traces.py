@@ -122,6 +122,9 @@ def test_sharded_traces_equal_single_device(sdar, tmp_path):
         load_traces(named, expect_model=other)
     with pytest.raises(TraceError, match="dlmjax traces"):
         load_traces(tmp_path)
+    (named / "traces.npz").write_bytes((named / "traces.npz").read_bytes()[:100])  # a truncated copy
+    with pytest.raises(TraceError, match=r"traces.npz cannot be read .*collect the traces again"):
+        load_traces(named)
 
 
 def test_prompt_traces_stop_where_the_checkpoint_stops(tmp_path):

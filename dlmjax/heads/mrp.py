@@ -258,8 +258,10 @@ def has_head(ckpt_dir: str | Path) -> bool:
     return any(is_head_tensor(n) for n in open_shards(ckpt_dir))
 
 
-def load_head(ckpt_dir: str | Path, backbone: ModelConfig | None = None) -> MRPHead:
-    """The MRP head stored in a checkpoint directory or a preset's (checked against `backbone` if given)."""
+def load_head(ckpt_dir: str | Path, backbone: ModelConfig | None = None, *, stored_dtype: bool = False) -> MRPHead:
+    """The MRP head stored in a checkpoint directory or a preset's (checked against `backbone` if given),
+    in the backbone's dtype, or with `stored_dtype` in the dtype its file holds (`dlmjax export`
+    copies a float32 head trained on a bf16 backbone as it is)."""
     ckpt_dir = checkpoint_path(ckpt_dir)
     shards = {n: s for n, s in open_shards(ckpt_dir).items() if is_head_tensor(n)}
     if not shards:
@@ -298,7 +300,7 @@ def load_head(ckpt_dir: str | Path, backbone: ModelConfig | None = None) -> MRPH
                                   f"{expected_fields(rule)}")
         param = fused.add(rule, path, np.asarray(array))
         if param is not None:
-            loaded[path] = jnp.asarray(param.astype(made_for.dtype))
+            loaded[path] = jnp.asarray(param if stored_dtype else param.astype(made_for.dtype))
     missing = set(expected) - set(loaded)
     if missing:
         names = [name for p in sorted(missing) for name in fused.missing([p], _module_rules(p))]

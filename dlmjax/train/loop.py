@@ -217,13 +217,14 @@ def is_toy_tokenizer(tokenizer: Tokenizer) -> bool:
     return tokenizer.backend.get_vocab(with_added_tokens=True) == char_tokenizer().get_vocab(with_added_tokens=True)
 
 
-EVAL_SEED = 1234  # held-out batches and noise of MRP eval (the toy tasks' eval sets use their own)
+EVAL_SEED = 1234  # the batches and noise of MRP eval (the toy tasks' eval sets use their own)
 
 
 def mrp_trainee(run: RunConfig, run_dir: Path, mesh: Mesh | None = None) -> Trainee:
     """An MRP head (`run.mrp`) on the frozen backbone `run.backbone` (loaded onto `frozen_mesh`);
     eval logs the KL metrics of `mrp_loss` on fixed batches drawn with EVAL_SEED (one per task or
-    file: held out for the toy tasks, which are generated; drawn from the training rows of a file)."""
+    file: new draws for the toy tasks, though their prompts repeat (toy-constraint has 39, all of them in
+    the training draws; its answers and masks differ); drawn from the training rows of a file)."""
     backbone_dir, backbone, tokenizer = load_backbone(run.backbone, toy_data=not run.data.files,
                                                       mesh=frozen_mesh(mesh))
     tasks = data_tasks(run, tokenizer, backbone.config.block_size)
@@ -593,7 +594,8 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         stopped_on_input = True
         raise
     finally:  # also on Ctrl-C: keep the last finished step, and its log row (the resumed run starts after it)
-        if done > logged and is_log_step(done):
+        written = log is not None and log.has(done, "loss")  # a Ctrl-C during record()'s TensorBoard flush
+        if done > logged and is_log_step(done) and not written:
             record(done, metrics)
         if done > start and manager.latest_step() != done and not stopped_on_input:
             manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)

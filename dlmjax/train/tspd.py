@@ -108,7 +108,11 @@ def tspd_trainee(run, run_dir: Path):
     features = check_features(t.features)
     expect = None
     if run.backbone:
-        expect = model_fingerprint(load_config(resolve_model(run.backbone, "backbone")))
+        backbone = load_config(resolve_model(run.backbone, "backbone"))
+        if backbone.attention == "causal":  # as `dlmjax traces` refuses it
+            raise TraceError(f"backbone={run.backbone} is a causal {backbone.family} model; a TSPD controller "
+                             "serves a diffusion model (sdar, llada, dream)")
+        expect = model_fingerprint(backbone)
     arrays, meta = load_traces(t.traces, expect_model=expect)
     block = features == BLOCK_FEATURES
     if block:
