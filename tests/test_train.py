@@ -151,6 +151,9 @@ def test_config_overrides_and_errors(tmp_path):
         load_run_config("configs/toy-sdar.yaml", ["train.loss_weighting=elbo"])
     with pytest.raises(RunConfigError, match="not found"):
         load_run_config(tmp_path / "nope.yaml")
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(RunConfigError, match="empty.yaml is empty; start from one in configs/"):
+        load_run_config(tmp_path / "empty.yaml")
     with pytest.raises(RunConfigError, match="block_causal"):
         load_run_config("configs/toy-sdar.yaml", ["model.attention=causal"])
     # the model section: numbers as YAML writes them, its errors named with the file at load

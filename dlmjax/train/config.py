@@ -539,6 +539,8 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
         if not path.is_file():
             raise RunConfigError(f"config file {path} not found; see configs/ for examples")
         raw = read_yaml(path)
+        if raw is None and not overrides:  # an empty file: the defaults alone describe no run anyone meant
+            raise RunConfigError(f"config file {path} is empty; start from one in configs/ (e.g. configs/toy-sdar.yaml)")
         raw = {} if raw is None else raw
     from_file = copy.deepcopy(raw)
     try:
