@@ -199,11 +199,15 @@ def _wait(proc: subprocess.Popen, root: Path, timeout_s: float) -> str | None:
             proc.wait(timeout=max(0.0, min(DISK_CHECK_S, deadline - time.monotonic())))
             return None
         except subprocess.TimeoutExpired:
-            over = "timeout" if time.monotonic() >= deadline else "disk" if _bytes_under(root) > DISK_LIMIT_BYTES else None
-            if over is not None:
-                _kill_group(proc)
-                proc.wait()
-                return over
+            if time.monotonic() >= deadline:
+                over = "timeout"
+            elif _bytes_under(root) > DISK_LIMIT_BYTES:
+                over = "disk"
+            else:
+                continue
+            _kill_group(proc)
+            proc.wait()
+            return over
 
 
 def _bytes_under(root: Path) -> int:
