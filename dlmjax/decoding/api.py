@@ -406,8 +406,9 @@ class Stream:
             ...
         stream.forwards, stream.batch_tpf, stream.wall_s
 
-    Each row's result is the one `generate` gives for that prompt alone (rows never see each
-    other; `row_ids`, default the prompt's index, keys its sampling stream). New prompts are
+    Each row's tokens are the ones `generate` gives for that prompt alone (rows never see each
+    other; `row_ids`, default the prompt's index, keys its sampling stream); in fast numerics a
+    speculative decoder's NFE for a row can move by a forward with its batch (invariant mode: no). New prompts are
     started `refill` at a time (default batch/8), by one forward of their own that yields their
     first block's logits. Causal models (`ar`, `drafter`) run batch after batch. `limit` decodes
     only the first prompts with the layout of all (compiles what the full run needs: a warm-up).
