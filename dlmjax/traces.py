@@ -197,11 +197,17 @@ def trace_cache(cfg, cache: str) -> str:
     return "exact" if cfg.attention == "block_causal" else cache
 
 
+def refuse_causal(cfg, name: str) -> None:
+    """TSPD traces and controllers are for diffusion models: a causal one (`name`) is refused."""
+    if cfg.attention == "causal":
+        raise TraceError(f"{name} is a causal {cfg.family} model; a TSPD controller serves a diffusion model "
+                         "(sdar, llada, dream), and so do its traces")
+
+
 def trace_block(cfg, block: int | None) -> int:
     """The block a trace-aware decoder decodes `cfg`'s model in (`block`: --block); refuses the
     models and blocks they refuse (dlmjax.decoding.api)."""
-    if cfg.attention == "causal":
-        raise TraceError(f"{cfg.family} is a causal model; TSPD traces need a diffusion model (sdar, llada, dream)")
+    refuse_causal(cfg, "the model")
     if cfg.attention != "block_causal":
         return block or DEFAULT_BIDIRECTIONAL_BLOCK
     if cfg.shift_logits:

@@ -153,13 +153,15 @@ def test_prompt_traces_stop_where_the_checkpoint_stops(tmp_path):
 
 def test_traces_are_refused_where_no_trace_aware_decoder_would_run():
     """Traces in a geometry the decoders refuse would train a controller nothing can use: another
-    block on a block-causal model, a shifted-logit block-causal family, a prompt past the model's
+    block on a block-causal model, a causal model, a shifted-logit block-causal family, a prompt past the model's
     length."""
     import dlmjax
     from dlmjax.presets import resolve_model
     from dlmjax.traces import TraceError, collect_traces
     from dlmjax.validation import InputError
 
+    with pytest.raises(TraceError, match="the model is a causal qwen3 model; a TSPD controller serves a diffusion"):
+        collect_traces(dlmjax.load_model(resolve_model("toy-ar")), [[3, 4, 5]], max_new_tokens=8)
     toy = dlmjax.load_model(resolve_model("toy-sdar"))
     with pytest.raises(TraceError, match="--block 4: a block-causal model decodes in its own block size 8"):
         collect_traces(toy, [[3, 4, 5]], max_new_tokens=8, block=4)

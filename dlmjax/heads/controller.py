@@ -70,7 +70,7 @@ def model_fingerprint(config) -> dict:
     """What a controller (and its traces) is tied to: the backbone's shape-defining config."""
     return {"family": config.family, "vocab_size": int(config.vocab_size), "hidden_size": int(config.hidden_size),
             "num_layers": int(config.num_layers), "block_size": config.block_size,
-            "mask_token_id": None if config.mask_token_id is None else int(config.mask_token_id)}
+            "mask_token_id": int(config.mask_token_id)}
 
 
 def mlp_outputs(params: dict, x):

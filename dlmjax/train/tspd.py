@@ -33,7 +33,7 @@ import numpy as np
 
 from dlmjax.io.files import staged_dir
 from dlmjax.heads.controller import BLOCK_FEATURES, Controller, check_features, model_fingerprint, save_controller
-from dlmjax.traces import TraceError, load_traces
+from dlmjax.traces import TraceError, load_traces, refuse_causal
 
 THRESHOLD_GRID = np.round(np.arange(0.05, 0.996, 0.005), 4)
 
@@ -109,9 +109,7 @@ def tspd_trainee(run, run_dir: Path):
     expect = None
     if run.backbone:
         backbone = load_config(resolve_model(run.backbone, "backbone"))
-        if backbone.attention == "causal":  # as `dlmjax traces` refuses it
-            raise TraceError(f"backbone={run.backbone} is a causal {backbone.family} model; a TSPD controller "
-                             "serves a diffusion model (sdar, llada, dream)")
+        refuse_causal(backbone, f"backbone={run.backbone}")
         expect = model_fingerprint(backbone)
     arrays, meta = load_traces(t.traces, expect_model=expect)
     block = features == BLOCK_FEATURES
