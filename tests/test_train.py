@@ -269,6 +269,19 @@ def test_a_resume_refuses_a_changed_backbone_and_finds_it_from_any_directory(tmp
     assert train(again, tmp_path / "run", progress=False).step == 3
 
 
+def logged_steps_after_a_ctrl_c(tmp_path, monkeypatch, owner, name, interrupting):
+    """A toy-sdar run (logging every 2 steps) stopped by `owner.name = interrupting` raising
+    KeyboardInterrupt, then resumed: (the resumed run's result, the steps of metrics.jsonl's rows)."""
+    run = load_run_config("configs/toy-sdar.yaml", tiny_overrides() + ["train.log_every=2", "train.checkpoint_every=5"])
+    monkeypatch.setattr(owner, name, interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        train(run, tmp_path / "run", progress=False)
+    monkeypatch.undo()
+    resumed = train(run, tmp_path / "run", progress=False)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return resumed, [line["step"] for line in lines if "loss" in line]
+
+
 def test_ctrl_c_right_after_a_log_step_keeps_its_checkpoint_and_its_log_row(tmp_path, monkeypatch):
     """Ctrl-C between a step and its log row: the step is checkpointed and its row written, so the
     resumed run's metrics.jsonl has every log step once."""
@@ -283,15 +296,9 @@ def test_ctrl_c_right_after_a_log_step_keeps_its_checkpoint_and_its_log_row(tmp_
             if CtrlCAfterStep4.steps == 4:  # step 4 is done, its row not yet written
                 raise KeyboardInterrupt
 
-    run = load_run_config("configs/toy-sdar.yaml", tiny_overrides() + ["train.log_every=2", "train.checkpoint_every=5"])
-    monkeypatch.setattr(loop, "tqdm", CtrlCAfterStep4)
-    with pytest.raises(KeyboardInterrupt):
-        train(run, tmp_path / "run", progress=False)
-    monkeypatch.undo()
-    assert train(run, tmp_path / "run", progress=False).losses.keys() == {6}  # resumed after step 4
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines if "loss" in line] == [2, 4, 6]
-
+    resumed, logged = logged_steps_after_a_ctrl_c(tmp_path, monkeypatch, loop, "tqdm", CtrlCAfterStep4)
+    assert resumed.losses.keys() == {6}  # resumed after step 4
+    assert logged == [2, 4, 6]
 
 
 def test_ctrl_c_during_a_log_rows_tensorboard_flush_writes_the_row_once(tmp_path, monkeypatch):
@@ -307,14 +314,8 @@ def test_ctrl_c_during_a_log_rows_tensorboard_flush_writes_the_row_once(tmp_path
             self.stopped = True
             raise KeyboardInterrupt
 
-    run = load_run_config("configs/toy-sdar.yaml", tiny_overrides() + ["train.log_every=2", "train.checkpoint_every=5"])
-    monkeypatch.setattr(MetricsLog, "_add_scalars", ctrl_c_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        train(run, tmp_path / "run", progress=False)
-    monkeypatch.undo()
-    train(run, tmp_path / "run", progress=False)
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines if "loss" in line] == [2, 4, 6]
+    _, logged = logged_steps_after_a_ctrl_c(tmp_path, monkeypatch, MetricsLog, "_add_scalars", ctrl_c_at_step_4)
+    assert logged == [2, 4, 6]
 
 
 def test_stops_anywhere_leave_the_log_of_the_uninterrupted_run(tmp_path, monkeypatch):
