@@ -23,7 +23,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from dlmjax.evaluation.tasks import TOY_SEED
+from dlmjax.evaluation.tasks import load_eval_set
 from dlmjax.toy.tasks import TASKS
 from dlmjax.train.config import load_run_config
 from dlmjax.train.data import sample_examples
@@ -52,13 +52,12 @@ def prompt_kind(example) -> str:
 
 def split_accuracy(outputs, seen: set[str]) -> dict:
     """{(task, decoder, kind): {"seen": [correct, n], "unseen": [correct, n]}} over `eval
-    --save-outputs` rows (kind "all" too), the prompts regenerated as `dlmjax eval` draws them
-    (seed 1234, index = draw order)."""
+    --save-outputs` rows (kind "all" too), each row's example loaded as `dlmjax eval` loads it."""
     rows = list(outputs)
     examples = {}
     for task in {row["task"] for row in rows}:
         count = 1 + max(row["index"] for row in rows if row["task"] == task)
-        examples[task] = TASKS[task].generate(count, TOY_SEED)
+        examples[task] = [item.reference for item in load_eval_set(task, limit=count).items]
     split = defaultdict(lambda: {"seen": [0, 0], "unseen": [0, 0]})
     for row in rows:
         example = examples[row["task"]][row["index"]]
