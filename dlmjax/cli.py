@@ -167,7 +167,7 @@ def cmd_export(args) -> int:
             extras.append("its TSPD controller")
         drafter_dir = find_drafter_dir(src)
         if drafter_dir is not None:  # DFlash format (vLLM and SGLang load it)
-            drafter = load_drafter(drafter_dir, model.config)
+            drafter = load_drafter(drafter_dir, model.config, target_dir=src)
             save_drafter(drafter, stage / DRAFTER_SUBDIR, dtype=args.drafter_dtype)
             extras.append(f"its DFlash drafter in {DRAFTER_SUBDIR}/ ({args.drafter_dtype})")
     print(f"wrote {args.format} checkpoint to {out}" + (f" (with {' and '.join(extras)})" if extras else ""))

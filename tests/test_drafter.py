@@ -176,6 +176,13 @@ def test_default_target_layer_ids_and_always_written():
         (lambda r: r.update(num_target_layers="36"), r"`num_target_layers`='36' must be an integer"),
         (lambda r: r.update(num_key_value_heads=0), r"num_kv_heads=0 must be >= 1"),
         (lambda r: r.update(num_key_value_heads=5), r"num_attention_heads=32 is not a multiple of num_key_value_heads=5"),
+        # SGLang reads these at the top level or inside dflash_config: the two places must agree
+        (lambda r: r["dflash_config"].update(num_target_layers=35),
+         r"num_target_layers 36 and dflash_config.num_target_layers 35 disagree"),
+        (lambda r: r.update(target_layer_ids=[1, 9]), r"target_layer_ids \[1, 9\] and dflash_config.target_layer_ids "
+                                                       r"\[1, 9, 17, 25, 33\] disagree"),
+        (lambda r: r["dflash_config"].update(mask_token=""), r"mask_token='' must be a token's text"),
+        (lambda r: r["dflash_config"].update(mask_token=5), r"mask_token=5 must be a token's text"),
     ],
 )
 def test_strict_config_errors_name_the_key(change, message):
@@ -183,6 +190,59 @@ def test_strict_config_errors_name_the_key(change, message):
     change(raw)
     with pytest.raises(ConfigError, match=message):
         from_dflash_config(raw)
+
+
+def _move_into_dflash_config(*keys):
+    def change(raw):
+        raw["dflash_config"].update({key: raw.pop(key) for key in keys})
+    return change
+
+
+@pytest.mark.parametrize("change", [
+    _move_into_dflash_config("num_target_layers", "block_size"),
+    _move_into_dflash_config("block_size"),
+    lambda r: r.update(target_layer_ids=r["dflash_config"].pop("target_layer_ids")),  # top level
+    lambda r: r.update(target_layer_ids=list(r["dflash_config"]["target_layer_ids"])),  # both places
+    lambda r: r["dflash_config"].update(num_target_layers=r["num_target_layers"], block_size=r["block_size"]),
+    lambda r: r["dflash_config"].update(mask_token="<|MASK|>"),  # beside the id, which wins (as in vLLM and SGLang)
+])
+def test_sglang_config_forms_read_as_the_published_one_and_write_back_unchanged(change):
+    """SGLang reads block_size, num_target_layers and target_layer_ids at the top level or inside
+    dflash_config, and dflash_config.mask_token; dlmjax reads them alike and writes each key back
+    where it stood."""
+    raw = copy.deepcopy(QWEN3_8B_B16)
+    change(raw)
+    cfg = from_dflash_config(raw)
+    assert cfg.replace(hf_extra=()) == from_dflash_config(QWEN3_8B_B16).replace(hf_extra=())
+    assert to_dflash_config(cfg) == raw
+
+
+def test_a_mask_token_named_by_text_takes_the_target_tokenizers_id(tmp_path):
+    """Without dflash_config.mask_token_id the mask id is, as SGLang resolves it, the target
+    tokenizer's id of dflash_config.mask_token (default <|MASK|>), or the id adding that token to
+    the tokenizer gives; the id is written out explicitly (vLLM reads it nowhere else)."""
+    from dlmjax.io.tokenizer import load_tokenizer
+    from dlmjax.toy.tokenizer import save_char_tokenizer
+
+    save_char_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    raw = tiny_drafter_config()
+    raw["vocab_size"] = tokenizer.vocab_size + 4  # an embedding table with unused rows, as Qwen3's
+    del raw["dflash_config"]["mask_token_id"]
+    with pytest.raises(ConfigError, match=r"no `dflash_config.mask_token_id`, so the mask id is the target tokenizer's "
+                                          r"for mask_token '<\|MASK\|>': load the drafter with its target"):
+        from_dflash_config(raw)
+    assert tokenizer.token_to_id("<|MASK|>") is None
+    assert from_dflash_config(raw, tokenizer).mask_token_id == tokenizer.vocab_size  # added after the vocabulary
+    raw["dflash_config"]["mask_token"] = "<|mask|>"
+    cfg = from_dflash_config(raw, tokenizer)
+    assert cfg.mask_token_id == tokenizer.mask_id
+    assert to_dflash_config(cfg) == {**raw, "dflash_config": {**raw["dflash_config"], "mask_token_id": tokenizer.mask_id}}
+    raw["dflash_config"]["mask_token"] = "<|MASK|>"
+    raw["vocab_size"] = tokenizer.vocab_size
+    with pytest.raises(ConfigError, match=rf"no token '<\|MASK\|>', and adding it would give id {tokenizer.vocab_size}, "
+                                          rf"outside vocab_size {tokenizer.vocab_size}: set dflash_config.mask_token_id"):
+        from_dflash_config(raw, tokenizer)
 
 
 def test_incompatible_target_is_refused_with_both_values(target, tmp_path):

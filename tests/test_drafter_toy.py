@@ -4,9 +4,14 @@ reference's step by step, and an export that re-imports and decodes identically.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
+from dlmjax.cli import main
+from dlmjax.config import ConfigError
 from dlmjax.decoding.ar import generate_ar
 from dlmjax.decoding.speculative import generate_with_drafter
 from dlmjax.evaluation.tasks import load_eval_set
@@ -119,6 +124,25 @@ def test_export_reimport_decodes_identically(toy, tmp_path):
 
 
 @pytest.mark.devices(8)
+def test_a_drafter_naming_its_mask_token_by_text_loads_with_its_target(toy, tmp_path):
+    """An SGLang-style config (dflash_config.mask_token, no mask_token_id) takes the id from the
+    target's tokenizer where it is loaded with its target; export writes the id out."""
+    model_dir, model, _, drafter, _ = toy
+    target = tmp_path / "toy-ar"
+    shutil.copytree(model_dir, target)
+    path = target / "drafter" / "config.json"
+    raw = json.loads(path.read_text())
+    del raw["dflash_config"]["mask_token_id"]
+    raw["dflash_config"]["mask_token"] = "<|mask|>"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="load the drafter with its target"):
+        load_drafter(target / "drafter")
+    assert resolve_drafter(target, model.config).config.mask_token_id == drafter.config.mask_token_id == 2
+    assert main(["export", str(target), str(tmp_path / "out")]) == 0
+    written = json.loads((tmp_path / "out" / "drafter" / "config.json").read_text())["dflash_config"]
+    assert written == {**raw["dflash_config"], "mask_token_id": 2}
+
+
 def test_data_parallel_batch_decodes_identically(toy):
     from dlmjax.sharding import make_mesh
 

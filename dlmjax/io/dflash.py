@@ -7,7 +7,11 @@ A DFlash directory holds config.json and model.safetensors:
   with rope_scaling, or rope_parameters: plain, linear or llama3 RoPE (a Llama 3.1 target's drafter
   carries its llama3 scaling), layer_types, sliding_window with use_sliding_window (without it transformers,
   and the servers after it, drop the window), dtype, ...), plus `block_size`,
-  `num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`.
+  `num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`. As SGLang reads it,
+  `block_size`, `num_target_layers` and `target_layer_ids` may stand at the top level or inside
+  `dflash_config` (both places must agree), and `dflash_config.mask_token` (default `<|MASK|>`)
+  may replace `mask_token_id`: the id is then the target tokenizer's for that token, or the id
+  adding it to the tokenizer gives (its size), so such a drafter loads with its target.
 - weights: `fc.weight` [D, n_ids * D], `hidden_norm.weight`, `norm.weight` and per layer
   `layers.{i}.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
   self_attn.{q,k}_norm, mlp.{gate,up,down}_proj}.weight`. No embedding, no lm_head.
@@ -17,9 +21,9 @@ A DFlash directory holds config.json and model.safetensors:
 
 Translation is strict both ways: an unknown key or a missing required key is an error naming it.
 Keys that carry no numerics (transformers bookkeeping, token ids) are kept verbatim, so a
-published config.json converts to `DrafterConfig` and back unchanged. When
-`dflash_config.target_layer_ids` is absent the ids are DFlash's default (evenly over [1, N - 3]);
-they are always written.
+published config.json converts to `DrafterConfig` and back unchanged, each key where it stood.
+When `target_layer_ids` is absent the ids are DFlash's default (evenly over [1, N - 3]); they and
+`dflash_config.mask_token_id` are always written (vLLM reads the id nowhere else).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from dlmjax.io.hf import (
     qkv_parts, read_config, tensor_shape, to_hf_tensors,
 )
 from dlmjax.io.safetensors import CheckpointError, save_file
+from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.io.torch_file import read_pt, write_pt
 from dlmjax.validation import AT_LEAST_1, check_value
 
@@ -59,9 +64,12 @@ DRAFTER_SUBDIR = "drafter"  # where a drafter stored beside its target lives
 _REQUIRED = (
     "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "block_size",
-    "num_target_layers", "dflash_config",
+    "num_target_layers",
 )
-_NUMERIC = set(_REQUIRED) | {
+# Keys a config gives at the top level or inside dflash_config (SGLang reads both places), and
+# where dlmjax writes each when the config it came from does not say.
+_EITHER_PLACE = {"block_size": "top", "num_target_layers": "top", "target_layer_ids": "dflash_config"}
+_NUMERIC = set(_REQUIRED) | set(_EITHER_PLACE) | {"dflash_config",
     "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
     "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "dtype", "torch_dtype",
     "attention_bias", "attention_dropout", "hidden_act",
@@ -71,7 +79,8 @@ _PASSTHROUGH = {
     "auto_map", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "transformers_version",
     "use_cache", "tie_word_embeddings", "_name_or_path", "output_hidden_states", "return_dict",
 }
-_DFLASH_KEYS = {"target_layer_ids", "mask_token_id", "block_size"}
+_DFLASH_KEYS = {*_EITHER_PLACE, "mask_token_id", "mask_token"}
+DEFAULT_MASK_TOKEN = "<|MASK|>"  # SGLang's (and z-lab's demo's) mask token where dflash_config names none
 
 
 def _rope(raw: dict) -> dict:
@@ -119,19 +128,56 @@ def _layer_types(raw: dict, n: int) -> tuple[str, ...]:
     return tuple(SLIDING if window is not None and i >= first_sliding else FULL for i in range(n))
 
 
-def from_dflash_config(raw: dict) -> DrafterConfig:
+def _either_place(raw: dict, dcfg: dict, key: str):
+    """`key`'s value at the top level or inside dflash_config (SGLang reads both); None where
+    neither gives it. Where both do, they must agree."""
+    if key in raw and key in dcfg and raw[key] != dcfg[key]:
+        raise ConfigError(f"{key} {raw[key]!r} and dflash_config.{key} {dcfg[key]!r} disagree; keep one of them")
+    return dcfg[key] if key in dcfg else raw.get(key)
+
+
+def _mask_token_id(dcfg: dict, vocab_size, tokenizer: Tokenizer | None):
+    """dflash_config.mask_token_id; without it the id SGLang gives dflash_config.mask_token
+    (default <|MASK|>): the target tokenizer's id of that token, else the id adding it to the
+    tokenizer gives (the tokenizer's size), which must stay inside the target's vocab_size."""
+    token = dcfg.get("mask_token", DEFAULT_MASK_TOKEN)
+    if not isinstance(token, str) or not token:
+        raise ConfigError(f"dflash_config.mask_token={token!r} must be a token's text, e.g. {DEFAULT_MASK_TOKEN!r}")
+    if "mask_token_id" in dcfg:
+        return dcfg["mask_token_id"]
+    if tokenizer is None:
+        raise ConfigError(
+            f"drafter config.json has no `dflash_config.mask_token_id`, so the mask id is the target tokenizer's for "
+            f"mask_token {token!r}: load the drafter with its target (`dlmjax generate TARGET --drafter DIR`, "
+            "`load_drafter(DIR, target_dir=TARGET)`), or write the id into dflash_config.mask_token_id")
+    found = tokenizer.token_to_id(token)
+    mask_id = tokenizer.vocab_size if found is None else found
+    if mask_id >= vocab_size:
+        raise ConfigError(
+            f"the target's tokenizer has no token {token!r}, and adding it would give id {mask_id}, outside "
+            f"vocab_size {vocab_size}: set dflash_config.mask_token_id to an unused id below {vocab_size}, or "
+            "dflash_config.mask_token to a token the tokenizer has")
+    return mask_id
+
+
+def from_dflash_config(raw: dict, tokenizer: Tokenizer | None = None) -> DrafterConfig:
     """config.json dict -> DrafterConfig (strict). Keys without numerics ride along in
-    `hf_extra`, so `to_dflash_config` writes the same dict back."""
+    `hf_extra`, so `to_dflash_config` writes the same dict back. `tokenizer` (the target's)
+    gives the mask id of a config that names only dflash_config.mask_token."""
     unknown = sorted(set(raw) - _NUMERIC - _PASSTHROUGH)
     if unknown:
         raise ConfigError(
             f"unknown drafter config keys {unknown}: dlmjax refuses keys it does not implement; "
             f"known keys: {sorted(_NUMERIC | _PASSTHROUGH)}"
         )
-    dcfg_raw = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
-    missing = [k for k in _REQUIRED if k not in raw and not (k == "block_size" and "block_size" in dcfg_raw)]
+    dcfg = raw.get("dflash_config")
+    if "dflash_config" in raw and not isinstance(dcfg, dict):
+        raise ConfigError(f"config key `dflash_config` must be an object, got {dcfg!r}")
+    dcfg = dcfg or {}
+    missing = [k for k in _REQUIRED if k not in raw and not (k in _EITHER_PLACE and k in dcfg)]
     if missing:
-        raise ConfigError(f"drafter config.json is missing required keys {missing} (DFlash format)")
+        raise ConfigError(f"drafter config.json is missing required keys {missing} (DFlash format; "
+                          f"{', '.join(_EITHER_PLACE)} may also stand inside dflash_config)")
     if raw["architectures"] != [ARCHITECTURE]:
         raise ConfigError(f"config key `architectures` = {raw['architectures']!r}; a DFlash drafter has [{ARCHITECTURE!r}]")
     if raw["model_type"] != "qwen3":
@@ -142,22 +188,16 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
         raise ConfigError("config key `attention_bias` = true is not supported for drafters; set false")
     if raw.get("attention_dropout", 0.0) not in (0, 0.0):
         raise ConfigError(f"config key `attention_dropout` = {raw['attention_dropout']}; dlmjax has no dropout, set 0.0")
-    dcfg = raw["dflash_config"]
-    if not isinstance(dcfg, dict):
-        raise ConfigError(f"config key `dflash_config` must be an object, got {dcfg!r}")
     unknown = sorted(set(dcfg) - _DFLASH_KEYS)
     if unknown:
         raise ConfigError(f"unknown dflash_config keys {unknown}; known: {sorted(_DFLASH_KEYS)}")
-    if "mask_token_id" not in dcfg:
-        raise ConfigError("drafter config.json is missing `dflash_config.mask_token_id`")
-    block_size = raw.get("block_size", dcfg.get("block_size"))
-    if "block_size" in dcfg and dcfg["block_size"] != block_size:
-        raise ConfigError(f"block_size {raw['block_size']} and dflash_config.block_size {dcfg['block_size']} disagree")
+    block_size, num_target_layers, ids = (_either_place(raw, dcfg, key) for key in _EITHER_PLACE)
     dtype = raw.get("dtype", raw.get("torch_dtype")) or "bfloat16"
     if dtype not in DTYPES:
         raise ConfigError(f"config key `dtype` = {dtype!r}; supported: {', '.join(DTYPES)}")
-    for key in ("num_hidden_layers", "num_target_layers"):  # the defaults below count with them
-        check_value(f"config key `{key}`", raw[key], "int", AT_LEAST_1, error=ConfigError)
+    # the defaults below count with these
+    check_value("config key `num_hidden_layers`", raw["num_hidden_layers"], "int", AT_LEAST_1, error=ConfigError)
+    check_value("config key `num_target_layers`", num_target_layers, "int", AT_LEAST_1, error=ConfigError)
     n = raw["num_hidden_layers"]
     layer_types, window = _layer_types(raw, n), _sliding_window(raw)
     if SLIDING in layer_types and window is None:
@@ -166,9 +206,8 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
             "drops the window (vLLM and SGLang refuse such a drafter); set `use_sliding_window: true` and "
             "`sliding_window`, or make those layers full_attention"
         )
-    ids = dcfg.get("target_layer_ids")
     if ids is None:
-        ids = default_target_layer_ids(raw["num_target_layers"], n)
+        ids = default_target_layer_ids(num_target_layers, n)
     elif not isinstance(ids, list):
         raise ConfigError(f"dflash_config.target_layer_ids={ids!r} must be a list of target layer numbers")
     elif not ids:
@@ -177,21 +216,24 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
     cfg = DrafterConfig(
         hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_layers=n,
         num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
-        vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"], target_layer_ids=tuple(ids),
-        mask_token_id=dcfg["mask_token_id"], block_size=block_size, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        **_rope(raw),
+        vocab_size=raw["vocab_size"], num_target_layers=num_target_layers, target_layer_ids=tuple(ids),
+        mask_token_id=_mask_token_id(dcfg, raw["vocab_size"], tokenizer), block_size=block_size,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6), **_rope(raw),
         max_position_embeddings=raw.get("max_position_embeddings", _QWEN3_DEFAULT_POSITIONS), layer_types=layer_types,
         sliding_window=window if SLIDING in layer_types else None, dtype=dtype,
     )
     # Everything except the fields DrafterConfig owns is written back as it was read.
     owned = {
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "vocab_size", "num_target_layers", "dflash_config", "block_size", "rms_norm_eps",
-        "max_position_embeddings", "layer_types", "dtype", "architectures", "model_type",
+        "head_dim", "vocab_size", "dflash_config", "rms_norm_eps", "max_position_embeddings", "layer_types", "dtype",
+        "architectures", "model_type", *_EITHER_PLACE,
     }
     verbatim = {k: v for k, v in raw.items() if k not in owned}
-    verbatim["_dflash_block_size_inside"] = "block_size" in dcfg
-    verbatim["_block_size_top_level"] = "block_size" in raw
+    places = {key: [place for place, where in (("top", raw), ("dflash_config", dcfg)) if key in where]
+              for key in _EITHER_PLACE}
+    verbatim["_places"] = {key: where for key, where in places.items() if where and where != [_EITHER_PLACE[key]]}
+    if "mask_token" in dcfg:
+        verbatim["_mask_token"] = dcfg["mask_token"]
     verbatim["_dtype_key"] = "torch_dtype" if "torch_dtype" in raw and "dtype" not in raw else "dtype"
     return cfg.replace(hf_extra=tuple((k, json.dumps(v)) for k, v in sorted(verbatim.items())))
 
@@ -199,23 +241,25 @@ def from_dflash_config(raw: dict) -> DrafterConfig:
 def to_dflash_config(cfg: DrafterConfig) -> dict:
     """DrafterConfig -> config.json dict (the inverse of `from_dflash_config`)."""
     verbatim = {k: json.loads(v) for k, v in cfg.hf_extra}
-    inside = verbatim.pop("_dflash_block_size_inside", False)
-    top_level = verbatim.pop("_block_size_top_level", True)
+    places = {key: [default] for key, default in _EITHER_PLACE.items()} | verbatim.pop("_places", {})
+    mask_token = verbatim.pop("_mask_token", None)
     dtype_key = verbatim.pop("_dtype_key", "dtype")
+    dflash: dict[str, Any] = {"mask_token_id": cfg.mask_token_id}
+    if mask_token is not None:
+        dflash["mask_token"] = mask_token
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURE], "model_type": "qwen3",
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
-        "layer_types": list(cfg.layer_types), "block_size": cfg.block_size,
-        "num_target_layers": cfg.num_target_layers, dtype_key: cfg.dtype,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "layer_types": list(cfg.layer_types), dtype_key: cfg.dtype, "dflash_config": dflash,
     }
-    if inside:
-        out["dflash_config"]["block_size"] = cfg.block_size
-    if not top_level:
-        del out["block_size"]
+    values = {"block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
+              "target_layer_ids": list(cfg.target_layer_ids)}
+    for key, value in values.items():
+        for place in places[key]:
+            (out if place == "top" else dflash)[key] = value
     out.update(_rope_keys(cfg, verbatim))
     if SLIDING in cfg.layer_types:  # transformers (and the servers after it) keep the window only with the switch
         out["sliding_window"], out["use_sliding_window"] = cfg.sliding_window, True
@@ -258,12 +302,19 @@ def _rule_for_hf(name: str) -> KeyRule | None:
     return next((r for r in DFLASH_RULES if r.match_hf(name) is not None), None)
 
 
-def load_drafter(ckpt_dir: str | Path, target_config: ModelConfig | None = None, *, dtype: str | None = None) -> Drafter:
+def load_drafter(ckpt_dir: str | Path, target_config: ModelConfig | None = None, *, dtype: str | None = None,
+                 target_dir: str | Path | None = None) -> Drafter:
     """Read a DFlash drafter directory (a published one as it is). With `target_config`, refuse a
-    drafter made for another target (both values named). `dtype` overrides the parameter dtype."""
+    drafter made for another target (both values named). `dtype` overrides the parameter dtype.
+    `target_dir`: the target's checkpoint, whose tokenizer gives the mask id of a config that
+    names only `dflash_config.mask_token` (read only then)."""
     ckpt_dir = Path(ckpt_dir)
     with naming_the_file(ckpt_dir):
-        cfg = from_dflash_config(read_config(ckpt_dir))
+        raw = read_config(ckpt_dir)
+        dcfg = raw.get("dflash_config")
+        names_no_id = not (isinstance(dcfg, dict) and "mask_token_id" in dcfg)
+        tokenizer = load_tokenizer(target_dir) if target_dir is not None and names_no_id else None
+        cfg = from_dflash_config(raw, tokenizer)
     if dtype:
         cfg = cfg.replace(dtype=dtype)
     if target_config is not None:
@@ -381,10 +432,10 @@ def resolve_drafter(target_dir: str | Path | None, target_config: ModelConfig, d
                 "(a DFlash directory: config.json with architectures [\"DFlashDraftModel\"] + model.safetensors)"
             )
         drafter_dir = found
-    return load_drafter(drafter_dir, target_config, dtype=dtype)
+    return load_drafter(drafter_dir, target_config, dtype=dtype, target_dir=target_dir)
 
 
 __all__ = [
-    "ARCHITECTURE", "DFLASH_RULES", "DRAFTER_SUBDIR", "MASK_EMBEDDING_FILE", "find_drafter_dir",
+    "ARCHITECTURE", "DEFAULT_MASK_TOKEN", "DFLASH_RULES", "DRAFTER_SUBDIR", "MASK_EMBEDDING_FILE", "find_drafter_dir",
     "from_dflash_config", "load_drafter", "read_mask_embedding", "resolve_drafter", "save_drafter", "to_dflash_config",
 ]
