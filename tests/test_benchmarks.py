@@ -192,6 +192,13 @@ def test_the_shipped_math500_loads_and_every_solutions_boxed_answer_matches_its_
     ("6 square units", "6"),
     ("\\frac{9}{5}", "1\\frac{4}{5}"),  # MATH-500 references write mixed numbers
     ("137.5", "137 \\frac{1}{2}"),
+    # sets and MATH's "all the solutions, separated by commas" in any order; tuples inside them kept whole
+    ("\\{2,1\\}", "\\{1, 2\\}"),
+    ("3, -2", "-2,3"),
+    ("x = 3, -2", "-2, 3"),
+    ("\\{(3,4),(1,2)\\}", "\\{(1, 2), (3, 4)\\}"),
+    ("(3,4),(1,2)", "(1,2), (3,4)"),
+    ("\\frac{1}{2}, 2", "2, 0.5"),
 ])
 def test_math_answers_equal_in_common_latex_forms(predicted, reference):
     assert equivalent(predicted, reference)
@@ -215,6 +222,10 @@ def test_math_answers_equal_in_common_latex_forms(predicted, reference):
     ("5 \\text{ million}", "5"),  # only unit words are dropped
     ("2\\frac{1}{2}", "1"),
     ("\\begin{pmatrix}-2\\\\-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ 14 \\end{pmatrix}"),
+    ("1100", "1, 100"),  # two answers, not a thousands separator
+    ("\\{1,2\\}", "\\{1,1,2\\}"),
+    ("\\{(1,2)\\}", "\\{(2,1)\\}"),  # a set's tuples keep their order
+    ("1,1", "1,2"),
 ])
 def test_different_math_answers_are_not_equal(predicted, reference):
     assert not equivalent(predicted, reference)

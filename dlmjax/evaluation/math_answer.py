@@ -10,8 +10,9 @@ words in `\\text{...}`/`\\mbox{...}` (not any word: `5\\text{ million}` stays), 
 `1 \\text{ and } 2` -> `1,2`; a top-level `a/b` of single terms -> `\\frac{a}{b}` (`\\pi/2`, not `1+\\pi/2`); the minus sign
 U+2212 -> `-`. `equivalent` compares the normal forms (plain words regardless of case), and
 else compares numbers exactly as fractions (`0.5`, `1/2`, `\\frac{1}{2}` and `\\frac12` are all
-one half; `1\\frac{4}{5}` is a mixed number; `50\\%` is 50, as MATH writes percentages), element by element for comma-separated
-tuples and intervals. It does no algebra: `2\\sqrt{2}` and `\\sqrt{8}`, `10^{3}` and `1000` are
+one half; `1\\frac{4}{5}` is a mixed number; `50\\%` is 50, as MATH writes percentages), element by element for
+tuples and intervals, and in any order for sets (`\\{1,2\\}`) and bare lists (`1, 2`; a comma
+with three digits and no space after it, `1,100`, is a thousands separator). It does no algebra: `2\\sqrt{2}` and `\\sqrt{8}`, `10^{3}` and `1000` are
 different answers here.
 """
 
@@ -101,10 +102,10 @@ def normalize(answer: str) -> str:
         a = _unwrap(a, command)
     a = _UNIT_AFTER_NUMBER.sub("", a.strip())
     a = re.sub(r"^[a-zA-Z]\s*(?:=|\\in(?![a-zA-Z]))\s*(?=\S)", "", a)  # "x = 5" -> "5", "x \in [1,2]" -> "[1,2]"
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", a):  # `1,100` is a number; `1, 100` two answers
+        a = a.replace(",", "")
     a = re.sub(r"\s+", "", a)
     a = _short_args(a)
-    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", a):
-        a = a.replace(",", "")
     a = re.sub(r"^\(([A-Z])\)$", r"\1", a)  # a multiple-choice letter: (C) -> C
     while (group := _braced(a, 0)) is not None and group[1] == len(a):  # `{5}` -> `5`
         a = group[0]
@@ -156,10 +157,20 @@ def _number(text: str) -> Fraction | None:
     return None
 
 
+def _wrapped(text: str) -> bool:
+    """Whether the bracket the first character opens closes at the last: `(1,2)`, `[0,1)`; not
+    `(1,2),(3,4)`."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
+        if depth == 0:
+            return i > 0 and i == len(text) - 1 and text[0] in "([{"
+    return False
+
+
 def _split_top(text: str) -> list[str]:
     """`(1,\\frac{1}{2})` -> ["(", "1", "\\frac{1}{2}", ")"]: the brackets and top-level parts."""
-    opening, closing = text[:1], text[-1:]
-    inner = text[1:-1] if opening in "([{" and closing in ")]}" else text
+    inner = text[1:-1] if _wrapped(text) else text
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(inner):
         depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
@@ -167,7 +178,18 @@ def _split_top(text: str) -> list[str]:
             parts.append(inner[start:i])
             start = i + 1
     parts.append(inner[start:])
-    return [opening, *parts, closing] if inner is not text else parts
+    return [text[0], *parts, text[-1]] if inner is not text else parts
+
+
+def _unordered(text: str) -> list[str] | None:
+    """The elements of an answer whose order means nothing, a set `\\{a,b\\}` or a bare list `a,b`
+    (MATH's "enter all the solutions, separated by commas"); None for anything else (a tuple or
+    an interval keeps its order)."""
+    if text.startswith("\\{") and text.endswith("\\}"):
+        inside = text[2:-2]
+        return [inside] if _wrapped(inside) else _split_top(inside)
+    parts = [] if _wrapped(text) else _split_top(text)
+    return parts if len(parts) > 1 else None
 
 
 def _same(a: str, b: str) -> bool:
@@ -177,15 +199,32 @@ def _same(a: str, b: str) -> bool:
     return x is not None and x == y
 
 
-def equivalent(predicted: str | None, reference: str) -> bool:
-    """Whether two answers are the same after `normalize` (numbers compared exactly)."""
-    if predicted is None:
-        return False
-    a, b = normalize(predicted), normalize(reference)
+def _same_answer(a: str, b: str) -> bool:
+    """Normal forms of one answer: `_same`, sets and lists with the same elements in any order,
+    tuples and intervals the same element by element."""
     if _same(a, b):
         return True
+    xs, ys = _unordered(a), _unordered(b)
+    if xs is not None and ys is not None:
+        return len(xs) == len(ys) and _pairs_up(xs, ys)
     pa, pb = _split_top(a), _split_top(b)
     return len(pa) == len(pb) > 1 and all(_same(x, y) for x, y in zip(pa, pb))
+
+
+def _pairs_up(xs: list[str], ys: list[str]) -> bool:
+    """Each of `xs` is the same answer as its own one of `ys`."""
+    left = list(ys)
+    for x in xs:
+        match = next((i for i, y in enumerate(left) if _same_answer(x, y)), None)
+        if match is None:
+            return False
+        del left[match]
+    return True
+
+
+def equivalent(predicted: str | None, reference: str) -> bool:
+    """Whether two answers are the same after `normalize` (numbers compared exactly)."""
+    return predicted is not None and _same_answer(normalize(predicted), normalize(reference))
 
 
 def math_correct(completion: str, reference: str) -> bool:
