@@ -38,6 +38,10 @@ def test_sandbox_passes_and_fails_programs():
     for early_exit in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"):
         exits = run_python(f"{early_exit}\nassert 1 == 2")  # a program that stops before its tests fails
         assert exits.status == "failed", early_exit
+    # a program that captures its output (rebinding sys.stdout or print) has still run to its end
+    for capture in ("import io, sys\nsys.stdout = io.StringIO()", "print = lambda *args, **kwargs: None",
+                    "import sys\nsys.stdout.close()", "print('no newline at the end', end='')"):
+        assert run_python(f"{capture}\nassert sum([1, 2]) == 3").passed, capture
 
 
 def test_sandbox_kills_an_infinite_loop():
