@@ -27,7 +27,7 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -523,34 +523,7 @@ def check_export_target(out_dir: Path) -> None:
 def _write_checkpoint(model: Transformer, out_dir: Path, files_from, max_shard_bytes: int) -> None:
     cfg = model.config
     hf_config = to_hf_config(cfg)  # first: it refuses a config the family's checkpoints cannot hold
-    key_map = key_rules(cfg)
-    tensors: dict[str, np.ndarray] = {}
-    for path, var in sorted(_flat_params(model).items()):
-        value = np.asarray(jax.device_get(var[...]))
-        if path.endswith(".router") and cfg.router != "sigmoid":
-            value = value.astype(cfg.dtype)  # kept in float32, used in the activations' dtype (moe.router_logits)
-        tensors.update(to_hf_tensors(path, value, key_map, cfg))
-    tensors = moe_weights.published_tensors(cfg, tensors)
-
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, array in tensors.items():
-        if shards[-1] and size + array.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = array
-        size += array.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], out_dir / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out_dir / file, metadata={"format": "pt"})
-            weight_map.update({name: file for name in shard})
-        total = sum(a.nbytes for a in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_atomic(out_dir / INDEX_FILE, json.dumps(index, indent=2))
+    _write_shards(_checkpoint_tensors(model), out_dir, max_shard_bytes)
     code = remote_code(Path(files_from), cfg.family) if files_from is not None else None
     if code is not None:  # the source's spelling of model_type ("Dream"), which its code declares
         hf_config["model_type"], hf_config["auto_map"], files = code
@@ -565,6 +538,51 @@ def _write_checkpoint(model: Transformer, out_dir: Path, files_from, max_shard_b
         for folder in TOKENIZER_FOLDERS:
             if (Path(files_from) / folder).is_dir():
                 shutil.copytree(Path(files_from) / folder, out_dir / folder, dirs_exist_ok=True)
+
+
+def _checkpoint_tensors(model: Transformer) -> Iterator[tuple[str, np.ndarray]]:
+    """The checkpoint's tensors (published names, torch layout), made one parameter at a time."""
+    cfg = model.config
+    key_map = key_rules(cfg)
+    for path, var in sorted(_flat_params(model).items()):
+        value = np.asarray(jax.device_get(var[...]))
+        if path.endswith(".router") and cfg.router != "sigmoid":
+            value = value.astype(cfg.dtype)  # kept in float32, used in the activations' dtype (moe.router_logits)
+        yield from moe_weights.published_tensors(cfg, to_hf_tensors(path, value, key_map, cfg)).items()
+
+
+def _write_shards(tensors: Iterable[tuple[str, np.ndarray]], out_dir: Path, max_shard_bytes: int) -> None:
+    """Write `tensors` in order into safetensors files of at most `max_shard_bytes` (a larger tensor
+    has a file of its own), each written as soon as it is full, so host memory holds one shard,
+    not the model: one file is model.safetensors; more are model-0000i-of-0000n.safetensors with
+    the index transformers reads."""
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def write_shard():
+        part = out_dir / f".shard-{len(written) + 1:05d}"  # named once their number is known
+        save_file(shard, part, metadata={"format": "pt"})
+        written.append((part, list(shard)))
+
+    for name, array in tensors:
+        if shard and size + array.nbytes > max_shard_bytes:
+            write_shard()
+            shard, size = {}, 0
+        shard[name] = array
+        size += array.nbytes
+        total += array.nbytes
+    write_shard()
+    if len(written) == 1:
+        written[0][0].rename(out_dir / "model.safetensors")
+        return
+    weight_map = {}
+    for i, (part, names) in enumerate(written, 1):
+        file = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        part.rename(out_dir / file)
+        weight_map.update({name: file for name in names})
+    write_atomic(out_dir / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                  indent=2))
 
 
 def remote_code(src_dir: Path, family: str) -> tuple[str, dict, list[Path]] | None:
