@@ -24,7 +24,9 @@ import dlmjax.lm_eval  # noqa: E402,F401  (registers the model `dlmjax`)
 from dlmjax.decoding.api import generate  # noqa: E402
 from dlmjax.decoding.spec import decoder_spec, parse_decoder  # noqa: E402
 from dlmjax.evaluation.tasks import load_eval_set  # noqa: E402
+from dlmjax.decoding.spec import DecoderSpecError  # noqa: E402
 from dlmjax.lm_eval import DlmjaxLM, ModelArgsError, RequestError  # noqa: E402
+from dlmjax.lm_eval.model import parse_generation_request  # noqa: E402
 from dlmjax.lm_eval.likelihood import continuation_groups, masked_diffusion_bound, masked_logprobs  # noqa: E402
 from dlmjax.presets import load_checkpoint  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
@@ -188,6 +190,11 @@ def test_malformed_requests_are_refused(toy_ar_lm):
         toy_ar_lm.generate_until([request("1+2\n", "until=\n")])
     with pytest.raises(RequestError, match="max_gen_toks=0 must be a positive integer"):
         toy_ar_lm.generate_until([request("1+2\n", {"max_gen_toks": 0})])
+    # lm-eval's own reading of the fields: None is absent, max_completion_tokens is a budget too
+    assert parse_generation_request(0, request("1+2\n", {"until": None, "max_gen_toks": None}), 7).until == []
+    assert parse_generation_request(0, request("1+2\n", {"until": None}), 7).max_gen_toks == 7
+    assert parse_generation_request(0, request("1+2\n", {"max_completion_tokens": 5}), 7).max_gen_toks == 5
+    assert parse_generation_request(0, request("1+2\n", {"max_new_tokens": None, "max_tokens": 3}), 7).max_gen_toks == 3
     # an empty continuation is the log-likelihood of no tokens, as lm-eval's HF model scores it
     assert toy_ar_lm.loglikelihood([request("1+2", "", kind="loglikelihood"),
                                     request("1+2=", "3", kind="loglikelihood")])[0] == (0.0, True)
@@ -234,9 +241,29 @@ def test_unknown_model_args_name_the_accepted_keys():
         DlmjaxLM.create_from_arg_string("decoder=ar")
     with pytest.raises(ModelArgsError, match=r"decoder='static' does not fit this causal"):
         DlmjaxLM(pretrained="toy-ar", decoder="static", mesh_data=1)
+    # what the decoder cannot do on the model is refused as the model is set up, not as a task decodes
+    with pytest.raises(DecoderSpecError, match=r"mrp-spec: drafts=9 cannot fit a block of 8"):
+        DlmjaxLM(pretrained="toy-sdar", decoder="mrp-spec:drafts=9", mesh_data=1)
+    with pytest.raises(DecoderSpecError, match=r"block=4: a block-causal model decodes in its own block size 8"):
+        DlmjaxLM(pretrained="toy-sdar", decoder="static:block=4", mesh_data=1)
     # lm-eval's CLI turns "true" into True, which int() would read as 1
     with pytest.raises(ModelArgsError, match=r"batch_size=True must be an integer >= 1"):
         DlmjaxLM.create_from_arg_string("pretrained=toy-ar,batch_size=true")
+
+
+def test_model_args_typos_are_refused_before_the_weights_load(monkeypatch):
+    """Loading a large checkpoint takes minutes: a misspelt decoder, dispatch or head directory is
+    refused first."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the model_args were checked")
+
+    monkeypatch.setattr("dlmjax.io.hf.load_model", no_loading)
+    with pytest.raises(DecoderSpecError, match="unknown decoder 'thresold'"):
+        DlmjaxLM(pretrained="toy-sdar", decoder="thresold", mesh_data=1)
+    with pytest.raises(ModelArgsError, match="expert_dispatch='all2all': choose one of"):
+        DlmjaxLM(pretrained="toy-sdar", expert_dispatch="all2all", mesh_data=1)
+    with pytest.raises(FileNotFoundError, match="mrp_head= .no/such/dir. is neither a checkpoint directory"):
+        DlmjaxLM(pretrained="toy-sdar", mrp_head="no/such/dir", mesh_data=1)
 
 
 def test_without_a_decoder_each_model_takes_its_own_default(monkeypatch, tmp_path):

@@ -274,6 +274,9 @@ def test_code_tasks_run_with_the_flag_and_score_pass_at_1_by_hand(tmp_path):
     (["--task", "gsm8k", "--fewshot-as-multiturn", "false"], r"--fewshot-as-multiturn.*add --chat"),
     # every decoder is checked before the first one's run (a typo in the second used to cost the first's run)
     (["--task", "gsm8k", "--limit", "1", "--decoder", "static", "--decoder", "treshold"], r"unknown decoder 'treshold'"),
+    # and what the decoder cannot do on the model (the block's fit): the first decoder ran every task before
+    (["--task", "gsm8k", "--limit", "1", "--decoder", "static", "--decoder", "psd:policy=threshold,tau=0.9,depth=40"],
+     r"psd: depth=40 cannot fit a block of 8 tokens"),
 ])
 def test_lm_eval_backend_refusals_name_the_fix(argv, message, capsys, tmp_path):
     assert main(["eval", "--backend", "lm-eval", "--out", str(tmp_path), *argv]) == 2

@@ -290,6 +290,14 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
     return request
 
 
+def check_decoder(decoder: DiffusionDecoder, model: Transformer, head: MRPHead | None = None) -> None:
+    """Refuse, before any prompt, what the diffusion `decoder` cannot do on `model` (the checks a
+    decode makes as it lays out its batch): its block, cache mode and MRP head."""
+    _block_size(decoder, model)
+    _cache_mode(decoder, model)
+    _head_for(decoder, model, head)
+
+
 def check_canvas_length(model: Transformer, geometry, rows):
     """A bidirectional row decodes whole blocks after its prompt: refuse a canvas whose masks would
     sit past the model's maximum length (positions it never saw, which every other position

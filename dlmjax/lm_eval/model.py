@@ -163,14 +163,14 @@ def parse_generation_request(index: int, request, default_max: int) -> Generatio
                            "a non-empty prompt string (check the task's doc_to_text)")
     if not isinstance(gen_kwargs, dict):
         raise RequestError(f"{where}: generation kwargs must be a dict, got {type(gen_kwargs).__name__}")
-    until = gen_kwargs.get("until", [])
-    if isinstance(until, str):  # lm-eval's own models accept one stop string
-        until = [until]
+    until = gen_kwargs.get("until")
+    until = [] if until is None else [until] if isinstance(until, str) else until  # as lm-eval's own models
     if not isinstance(until, list) or not all(isinstance(s, str) for s in until):
         raise RequestError(f"{where}: `until` must be a list of stop strings (e.g. until: [\"\\n\\n\"]), got "
                            f"{until!r}")
-    budget = next((gen_kwargs[k] for k in ("max_gen_toks", "max_new_tokens", "max_tokens") if k in gen_kwargs),
-                  default_max)
+    # lm-eval's aliases, in its order; one set to None counts as absent (lm-eval's normalize_gen_kwargs)
+    budget = next((gen_kwargs[k] for k in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+                   if gen_kwargs.get(k) is not None), default_max)
     if not isinstance(budget, int) or budget < 1:
         raise RequestError(f"{where}: max_gen_toks={budget!r} must be a positive integer")
     if gen_kwargs.get("do_sample") and float(gen_kwargs.get("temperature", 0.0) or 0.0) > 0:
@@ -227,10 +227,14 @@ class DlmjaxLM(TemplateLM):
             self.batch_size = rounded
 
         self.path = resolve_model(args["pretrained"], "model_args pretrained=")
-        self.model = load_model(self.path, dtype=args["dtype"], mesh=self.mesh)  # params placed on the mesh
+        # what can be checked without the weights is, before they load (minutes for a large model)
+        if args["decoder"] is not None:
+            self._decoder_spec(args["decoder"])
         if args["expert_dispatch"] not in EXPERT_DISPATCH:
             raise ModelArgsError(f"model_args expert_dispatch={args['expert_dispatch']!r}: choose one of "
                                  f"{', '.join(EXPERT_DISPATCH)}")
+        self.head_dir = resolve_model(args["mrp_head"], "model_args mrp_head=") if args["mrp_head"] else None
+        self.model = load_model(self.path, dtype=args["dtype"], mesh=self.mesh)  # params placed on the mesh
         if why := dispatch_mismatch(args["expert_dispatch"], self.model.config, self.mesh, "mesh_expert=N"):
             raise ModelArgsError(f"model_args expert_dispatch={args['expert_dispatch']} would be ignored: {why}")
         set_expert_dispatch(self.model, args["expert_dispatch"])
@@ -254,28 +258,36 @@ class DlmjaxLM(TemplateLM):
         as `dlmjax generate` takes it: static, ar if causal, fast-dllm-v2 for its family) from now
         on, loading the MRP head or drafter it needs; the decoding metrics start afresh.
         `dlmjax eval --backend lm-eval` runs several decoders on one loaded model so."""
-        from dlmjax.cli import _drafter_for, _with_controller
+        from dlmjax.cli import _drafter_for
+        from dlmjax.decoding.api import check_decoder
         from dlmjax.evaluation.runner import default_decoders, replicate_on
         from dlmjax.heads.mrp import has_head, load_head
-        from dlmjax.presets import resolve_model
 
         args, model = self.args, self.model
-        spec = str(decoder or default_decoders(model)[0]).replace(";", ",")
-        spec = _with_controller([spec], args["pretrained"], self.path, args["tspd_controller"])[0]
-        parsed = parse_decoder(spec)
+        spec, parsed = self._decoder_spec(decoder or default_decoders(model)[0])
         if isinstance(parsed, CAUSAL_DECODERS) != self.causal:
             raise ModelArgsError(f"decoder={spec!r} does not fit this {model.config.attention} {model.config.family} "
                                  f"model; use {'ar or drafter' if self.causal else 'a diffusion decoder'}")
         head = None
-        head_dir = resolve_model(args["mrp_head"], "model_args mrp_head=") if args["mrp_head"] else None
         if getattr(parsed, "needs_head", False):
-            head = load_head(head_dir or self.path, model.config)
-        elif head_dir is not None and not has_head(head_dir):
+            head = load_head(self.head_dir or self.path, model.config)
+        elif self.head_dir is not None and not has_head(self.head_dir):
             raise ModelArgsError(f"mrp_head={args['mrp_head']!r} holds no MRP head")
         drafter = _drafter_for(self.path, model, [spec], args["drafter"], args["dtype"])
+        if not self.causal:  # the block's fit, cache and head: refused now, not after other decoders ran
+            check_decoder(parsed, model, head)
         self.decoder = parsed
         self.head, self.drafter = (replicate_on(m, self.mesh) if self.mesh.size > 1 else m for m in (head, drafter))
         self.metrics: dict[str, TaskMetrics] = {}
+
+    def _decoder_spec(self, decoder: str):
+        """(spec, parsed decoder) of a decoder SPEC, options separated by ';' or ',', with the TSPD
+        controller stored beside the model filled in where the spec names none."""
+        from dlmjax.cli import _with_controller
+
+        spec = str(decoder).replace(";", ",")
+        spec = _with_controller([spec], self.args["pretrained"], self.path, self.args["tspd_controller"])[0]
+        return spec, parse_decoder(spec)
 
     # ------------------------------------------------------------------ construction from lm-eval
 
