@@ -83,18 +83,21 @@ def trained_experts_bytes(cfg, *, tokens: int, itemsize: int) -> int:
 
 
 def layer_activation_bytes(cfg, *, rows: int, q_tokens: int, kv_tokens: int, model: int = 1,
-                           itemsize: int | None = None, trained: bool = False) -> int:
+                           itemsize: int | None = None, trained: bool = False, moe: bool | None = None) -> int:
     """What one transformer layer's backward keeps for `rows` rows of `q_tokens` queries attending
     over `kv_tokens` keys, with KV groups and MLP split over `model` devices: per token the residual
     input, two norm outputs and the attention output (4 d), q, k, v and the attention context,
     the MLP's gate, up and product (3 I; an MoE layer: its top-k experts' and the shared expert's),
     plus the fp32 attention scores and probabilities (2 H q_tokens kv_tokens). A `trained` MoE
-    layer also keeps its tiles' expert weights and their gradients (`trained_experts_bytes`)."""
+    layer also keeps its tiles' expert weights and their gradients (`trained_experts_bytes`). `moe`:
+    whether the layer is an MoE one (default: any layer of an MoE model; a dense layer of one has
+    `intermediate_size`)."""
     itemsize = itemsize or np.dtype(cfg.dtype).itemsize
-    experts = trained_experts_bytes(cfg, tokens=rows * q_tokens, itemsize=itemsize) if trained and cfg.num_experts else 0
+    moe = bool(cfg.num_experts) if moe is None else moe
+    experts = trained_experts_bytes(cfg, tokens=rows * q_tokens, itemsize=itemsize) if trained and moe else 0
     kv_heads = _split(cfg.num_kv_heads, model)  # the fused qkv splits into whole KV groups
     heads = cfg.num_heads // cfg.num_kv_heads * kv_heads  # a group's query heads go with it
-    if cfg.num_experts:
+    if moe:
         mlp = cfg.num_experts_per_tok * cfg.moe_intermediate_size + (cfg.shared_expert_intermediate_size or 0)
     else:
         mlp = _split(cfg.intermediate_size, model)
@@ -135,8 +138,10 @@ def training_activation_bytes(objective: str, cfg, *, rows: int, seq_len: int, m
     over the context and the block. tspd: a small MLP on features (counted as nothing)."""
     if objective in ("block_diffusion", "next_token"):
         tokens = 2 * seq_len if objective == "block_diffusion" else seq_len
-        layers = cfg.num_layers * layer_activation_bytes(cfg, rows=rows, q_tokens=tokens, kv_tokens=tokens,
-                                                         model=model, trained=True)
+        moe_layers = len(cfg.moe_layers)  # an MoE model's other layers are dense (LLaDA2's first)
+        layers = sum(count * layer_activation_bytes(cfg, rows=rows, q_tokens=tokens, kv_tokens=tokens, model=model,
+                                                    trained=True, moe=moe)
+                     for count, moe in ((moe_layers, True), (cfg.num_layers - moe_layers, False)) if count)
         logits = logits_bytes(cfg, rows=rows, tokens=tokens, model=model, copies=3)
         return layers + min(logits, 3 * LOGITS_CHUNK_BYTES)
     if objective == "mrp":

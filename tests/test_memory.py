@@ -137,6 +137,16 @@ def test_activations_scale_with_rows_and_model_split():
     assert training_activation_bytes("tspd", None, rows=1, seq_len=32) == 0
 
 
+def test_the_dense_layers_of_an_moe_model_are_estimated_as_dense():
+    """LLaDA2's first layer is dense: it keeps no expert tiles (every layer was counted as MoE)."""
+    mixed = MOE.replace(num_layers=2, moe_layers=(1,))
+    all_moe, dense = mixed.replace(moe_layers=(0, 1)), mixed.replace(num_experts=0, moe_layers=())
+    estimate = {name: training_activation_bytes("block_diffusion", cfg, rows=2, seq_len=16)
+                for name, cfg in (("mixed", mixed), ("all_moe", all_moe), ("dense", dense))}
+    assert estimate["dense"] < estimate["mixed"] < estimate["all_moe"]
+    assert 2 * estimate["mixed"] == estimate["all_moe"] + estimate["dense"]  # one layer of each
+
+
 @pytest.mark.parametrize("base", [DENSE, MOE], ids=["dense", "moe"])
 def test_activation_estimate_is_the_size_xla_allocates(base):
     """Between 1/2 and 3 times the temporary buffers XLA plans for the block-diffusion loss's
