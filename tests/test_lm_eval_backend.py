@@ -230,6 +230,11 @@ def test_code_pass_at_k_runs_in_the_sandbox():
     wrong = utils.build_predictions([["    return not True\n"]], [problem])
     assert utils.pass_at_k([reference], right, [1]) == {"pass@1": 1.0}
     assert utils.pass_at_k([reference], wrong, [1]) == {"pass@1": 0.0}
+    both = [right[0] + wrong[0]]
+    assert utils.pass_at_k([reference], both, [1, 2]) == {"pass@1": 0.5, "pass@2": 1.0}
+    # a problem with fewer samples than K counted as failed (HF code_eval reports no pass@K then)
+    with pytest.raises(ValueError, match=r"pass@2 needs at least 2 samples of every problem, and one has 1: raise "):
+        utils.pass_at_k([reference, reference], [both[0], right[0]], [1, 2])
     mbpp = load_eval_set("mbpp", limit=1).items[0].reference
     assert utils.pass_at_1("\n".join(mbpp["test_list"]), mbpp["code"]) == 1.0
     assert [s["task_id"] for s in utils.mbpp_fewshot_samples()] == [2, 3, 4]

@@ -39,9 +39,12 @@ def _pass_at_k(n: int, correct: int, k: int) -> float:
 def pass_at_k(references: list[str], predictions: list[list[str]], k: list[int] | int | None = None) -> dict:
     """{"pass@K": mean over problems} for each K in `k`; predictions[i] are problem i's samples."""
     ks = [k] if isinstance(k, int) else list(k or [1])
+    fewest = min(map(len, predictions))
+    if max(ks) > fewest:  # HF code_eval reports no pass@K then; counting such a problem as failed under-reports
+        raise ValueError(f"pass@{max(ks)} needs at least {max(ks)} samples of every problem, and one has {fewest}: "
+                         f"raise the task's `repeats` to {max(ks)} or drop pass@{max(ks)}")
     results = [_passed([f"{p}\n{ref}" for p in preds]) for ref, preds in zip(references, predictions)]
-    return {f"pass@{kk}": sum(_pass_at_k(len(r), sum(r), kk) for r in results if len(r) >= kk) / len(results)
-            for kk in ks}
+    return {f"pass@{kk}": sum(_pass_at_k(len(r), sum(r), kk) for r in results) / len(results) for kk in ks}
 
 
 def pass_at_1(references: str | list[str], predictions: str | list[str] | list[list[str]]) -> float:
