@@ -128,7 +128,7 @@ class EvalPreset:
     checkpoint: str  # the Hugging Face repository the preset is for
     family: str  # dlmjax.config.FAMILIES key
     mask_token_id: int | None  # None: autoregressive
-    block_size: int | None  # the model's block (block-causal) or the decoding block (bidirectional)
+    block_size: int | None  # the model's block (block-causal), or the block a bidirectional model's decoders name
     tasks: dict  # task -> max_new_tokens
     decoders: list  # decoder specs, as `dlmjax eval --decoder`
     seeds: str = ""  # which seed documents' tables this reproduces
@@ -141,7 +141,7 @@ class EvalPreset:
 
     def __post_init__(self):
         from dlmjax.config import FAMILIES
-        from dlmjax.decoding.spec import parse_decoder, parse_options
+        from dlmjax.decoding.spec import CAUSAL_DECODERS, parse_decoder, parse_options
         from dlmjax.evaluation.tasks import EVAL_TASKS as TASKS
 
         where = f"preset {self.path or self.name}"
@@ -154,14 +154,20 @@ class EvalPreset:
             if task not in TASKS:
                 raise InputError(f"{where}: task {task!r}; tasks: {', '.join(TASKS)}")
             check_value(f"{where}: tasks.{task}", length, "int", AT_LEAST_1)
+        family = FAMILIES[self.family]
         for spec in self.decoders:
             if not isinstance(spec, str):
                 raise InputError(f"{where}: decoders are spec strings such as 'threshold:tau=0.9', not {spec!r}")
-            if spec.split(":")[0].strip() in ("tspd", "tspd+ce"):  # built, those read a controller file
-                parse_options(spec)
-            else:
+            cls, options = parse_options(spec)  # not built: a TSPD decoder would read its controller file
+            if spec.split(":")[0].strip() not in ("tspd", "tspd+ce"):
                 parse_decoder(spec)
-        family = FAMILIES[self.family]
+            if issubclass(cls, CAUSAL_DECODERS) != (family.attention == "causal"):
+                kind = "an autoregressive" if family.attention == "causal" else f"a {family.attention} diffusion"
+                raise InputError(f"{where}: decoder {spec!r} does not fit {kind} model ({self.family}); use "
+                                 f"{'ar or drafter' if family.attention == 'causal' else 'a diffusion decoder'}")
+            if family.attention == "bidirectional" and "block" not in options:
+                raise InputError(f"{where}: decoder {spec!r} names no block; a bidirectional model decodes in the "
+                                 f"block its decoder names: add block={self.block_size} (the preset's block_size)")
         if family.attention == "block_causal" and self.block_size is None:
             raise InputError(f"{where}: {self.family} decodes in blocks; set block_size (the checkpoint's)")
         if family.attention == "causal" and self.mask_token_id is not None:

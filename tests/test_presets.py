@@ -130,6 +130,18 @@ def test_malformed_presets_are_refused_with_the_fix(tmp_path):
         load_eval_preset(_write(tmp_path, GOOD.replace("block_size: 8", "block_size: null")))
     with pytest.raises(InputError, match="tspd: unknown option 'bogus'"):  # named at load, before any model
         load_eval_preset(_write(tmp_path, GOOD.replace('"threshold:tau=0.9"', '"tspd:bogus=1"')))
+    # decoders that do not fit the family are refused at load (they were only at run time)
+    with pytest.raises(InputError, match=r"decoder 'ar' does not fit a block_causal diffusion model \(sdar\)"):
+        load_eval_preset(_write(tmp_path, GOOD.replace('"threshold:tau=0.9"', '"ar"')))
+    qwen = GOOD.replace("family: sdar", "family: qwen3").replace("mask_token_id: 3", "mask_token_id: null")
+    with pytest.raises(InputError, match=r"decoder 'static' does not fit an autoregressive model \(qwen3\); use ar"):
+        load_eval_preset(_write(tmp_path, qwen))
+    # a bidirectional model's decoders name their block (block_size was documented as one, and not applied)
+    llada = GOOD.replace("family: sdar", "family: llada").replace("block_size: 8", "block_size: 32")
+    with pytest.raises(InputError, match=r"decoder 'static' names no block; .* add block=32"):
+        load_eval_preset(_write(tmp_path, llada))
+    load_eval_preset(_write(tmp_path, llada.replace("[static, \"threshold:tau=0.9\"]",
+                                                    "[\"static:block=32\", \"threshold:tau=0.9,block=16\"]")))
 
 
 def test_eval_runs_a_presets_table(tmp_path, capsys):
