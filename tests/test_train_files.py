@@ -19,7 +19,8 @@ from dlmjax.models.transformer import init_model
 from dlmjax.presets import resolve_model
 from dlmjax.sharding import make_mesh
 from dlmjax.train.config import RunConfigError, load_run_config
-from dlmjax.train.data import DataError, file_tasks, make_batch, sample_examples
+from dlmjax.toy.tasks import Example
+from dlmjax.train.data import DataError, FileTask, file_tasks, make_batch, sample_examples
 from dlmjax.train.loop import make_trainee, train
 from dlmjax.validation import InputError
 from test_tokenizer import CHATML, chat_checkpoint
@@ -108,6 +109,28 @@ def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, ro
     toy = load_tokenizer(resolve_model("toy-sdar"))  # no chat template
     with pytest.raises(DataError, match="data.chat: .*set data.chat=false"):
         file_tasks(run.data, toy, block=4)
+
+
+def test_file_rows_come_in_epochs_each_row_once_an_epoch():
+    """Rows are dealt epoch after epoch, each a shuffle of the whole file, so a pass over the file
+    sees every row once (they were drawn with replacement: a third never seen); with two files
+    each keeps its own epochs; the same seed and step give the same rows (a resume's)."""
+    a = FileTask("a.jsonl", tuple(Example(prompt=f"a{i}", target="x") for i in range(10)))
+    b = FileTask("b.jsonl", tuple(Example(prompt=f"b{i}", target="x") for i in range(7)))
+    drawn = [ex.prompt for step in range(5) for ex in sample_examples({"a.jsonl": 1}, 4, 0, step, {"a.jsonl": a})]
+    assert sorted(drawn[:10]) == sorted(drawn[10:20]) == [f"a{i}" for i in range(10)] and drawn[:10] != drawn[10:20]
+    both = {"a.jsonl": a, "b.jsonl": b}
+    mixed = [[ex.prompt for ex in sample_examples({"a.jsonl": 1, "b.jsonl": 3}, 3, 1, step, both)] for step in range(60)]
+    for name, task in (("a", a), ("b", b)):
+        rows = [p for batch in mixed for p in batch if p.startswith(name)]
+        n = len(task.examples)
+        assert len(rows) >= 2 * n and all(sorted(rows[e * n:(e + 1) * n]) == sorted(ex.prompt for ex in task.examples)
+                                          for e in range(len(rows) // n))
+    # a resumed run (nothing kept in memory) gets the same rows at the same step
+    from dlmjax.train import data
+
+    data._TASK_DRAWS.clear()
+    assert [ex.prompt for ex in sample_examples({"a.jsonl": 1, "b.jsonl": 3}, 3, 1, 59, both)] == mixed[59]
 
 
 def test_an_mrp_head_trains_on_a_real_models_rows_and_resumes(sdar, rows_file, tmp_path):

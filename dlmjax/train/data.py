@@ -12,8 +12,10 @@ draws a step's examples in sequence from one RNG, so every process draws all of 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,15 +46,36 @@ def _step_rng(seed: int, step: int) -> random.Random:
 
 def sample_examples(task_weights: dict[str, float], batch_size: int, seed: int, step: int, tasks=None):
     """`batch_size` examples for `step`, all from one task drawn with `task_weights`: a toy task by
-    name, or `tasks[name]` (a `FileTask`) where given.
+    name (examples generated from the step's RNG), or `tasks[name]` (a `FileTask`) where given:
+    its next rows, in epochs (`FileTask.rows`).
 
     One task per step keeps a batch's rows of similar length, so short tasks are not padded to
     the longest task's length (see `make_batch`)."""
-    rng = _step_rng(seed, step)
     names = sorted(task_weights)
-    name = rng.choices(names, [task_weights[n] for n in names])[0]
-    task = tasks[name] if tasks is not None else get_task(name)
-    return [task.sample(rng) for _ in range(batch_size)]
+    weights = tuple(task_weights[n] for n in names)
+    rng = _step_rng(seed, step)
+    name = rng.choices(names, weights)[0]
+    if tasks is None:
+        task = get_task(name)
+        return [task.sample(rng) for _ in range(batch_size)]
+    drawn_before = step if len(names) == 1 else _earlier_draws(seed, names, weights, step)
+    return tasks[name].rows(seed, drawn_before * batch_size, batch_size)
+
+
+# (seed, names, weights) -> (per step: how many earlier steps drew that step's task, draws per task so far)
+_TASK_DRAWS: dict[tuple, tuple[list[int], Counter]] = {}
+
+
+def _earlier_draws(seed: int, names: list[str], weights: tuple, step: int) -> int:
+    """How many steps before `step` drew the task `step` draws (as `sample_examples` draws it).
+    The draws are replayed once and kept, so a resumed run counts its tasks' rows with nothing
+    stored."""
+    before, counts = _TASK_DRAWS.setdefault((seed, tuple(names), weights), ([], Counter()))
+    while len(before) <= step:
+        name = _step_rng(seed, len(before)).choices(names, weights)[0]
+        before.append(counts[name])
+        counts[name] += 1
+    return before[step]
 
 
 @dataclass(frozen=True)
@@ -63,8 +86,19 @@ class FileTask:
     name: str
     examples: tuple[Example, ...]
 
-    def sample(self, rng: random.Random) -> Example:
-        return self.examples[rng.randrange(len(self.examples))]
+    def rows(self, seed: int, start: int, count: int) -> list[Example]:
+        """Rows `start`..`start + count - 1` of the task's stream: epoch after epoch, each a
+        shuffle of every row (seeded by `seed`, the task and the epoch), so each row is seen once
+        an epoch and a batch may straddle two epochs."""
+        return [self.examples[_epoch_order(seed, self.name, epoch, len(self.examples))[k]]
+                for epoch, k in (divmod(g, len(self.examples)) for g in range(start, start + count))]
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, name: str, epoch: int, n: int) -> tuple[int, ...]:
+    order = list(range(n))
+    random.Random(hashlib.sha256(f"{seed}:{name}:{epoch}".encode()).digest()).shuffle(order)
+    return tuple(order)
 
 
 def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str, FileTask]:
