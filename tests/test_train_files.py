@@ -111,6 +111,22 @@ def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, ro
         file_tasks(run.data, toy, block=4)
 
 
+def test_data_chat_takes_the_templates_variables_as_evaluation_does(sdar, rows_file, tmp_path):
+    """`data.chat={enable_thinking: false}`: the rows' prompts are the turns a Qwen3 preset
+    evaluates with (it was refused: true or false only)."""
+    thinking = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    chat_checkpoint(tmp_path / "tok", thinking, SPECIALS, {"bos_token": None, "eos_token": "<|im_end|>"})
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    for chat, ending in (("true", "assistant\n"), ("{enable_thinking: false}", "assistant\n<think>\n\n</think>\n\n")):
+        run = load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file) + [f"data.chat={chat}"])
+        (task,) = file_tasks(run.data, tokenizer, block=4).values()
+        assert all(ex.prompt.endswith(ending) for ex in task.examples), chat
+    assert hash(run.data) == hash(load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file)
+                                                  + ["data.chat={enable_thinking: false}"]).data)
+
+
 def test_file_rows_come_in_epochs_each_row_once_an_epoch():
     """Rows are dealt epoch after epoch, each a shuffle of the whole file, so a pass over the file
     sees every row once (they were drawn with replacement: a third never seen); with two files

@@ -68,15 +68,16 @@ class DataConfig:
     """What a run trains on: the toy tasks (`tasks`), or for a head on a real model (objectives mrp
     and drafter) JSONL files of its data (`files`: path -> weight; each line an object whose
     `prompt_field` and `response_field` hold the prompt and the answer to learn; `chat`: the
-    prompt as a user turn of the model's chat template). A file that exists is recorded by its
-    absolute path, so a run resumes from any working directory."""
+    prompt as a user turn of the model's chat template; a mapping gives the template's variables
+    too, e.g. {enable_thinking: false} for Qwen3, as evaluation's presets do). A file that exists
+    is recorded by its absolute path, so a run resumes from any working directory."""
 
     limits = {"seq_len": AT_LEAST_1, "seed": SEED_RANGE}
     tasks: dict | None = None  # toy task -> weight (default TOY_TASKS where no files are given)
     files: dict = field(default_factory=dict)  # JSONL file -> weight, in place of tasks
     prompt_field: str = "prompt"
     response_field: str = "response"
-    chat: bool = False
+    chat: bool | dict = False  # true, or the chat template's variables ({enable_thinking: false})
     seq_len: int = 64
     seed: int = 0
 
@@ -111,8 +112,9 @@ class DataConfig:
         return self.files or self.tasks
 
     def __hash__(self):
+        chat = tuple(sorted(self.chat.items())) if isinstance(self.chat, dict) else self.chat
         return hash((tuple((self.tasks or {}).items()), tuple(self.files.items()), self.prompt_field,
-                     self.response_field, self.chat, self.seq_len, self.seed))
+                     self.response_field, chat, self.seq_len, self.seed))
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
                             f"{data.response_field!r}; set data.prompt_field and data.response_field to its keys")
         if data.chat:
             try:
-                prompts = tokenizer.user_turns([ex.prompt for _, ex in numbered])
+                prompts = tokenizer.user_turns([ex.prompt for _, ex in numbered], data.chat)
             except InputError as err:
                 raise DataError(f"data.chat: {err}; set data.chat=false to train on the prompts as they are") from None
             numbered = [(n, Example(prompt=p, target=ex.target)) for p, (n, ex) in zip(prompts, numbered)]
