@@ -106,6 +106,10 @@ def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, ro
     with pytest.raises(DataError, match="no line with text fields 'q' and 'answer'"):
         file_tasks(load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file) + ["data.prompt_field=q"]).data,
                    tokenizer, block=4)
+    plain = rows_file.parent / "plain.jsonl"  # a text file: the error says why no line was read
+    plain.write_text("just text\n")
+    with pytest.raises(DataError, match=r"no line with text fields 'question' and 'answer' \(row 1: invalid JSON"):
+        file_tasks(load_run_config(MRP_CONFIG, file_overrides(sdar, plain)).data, tokenizer, block=4)
     toy = load_tokenizer(resolve_model("toy-sdar"))  # no chat template
     with pytest.raises(DataError, match="data.chat: .*set data.chat=false"):
         file_tasks(run.data, toy, block=4)
@@ -167,6 +171,21 @@ def test_an_mrp_head_trains_on_a_real_models_rows_and_resumes(sdar, rows_file, t
     rows_file.write_text(rows_file.read_text() + json.dumps(ROWS[0]) + "\n")
     with pytest.raises(InputError, match="has changed since this run began"):
         train(run6, tmp_path / "edited", progress=False)
+
+
+def test_a_home_path_and_a_directory_are_recorded_by_the_file_read(sdar, rows_file, tmp_path, monkeypatch):
+    """`~/rows.jsonl` and a directory of rows were left out of data.json, so a resume on an edited
+    file went unnoticed."""
+    from dlmjax.train.loop import DATA_RECORD, check_data_files
+
+    monkeypatch.setenv("HOME", str(rows_file.parent))
+    for source, read in (("~/train.jsonl", rows_file), (str(rows_file.parent), rows_file)):
+        run = load_run_config(MRP_CONFIG, file_overrides(sdar, source))
+        assert list(run.data.files) == [str(rows_file) if source.startswith("~") else source]
+        run_dir = tmp_path / f"run{len(source)}"
+        run_dir.mkdir()
+        check_data_files(run, run_dir, resuming=False, main=True)
+        assert str(read) in json.loads((run_dir / DATA_RECORD).read_text())
 
 
 def test_a_drafter_trains_on_a_real_targets_rows(qwen3, rows_file, tmp_path):

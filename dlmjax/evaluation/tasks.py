@@ -92,14 +92,21 @@ def _read_json_lines(path: Path) -> list[tuple[int, Any]]:
     return rows
 
 
-def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | None = None) -> list[tuple[int, Any]]:
-    """Rows of a local file or directory, or of a Hugging Face dataset `name` (split `split`)."""
+def local_rows_file(source: str | os.PathLike, split: str) -> Path:
+    """The file `read_rows` reads for a local `source`: the file itself, or in a directory the
+    first `{split}*.jsonl*` (else `*.jsonl*`) file; a path that is neither, as it is."""
     path = Path(source).expanduser()  # `--data=~/x.jsonl` reaches here unexpanded by the shell
     if path.is_dir():
         found = sorted(path.glob(f"{split}*.jsonl*")) or sorted(path.glob("*.jsonl*"))
         if not found:
             raise DatasetError(f"{path} holds no .jsonl file; pass the file itself")
         path = found[0]
+    return path
+
+
+def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | None = None) -> list[tuple[int, Any]]:
+    """Rows of a local file or directory, or of a Hugging Face dataset `name` (split `split`)."""
+    path = local_rows_file(source, split)
     if path.is_file():
         if path.suffix == ".json":
             data = read_json_file(path, error=DatasetError, fix="fix the file or pass a .jsonl file")

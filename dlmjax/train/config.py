@@ -60,7 +60,8 @@ def _local_path(source):
     """A data file's (or a checkpoint or traces directory's) absolute path where it exists here, so
     that a run resumes from any working directory; anything else (a Hugging Face dataset name, a
     preset name, or a mistake the reader will name) as given."""
-    return str(Path(source).resolve()) if source and Path(source).exists() else source
+    local = Path(source).expanduser() if source else None
+    return str(local.resolve()) if local is not None and local.exists() else source
 
 
 @dataclass(frozen=True)

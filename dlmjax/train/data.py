@@ -120,7 +120,8 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
         numbered = [(n, Example(prompt=row[data.prompt_field], target=row[data.response_field])) for n, row in usable]
         if not numbered:
             raise DataError(f"data.files: {path} has no line with text fields {data.prompt_field!r} and "
-                            f"{data.response_field!r}; set data.prompt_field and data.response_field to its keys")
+                            f"{data.response_field!r} ({_first_problems(malformed)}); set data.prompt_field and "
+                            "data.response_field to its keys, or write it one JSON object a line")
         if data.chat:
             try:
                 prompts = tokenizer.user_turns([ex.prompt for _, ex in numbered], data.chat)
@@ -132,7 +133,7 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
         examples = tuple(ex for (_, ex), ok in zip(numbered, fits) if ok)
         if malformed:
             report(f"{path}: skipped {_lines(malformed)} without text fields {data.prompt_field!r} and "
-                   f"{data.response_field!r} ({'; '.join(malformed[:5])}{' ...' if len(malformed) > 5 else ''})")
+                   f"{data.response_field!r} ({_first_problems(malformed)})")
         if long:
             report(f"{path}: skipped {_lines(long)} longer than data.seq_len={data.seq_len} tokens ({_numbers(long)})")
         if not examples:
@@ -159,6 +160,10 @@ def _row_length(tokenizer, example: Example, block: int | None) -> int:
     """The tokens `encode_row` gives `example`: prompt, answer, EOS, and EOS up to a block's end."""
     n = len(tokenizer.encode_prompt(example.prompt)) + len(tokenizer.encode(example.target)) + 1
     return -(-n // block) * block if block else n
+
+
+def _first_problems(malformed: list[str]) -> str:
+    return "; ".join(malformed[:5]) + (" ..." if len(malformed) > 5 else "") if malformed else "the file holds no rows"
 
 
 def _lines(numbers: list[int]) -> str:

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from dlmjax.config import ModelConfig
 from dlmjax.distributed import is_main, sync
+from dlmjax.evaluation.tasks import local_rows_file
 from dlmjax.evaluation.toy import toy_accuracy
 from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
 from dlmjax.io.files import file_sha256, is_staging_name, staged_dir, write_atomic
@@ -306,7 +307,7 @@ def check_data_files(run: RunConfig, run_dir: Path, *, resuming: bool, main: boo
             raise InputError(f"{what} {changed[0]} has changed since this run began (sha256 recorded in {record}); "
                              "restore it, or start a new run (another --out) on the new one")
         return
-    sources = list(run.data.files)
+    sources = [str(local_rows_file(path, "train")) for path in run.data.files]  # a directory: the file read
     if run.objective == "tspd":  # traces collected again into the same directory would mix two sources
         sources += [str(Path(run.tspd.traces) / name) for name in ("traces.npz", "meta.json")]
     digests = {path: file_sha256(path) for path in sources + model_files if Path(path).is_file()}  # (HF names: not)
