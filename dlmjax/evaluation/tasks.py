@@ -117,7 +117,8 @@ def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | N
                                    "'data' list)")
             return list(enumerate(data, 1))
         return _read_json_lines(path)
-    looks_local = path.suffix in (".jsonl", ".json", ".gz") or str(source).startswith(("/", ".", "~"))
+    looks_local = path.suffix in (".jsonl", ".json", ".gz") or str(source).startswith(("/", ".", "~")) or \
+        str(source).endswith("/")  # a directory's
     if looks_local:  # a Hugging Face name is `name` or `org/name`
         raise DatasetError(f"dataset file {source} not found")
     try:
@@ -125,12 +126,13 @@ def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | N
     except ImportError as err:
         raise DatasetError(
             f"{source!r} is not a local file or directory; loading it as a Hugging Face dataset needs "
-            "`pip install datasets` (or pass --data /path/to/test.jsonl)"
+            "`pip install datasets` (or pass a local .jsonl file: `dlmjax eval --data`, training's data.files)"
         ) from err
     try:
         rows = datasets.load_dataset(str(source), config, split=split)
     except Exception as err:  # offline hub misses raise several types
-        raise DatasetError(f"could not load Hugging Face dataset {source!r}: {err}; pass a local file with --data") from err
+        raise DatasetError(f"could not load Hugging Face dataset {source!r}: {err}; pass a local .jsonl file "
+                           "(`dlmjax eval --data`, training's data.files)") from err
     return list(enumerate(rows, 1))
 
 
