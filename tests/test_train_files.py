@@ -186,6 +186,10 @@ def test_a_home_path_and_a_directory_are_recorded_by_the_file_read(sdar, rows_fi
         run_dir.mkdir()
         check_data_files(run, run_dir, resuming=False, main=True)
         assert str(read) in json.loads((run_dir / DATA_RECORD).read_text())
+    # one file under two names was one entry of the first weight
+    with pytest.raises(RunConfigError, match=r"data.files names one file twice \(~/train.jsonl, .*train.jsonl\)"):
+        load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file)[:1] + [
+            f"data.files={{~/train.jsonl: 1, {rows_file}: 1}}"] + file_overrides(sdar, rows_file)[2:])
 
 
 def test_a_drafter_trains_on_a_real_targets_rows(qwen3, rows_file, tmp_path):

@@ -93,7 +93,12 @@ class DataConfig:
             for path, weight in files.items():
                 check_value("data.files", path, "str", error=RunConfigError)
                 check_value(f"data.files.{path}", weight, "float", POSITIVE, error=RunConfigError)
-            object.__setattr__(self, "files", {_local_path(p): w for p, w in files.items()})
+            local = {_local_path(p): w for p, w in files.items()}
+            if len(local) < len(files):
+                twice = [p for p in files if sum(_local_path(q) == _local_path(p) for q in files) > 1]
+                raise RunConfigError(f"data.files names one file twice ({', '.join(twice)}); give it once, with the "
+                                     "sum of the weights")
+            object.__setattr__(self, "files", local)
             return
         if (self.prompt_field, self.response_field, self.chat) != ("prompt", "response", False):
             raise RunConfigError("data.prompt_field, data.response_field and data.chat read the rows of data.files, "
