@@ -308,8 +308,9 @@ DRAFTER_HELP = ("DFlash drafter directory for the `drafter` decoder of a causal 
 CONTROLLER_HELP = ("TSPD controller (tspd_controller.safetensors, or a directory or preset holding one) for the tspd "
                    "and tspd+ce decoders that name none; default: the model's own, when it has one")
 MESH_HELP = ("device mesh AXIS=N,...: prompts split over 'data', the model's weights tensor-parallel over 'model', "
-             "an MoE model's experts over 'expert' (e.g. data=2,model=4 or expert=4,data=2; an axis left out is 1 "
-             "except data, which takes the devices the others leave)")
+             "each weight's largest free dimension over 'fsdp', an MoE model's experts over 'expert' (e.g. "
+             "data=2,model=4 or expert=4,data=2; an axis left out is 1 except data, which takes the devices the "
+             "others leave)")
 EXPERT_DISPATCH_HELP = ("MoE models with experts split over --mesh expert=N: how tokens meet their experts. all_to_all "
                         "sends each token to its experts' device and back; gather all-gathers the experts to every "
                         "device; xla leaves it to the compiler; auto (default) takes whichever of all_to_all and "

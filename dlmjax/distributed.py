@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from dataclasses import dataclass
 
 import jax
@@ -123,6 +124,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if launch.mode == "single" or jax.distributed.is_initialized():
         return launch
     if launch.mode == "explicit":
+        if launch.process_id == 0:
+            check_port_free(launch.coordinator)
         jax.distributed.initialize(launch.coordinator, launch.num_processes, launch.process_id,
                                    local_device_ids=local_device_ids)
     elif launch.mode == "slurm":
@@ -133,6 +136,19 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         except ValueError:
             return Launch("single")
     return launch
+
+
+def check_port_free(coordinator: str) -> None:
+    """Process 0 serves the coordinator on its port: refuse a port another program holds (JAX's
+    gRPC server crashes the process with a segfault there)."""
+    port = int(coordinator.rpartition(":")[2])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port a closed run left in TIME_WAIT is free
+        try:
+            probe.bind(("", port))
+        except OSError as err:
+            raise InputError(f"coordinator port {port} is in use on this machine ({err.strerror}); pick a free port "
+                             "for --coordinator HOST:PORT on every process") from None
 
 
 def is_main() -> bool:

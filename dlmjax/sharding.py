@@ -219,8 +219,9 @@ def param_sharding(path: str, shape, cfg, mesh: Mesh, rules: ShardingRules = DEF
 
 
 def unsplit_weights(cfg, mesh: Mesh) -> list[str]:
-    """The weight groups a mesh's 'model' (tensor parallel) or 'expert' axis leaves whole on every
-    device because their units do not divide by it (`ShardingRules.spec` replicates such a dim):
+    """The weight groups a mesh's 'model' (tensor parallel) or 'expert' axis leaves unsplit over
+    it because their units do not divide by it (`ShardingRules.spec` replicates such a dim over
+    that axis; an 'fsdp' axis may still split the param):
     e.g. ['attention (2 KV heads, model=8)']. Empty where every group splits."""
     sizes = mesh_sizes(mesh)
     model, expert = sizes.get("model", 1), sizes.get("expert", 1)
@@ -235,7 +236,10 @@ def unsplit_weights(cfg, mesh: Mesh) -> list[str]:
             groups.append(("shared expert", f"intermediate size {cfg.shared_expert_intermediate_size}",
                            cfg.shared_expert_intermediate_size))
     out = [f"{name} ({units}, model={model})" for name, units, n in groups if n % model]
-    if expert > 1 and cfg.num_experts % expert:
+    if expert > 1 and cfg.num_experts == 0:
+        out.append(f"every weight (a dense model has no experts to split over expert={expert}: put those devices "
+                   "on data)")
+    elif expert > 1 and cfg.num_experts % expert:
         out.append(f"experts ({cfg.num_experts} experts, expert={expert})")
     return out
 

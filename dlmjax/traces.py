@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import zipfile
 from dataclasses import dataclass
 from functools import partial
@@ -233,7 +234,8 @@ def collect_traces(model, prompt_ids: list[list[int]], *, max_new_tokens: int, b
                              "(dlmjax.traces.distinct)")
     data = 1 if mesh is None else mesh.shape["data"]
     if batch_size % data:
-        raise TraceError(f"batch_size={batch_size} must be a multiple of the {data} data-parallel devices")
+        raise TraceError(f"batch_size={batch_size} must be a multiple of the {data} data-parallel devices (CLI: "
+                         "--batch-size)")
     parts, offsets = [], []
     for start in range(0, len(prompt_ids), batch_size):
         chunk = list(prompt_ids[start : start + batch_size])
@@ -433,7 +435,12 @@ def run(args) -> int:
         from dlmjax.sharding import make_mesh
 
         mesh = make_mesh(model=1)
-    common = dict(batch_size=args.batch_size, mesh=mesh, block=args.block, cache=args.cache, rollout=args.rollout)
+    data = 1 if mesh is None else mesh.shape["data"]
+    batch_size = -(-args.batch_size // data) * data  # as eval's: each device takes an equal share
+    if batch_size != args.batch_size:
+        print(f"--batch-size {args.batch_size} rounded up to {batch_size}, a multiple of the {data} data-parallel "
+              "devices", file=sys.stderr)
+    common = dict(batch_size=batch_size, mesh=mesh, block=args.block, cache=args.cache, rollout=args.rollout)
     if args.prompts is not None:
         if args.tasks is not None:
             raise InputError("--prompts and --tasks both name the prompts; give one")

@@ -283,6 +283,10 @@ def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path
     assert {"traces.npz", "meta.json"} <= {p.name for p in (tmp_path / "traces").iterdir()}
     assert main(["traces", "--seed", "1234", "--out", str(tmp_path / "t2")]) == 2
     assert "evaluation prompts" in capsys.readouterr().err
+    # over 8 devices a batch of 6 is rounded up, as eval's (it was refused)
+    assert main(["traces", "--model", "toy-sdar", "--tasks", "toy-arith", "--per-task", "2", "--data-parallel",
+                 "--batch-size", "6", "--out", str(tmp_path / "t3")]) == 0
+    assert "--batch-size 6 rounded up to 8, a multiple of the 8 data-parallel devices" in capsys.readouterr().err
 
 
 def test_traces_from_a_prompt_file(capsys, tmp_path):

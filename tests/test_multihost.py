@@ -87,6 +87,19 @@ def test_plan_refuses_half_given_settings(args, env, match):
         plan(*args, environ=env)
 
 
+def test_a_coordinator_port_in_use_is_refused_before_jax_binds_it():
+    """JAX's gRPC server segfaulted process 0 on a port another program held."""
+    from dlmjax.distributed import check_port_free
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(InputError, match=f"coordinator port {port} is in use on this machine .*pick a free port"):
+            check_port_free(f"127.0.0.1:{port}")
+    check_port_free(f"127.0.0.1:{port}")  # free again once closed
+
+
 def test_cli_refuses_a_half_given_launch(tmp_path, capsys):
     from dlmjax.cli import main
 

@@ -39,14 +39,17 @@ def test_sharded_forward_equals_single_device(tmp_path, caplog):
 
     mesh = make_mesh(model=4, data=2)
     sharded = dlmjax.load_model(path, mesh=mesh)
-    # what the mesh leaves whole on every device is said, with the sizes that do not divide
-    assert "leaves these weights whole on every device" in caplog.text
+    # what the mesh's model/expert axes leave unsplit is said, with the sizes that do not divide
+    assert "leave these weights unsplit over them" in caplog.text
     assert "attention (2 KV heads, model=4)" in caplog.text and "attention output" not in caplog.text
     assert unsplit_weights(sharded.config, make_mesh(model=2, data=4)) == []
     moe = dlmjax.ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                              num_heads=4, num_kv_heads=2, head_dim=8, attention="causal", qk_norm=True, num_experts=6,
                              num_experts_per_tok=2, moe_intermediate_size=16, moe_layers=(0, 1))
     assert unsplit_weights(moe, make_mesh(expert=4, model=2)) == ["experts (6 experts, expert=4)"]
+    # a dense model on an expert axis: every weight is copied there (it was said nowhere)
+    assert unsplit_weights(sharded.config, make_mesh(expert=8)) == [
+        "every weight (a dense model has no experts to split over expert=8: put those devices on data)"]
     qkv = sharded.layers[0].attn.qkv.kernel[...]
     assert qkv.sharding.spec == P(None, None)  # 2 KV groups do not split over 4: replicated
     assert sharded.layers[0].attn.o.kernel[...].sharding.spec == P("model", None)  # 4 heads over 4 devices

@@ -399,8 +399,9 @@ def load_model(
     cfg = load_config(ckpt_dir, family=family, dtype=dtype)
     unsplit = unsplit_weights(cfg, mesh) if mesh is not None else []
     if unsplit:  # each device holds these whole: the memory a split would save is not saved
-        log.warning("%s: the mesh leaves these weights whole on every device, as their sizes do not divide by its "
-                    "axes: %s; choose axis sizes that divide them to split them", ckpt_dir, "; ".join(unsplit))
+        log.warning("%s: the mesh's model/expert axes leave these weights unsplit over them, as their sizes do not "
+                    "divide by those axes: %s; choose axis sizes that divide them to split them", ckpt_dir,
+                    "; ".join(unsplit))
     graphdef, abstract_state = nnx.split(abstract_model(cfg))
     expected = _flat_params(abstract_state)
     key_map = key_rules(cfg)
