@@ -242,17 +242,6 @@ def cmd_eval(args) -> int:
     if args.compare_to is not None and args.compare_to not in decoders:
         decoders = [args.compare_to] + decoders
     decoders = _with_controller(decoders, args.model, path, args.tspd_controller)
-    records, outputs = run_eval(
-        model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
-        mesh=mesh, seed=args.seed, chat=args.chat, progress=main and not args.no_progress, head=head,
-        drafter=drafter,
-    )
-    if not main:  # every process decodes its part of each batch (and scores it all); process 0 writes
-        return 0
-    if args.compare_to is not None:
-        records = compare_to(records, outputs, _with_controller([args.compare_to], args.model, path,
-                                                                args.tspd_controller)[0])
-    title = f"{args.model} ({path})"
     settings = run_settings(
         getattr(args, "argv", None), backend="native", model=args.model, checkpoint=str(path),
         preset=None if preset is None else preset.name, dtype=model.config.dtype, decoders=decoders,
@@ -260,8 +249,30 @@ def cmd_eval(args) -> int:
                                            for s in eval_sets},
         data=args.data, limit=args.limit, batch_size=args.batch_size, mesh=dict(mesh.shape), seed=args.seed,
         chat=args.chat, mrp_head=args.mrp_head, drafter=args.drafter, expert_dispatch=args.expert_dispatch)
-    table = write_report(records, outputs if args.save_outputs else None, args.out, title=title,
-                         skipped={s.task: s.skipped for s in eval_sets if s.skipped}, settings=settings)
+    runs = len(eval_sets) * len(decoders)
+    written = []
+
+    def report(records, outputs, title=f"{args.model} ({path})"):
+        """The report of the runs done so far (the earlier run's files moved aside the first time)."""
+        complete = len(records) == runs
+        table = write_report(records, outputs if args.save_outputs else None, args.out, settings={
+            **settings, "complete": complete}, title=title if complete else f"{title}: partial, {len(records)} of "
+            f"{runs} runs (interrupted, or still running)", skipped={s.task: s.skipped for s in eval_sets if s.skipped},
+            keep_earlier=not written)
+        written.append(len(records))
+        return table
+
+    records, outputs = run_eval(
+        model, tokenizer, eval_sets, decoders, model_name=args.model, batch_size=args.batch_size,
+        mesh=mesh, seed=args.seed, chat=args.chat, progress=main and not args.no_progress, head=head,
+        drafter=drafter, on_run=report if main and runs > 1 else None,
+    )
+    if not main:  # every process decodes its part of each batch (and scores it all); process 0 writes
+        return 0
+    if args.compare_to is not None:
+        records = compare_to(records, outputs, _with_controller([args.compare_to], args.model, path,
+                                                                args.tspd_controller)[0])
+    table = report(records, outputs)
     print(table)
     print(f"wrote {args.out}/results.json, results.md, pareto.png" + (", outputs.jsonl" if args.save_outputs else ""))
     return 0
@@ -483,8 +494,10 @@ def _run(command: str, run) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit goes nowhere
         return 0
     except KeyboardInterrupt:  # Ctrl-C: what was finished is kept (a run's last step is checkpointed)
-        print(f"dlmjax {command}: interrupted" + ("; rerun the same command to resume from the last finished step"
-                                                  if command == "train" else ""), file=sys.stderr)
+        kept = {"train": "; rerun the same command to resume from the last finished step",
+                "eval": "; the (task, decoder) runs that finished are in the --out directory's results "
+                        "(settings.complete: false)"}
+        print(f"dlmjax {command}: interrupted" + kept.get(command, ""), file=sys.stderr)
         return 130
     except Exception:  # noqa: BLE001 (anything else is ours: keep the traceback)
         traceback.print_exc()

@@ -121,6 +121,34 @@ def test_ctrl_c_is_one_line_that_says_how_to_resume(capsys):
                                        "finished step\n")
 
 
+def test_an_interrupted_eval_keeps_its_finished_runs(capsys, tmp_path, monkeypatch):
+    """Ctrl-C during the second (task, decoder) run: the first run's results are written, marked
+    incomplete, and the earlier results moved aside as a finished run's would be (nothing was
+    written before)."""
+    from dlmjax.evaluation import runner
+
+    out, decoders = tmp_path / "eval", ["--decoder", "static", "--decoder", "threshold:tau=0.9"]
+    argv = ["eval", "--model", "toy-sdar", "--task", "toy-arith", "--limit", "2", "--no-progress", "--out", str(out)]
+    assert main(argv + decoders) == 0
+    finished = runner.evaluate_decoder
+
+    def interrupted_second(*args, **kwargs):
+        if interrupted_second.calls:
+            raise KeyboardInterrupt
+        interrupted_second.calls += 1
+        return finished(*args, **kwargs)
+
+    interrupted_second.calls = 0
+    monkeypatch.setattr(runner, "evaluate_decoder", interrupted_second)
+    assert main(argv + ["--decoder", "entropy", "--decoder", "static"]) == 130
+    assert "the (task, decoder) runs that finished are in the --out directory" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert [r["decoder"] for r in results["runs"]] == ["entropy"] and results["settings"]["complete"] is False
+    assert "partial, 1 of 2 runs" in (out / "results.md").read_text()
+    (earlier,) = (out / "earlier").iterdir()  # the first, complete run, moved aside once
+    assert json.loads((earlier / "results.json").read_text())["settings"]["complete"] is True
+
+
 def test_a_seed_jax_would_truncate_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", "random-sdar", "--prompt", "Hi", "--seed", str(2**32)])

@@ -140,9 +140,11 @@ def evaluate_decoder(model, tokenizer, eval_set: EvalSet, decoder: str, *, model
 
 def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *, model_name: str,
              batch_size: int = 64, mesh=None, seed: int = 0, chat: bool = False, progress: bool = True,
-             warmup: bool = True, head=None, drafter=None):
+             warmup: bool = True, head=None, drafter=None, on_run=None):
     """Every decoder on every task: (records, outputs). Without `warmup`, times include compilation.
-    `head`: the MRP head for mrp-* decoders; `drafter`: the DFlash drafter for `drafter`."""
+    `head`: the MRP head for mrp-* decoders; `drafter`: the DFlash drafter for `drafter`.
+    `on_run(records, outputs)` is called with what is done after each (task, decoder) run (the CLI
+    writes it, so an interrupted evaluation keeps its finished runs)."""
     for eval_set in eval_sets:
         if not eval_set.items:
             raise InputError(f"{eval_set.task}: no usable prompts ({len(eval_set.skipped)} rows skipped); "
@@ -164,6 +166,8 @@ def run_eval(model, tokenizer, eval_sets: list[EvalSet], decoders: list[str], *,
                                                 bar=bar, head=head, drafter=drafter)
                 records.append(record)
                 outputs.extend(outs)
+                if on_run is not None:
+                    on_run(records, outputs)
     return records, outputs
 
 
