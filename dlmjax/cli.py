@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import jax
 
@@ -198,6 +199,7 @@ def cmd_eval(args) -> int:
                              "sandbox the code they run); add --backend lm-eval or drop it")
     from dlmjax.evaluation.report import run_settings, write_report
     from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
+    from dlmjax.io.dflash import find_drafter_dir
     from dlmjax.evaluation.tasks import load_eval_set
     from dlmjax.presets import load_checkpoint, load_eval_preset
     from dlmjax.sharding import make_mesh
@@ -247,8 +249,12 @@ def cmd_eval(args) -> int:
         preset=None if preset is None else preset.name, dtype=model.config.dtype, decoders=decoders,
         compare_to=args.compare_to, tasks={s.task: {"rows": len(s.items), "max_new_tokens": s.max_new_tokens}
                                            for s in eval_sets},
-        data=args.data, limit=args.limit, batch_size=args.batch_size, mesh=dict(mesh.shape), seed=args.seed,
-        chat=args.chat, mrp_head=args.mrp_head, drafter=args.drafter, expert_dispatch=args.expert_dispatch)
+        data=_used_path(args.data), strict_data=args.strict_data, limit=args.limit, batch_size=args.batch_size,
+        mesh=dict(mesh.shape), seed=args.seed, chat=args.chat, expert_dispatch=args.expert_dispatch,
+        # what was used, also where it was found in the model's directory
+        mrp_head=None if head is None else _used_path(args.mrp_head or path),
+        drafter=None if drafter is None else _used_path(args.drafter or find_drafter_dir(path)),
+        working_directory=os.getcwd())
     runs = len(eval_sets) * len(decoders)
     written = []
 
@@ -276,6 +282,15 @@ def cmd_eval(args) -> int:
     print(table)
     print(f"wrote {args.out}/results.json, results.md, pareto.png" + (", outputs.jsonl" if args.save_outputs else ""))
     return 0
+
+
+def _used_path(source):
+    """A local file or directory as an absolute path (a results.json read elsewhere still finds
+    it); a preset or Hugging Face name, or None, as it is."""
+    if source is None:
+        return None
+    local = Path(source).expanduser()
+    return str(local.resolve()) if local.exists() else str(source)
 
 
 def cmd_lm_eval(argv: list[str]) -> int:

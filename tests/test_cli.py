@@ -268,8 +268,12 @@ def test_causal_model_defaults_to_ar_and_decodes_with_its_drafter(capsys, tmp_pa
     out = tmp_path / "eval"
     assert main(["eval", "--model", "toy-ar", "--task", "toy-arith", "--limit", "4", "--no-progress",
                  "--out", str(out)]) == 0
-    runs = {r["decoder"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    results = json.loads((out / "results.json").read_text())
+    runs = {r["decoder"]: r for r in results["runs"]}
     assert set(runs) == {"ar", "drafter"} and runs["drafter"]["accuracy"] == runs["ar"]["accuracy"]
+    # the drafter found in the model's directory is recorded (it was null), by its absolute path
+    assert results["settings"]["drafter"] == str(dlmjax.presets.resolve_model("toy-ar") / "drafter")
+    assert results["settings"]["mrp_head"] is None and results["settings"]["working_directory"] == os.getcwd()
     assert runs["drafter"]["mean_accepted_length"] > 1.0 and runs["ar"]["mean_accepted_length"] is None
     # --compare-to names the drafter decoder: its drafter is loaded as for --decoder (it was not)
     assert main(["eval", "--model", "toy-ar", "--task", "toy-arith", "--limit", "2", "--no-progress",
