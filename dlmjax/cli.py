@@ -199,6 +199,7 @@ def cmd_eval(args) -> int:
                              "sandbox the code they run); add --backend lm-eval or drop it")
     from dlmjax.evaluation.report import run_settings, write_report
     from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
+    from dlmjax.decoding.spec import spec_key
     from dlmjax.io.dflash import find_drafter_dir
     from dlmjax.evaluation.tasks import load_eval_set
     from dlmjax.presets import load_checkpoint, load_eval_preset
@@ -231,7 +232,8 @@ def cmd_eval(args) -> int:
             raise
         raise InputError(f"{err} (the preset's drafter is {preset.drafter}, from huggingface.co/{preset.drafter})"
                          ) from None
-    tasks = args.task or (list(preset.tasks) if preset is not None else ["toy-arith", "toy-constraint"])
+    tasks = list(dict.fromkeys(args.task or (list(preset.tasks) if preset is not None else
+                                             ["toy-arith", "toy-constraint"])))  # a task named twice runs once
     if args.data is not None and len(tasks) != 1:
         raise InputError("--data applies to one task; pass a single --task with it")
     lengths = preset.tasks if preset is not None else {}
@@ -240,9 +242,11 @@ def cmd_eval(args) -> int:
     for eval_set in eval_sets:
         for problem in eval_set.skipped if main else ():
             print(f"{eval_set.task}: skipped {problem}", file=sys.stderr)
-    decoders = args.decoder or default_decoders(model, head, drafter)
-    if args.compare_to is not None and args.compare_to not in decoders:
-        decoders = [args.compare_to] + decoders
+    decoders = _distinct_decoders(args.decoder or default_decoders(model, head, drafter))
+    reference = None  # --compare-to's decoder, as spelled in the runs (run first where it is not one of them)
+    if args.compare_to is not None:
+        reference = next((d for d in decoders if spec_key(d) == spec_key(args.compare_to)), args.compare_to)
+        decoders = decoders if reference in decoders else [reference] + decoders
     decoders = _with_controller(decoders, args.model, path, args.tspd_controller)
     settings = run_settings(
         getattr(args, "argv", None), backend="native", model=args.model, checkpoint=str(path),
@@ -275,13 +279,23 @@ def cmd_eval(args) -> int:
     )
     if not main:  # every process decodes its part of each batch (and scores it all); process 0 writes
         return 0
-    if args.compare_to is not None:
-        records = compare_to(records, outputs, _with_controller([args.compare_to], args.model, path,
-                                                                args.tspd_controller)[0])
+    if reference is not None:
+        records = compare_to(records, outputs, _with_controller([reference], args.model, path, args.tspd_controller)[0])
     table = report(records, outputs)
     print(table)
     print(f"wrote {args.out}/results.json, results.md, pareto.png" + (", outputs.jsonl" if args.save_outputs else ""))
     return 0
+
+
+def _distinct_decoders(specs: list[str]) -> list[str]:
+    """`specs` without repeats, two spellings of one decoder (tau=0.9, tau=0.90) being one: the
+    first spelling stays."""
+    from dlmjax.decoding.spec import spec_key
+
+    distinct: dict[tuple, str] = {}
+    for spec in specs:
+        distinct.setdefault(spec_key(spec), spec)
+    return list(distinct.values())
 
 
 def _used_path(source):

@@ -490,6 +490,13 @@ def test_eval_compare_to_reports_token_agreement(tmp_path, capsys):
     assert runs["psd:policy=topk,k=1,depth=3"]["identical_rows"] == 1.0
     assert runs["static:k=4"]["token_agreement"] < 1.0
     assert "same as `static`" in capsys.readouterr().out
+    # a decoder or task named twice runs once, and --compare-to spelt otherwise is the run it names
+    assert main(["eval", "--model", "toy-sdar", "--task", "toy-arith", "--task", "toy-arith", "--limit", "2",
+                 "--no-progress", "--out", str(out), "--decoder", "threshold:tau=0.9", "--decoder", "threshold",
+                 "--decoder", "static", "--compare-to", "threshold:tau=0.90"]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["decoder"] for r in runs] == ["threshold:tau=0.9", "static"]
+    assert all(r["compared_to"] == "threshold:tau=0.9" for r in runs) and runs[0]["identical_rows"] == 1.0
 
 
 def test_token_agreement_counts_positions_over_the_longer_generation():

@@ -291,6 +291,13 @@ def decoder_spec(decoder) -> str:
     return decoder.name + (":" + ",".join(changed) if changed else "")
 
 
+def spec_key(spec: str) -> tuple:
+    """What a spec decodes with, whatever its spelling: its class and every option's value, given
+    or default (`threshold` and `threshold:tau=0.90` have one key). Builds nothing."""
+    cls, options = parse_options(spec)
+    return cls, tuple((f.name, options.get(f.name, f.default)) for f in dataclasses.fields(cls) if f.init)
+
+
 def register_decoder(cls: type) -> type:
     """Class decorator for decoders defined in their own modules (MRP, PSD, TSPD); the package's
     __init__ imports each module, so they are registered whenever dlmjax.decoding is."""
