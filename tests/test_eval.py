@@ -12,8 +12,8 @@ from dlmjax import arithmetic
 from dlmjax.cli import main
 from dlmjax.config import ModelConfig
 from dlmjax.decoding.api import generate
-from dlmjax.evaluation.report import pareto_front
-from dlmjax.evaluation.runner import compare_to, replicate_on, run_eval, token_agreement
+from dlmjax.evaluation.report import pareto_front, pareto_plot
+from dlmjax.evaluation.runner import RunRecord, compare_to, replicate_on, run_eval, token_agreement
 from dlmjax.evaluation.sandbox import run_python
 from dlmjax.evaluation.tasks import (
     DatasetError, gsm8k_cot_correct, humaneval_program, load_eval_set, read_rows, truncate_completion,
@@ -407,6 +407,21 @@ def test_the_timed_run_compiles_nothing():
 
 def test_report_table_and_front():
     assert pareto_front([(1, 90), (2, 80), (1.5, 70), (3, 10)]) == [(1, 90), (2, 80), (3, 10)]
+
+
+def test_the_plots_legend_stands_beside_the_panels_however_long_its_labels(tmp_path):
+    """A long label (a TSPD controller's path) ran over the panels (a fixed margin held the legend):
+    the image now widens to hold the legend beside them."""
+    import matplotlib.image
+
+    def width(label):
+        records = [RunRecord(task="toy-arith", decoder=d, model="m", n=2, accuracy=a, nfe=4.0, tpf=t, useful_tpf=t,
+                             tokens_per_s=1.0, wall_s=1.0, mean_accepted_length=None, forwards=2, batch_tpf=1.0)
+                   for d, t, a in (("static", 1.0, 0.9), (label, 3.0, 0.8))]
+        return matplotlib.image.imread(pareto_plot(records, tmp_path / f"{len(label)}.png")).shape[1]
+
+    short, long = width("tspd"), width("tspd+ce:controller=/home/someone/runs/tspd-sdar-8b/model,depth=4")
+    assert long > short + 200  # about 6 px a character at this size
 
 
 def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys, caplog):

@@ -56,7 +56,7 @@ def pareto_plot(records: list[RunRecord], path: Path, title: str = "") -> Path:
     decoders = list(dict.fromkeys(r.decoder for r in records))
     colors = plt.get_cmap("tab20" if len(decoders) > 10 else "tab10")
     markers = "osD^vP*Xh<>"
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks) + 3, 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4.2), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         rows = [r for r in records if r.task == task]
         for r in rows:  # one colour and marker per decoder, the same in every panel
@@ -70,13 +70,15 @@ def pareto_plot(records: list[RunRecord], path: Path, title: str = "") -> Path:
         ax.set_title(task)
         ax.grid(alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1 - 2.2 / fig.get_figwidth(), 1))  # room for the legend on the right
+    fig.tight_layout()
+    # beside the panels, however long the labels (a controller's path in a tspd label): the saved
+    # image grows to hold it
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
+        fig.savefig(tmp, dpi=120, format="png", bbox_inches="tight")
     plt.close(fig)
     return path
 
