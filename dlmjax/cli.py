@@ -104,7 +104,8 @@ def _join_processes(args) -> bool:
 
 def cmd_generate(args) -> int:
     main = _join_processes(args)
-    from dlmjax.decoding.api import generate
+    from dlmjax.decoding.api import check_kind, generate
+    from dlmjax.decoding.spec import parse_options
     from dlmjax.evaluation.runner import default_decoders, replicate_on
     from dlmjax.presets import load_checkpoint
     from dlmjax.sharding import make_mesh
@@ -116,6 +117,7 @@ def cmd_generate(args) -> int:
                                                    expert_dispatch=args.expert_dispatch)
     asked_drafter = args.drafter is not None and model.config.attention == "causal"  # --drafter DIR: decode with it
     decoder = args.decoder or ("drafter" if asked_drafter else default_decoders(model)[0])
+    check_kind(parse_options(decoder)[0], model)  # before the drafter or controller it would need is looked for
     decoder = _with_controller([decoder], args.model, path, args.tspd_controller)[0]
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     prompts = args.prompt

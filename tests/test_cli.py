@@ -285,6 +285,11 @@ def test_drafter_errors_name_the_fix(capsys, tmp_path):
     assert "--drafter DIR" in capsys.readouterr().err
     assert main(["generate", "--model", "toy-sdar", "--prompt", "Hi", "--drafter", str(tmp_path)]) == 2
     assert "--drafter serves causal" in capsys.readouterr().err
+    # a decoder of the other kind is named as such, not sent for a drafter or a controller it would need
+    assert main(["generate", "--model", "toy-sdar", "--prompt", "Hi", "--decoder", "drafter"]) == 2
+    assert "decoder 'drafter' does not fit a block_causal sdar model; use a diffusion decoder" in capsys.readouterr().err
+    assert main(["generate", "--model", "toy-ar", "--prompt", "Hi", "--decoder", "tspd"]) == 2
+    assert "decoder 'tspd' does not fit a causal qwen3 model; use --decoder ar" in capsys.readouterr().err
 
 
 def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path):

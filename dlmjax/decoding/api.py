@@ -257,6 +257,7 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
     to fill the batch to a multiple of `shards` rows."""
     max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
     decoder = _resolve_decoder(decoder)
+    check_kind(type(decoder), model)  # first: a drafter or a head would not make it fit
     if decoder.name == "drafter" and drafter is None:
         raise DecoderSpecError("decoder `drafter` needs a drafter: pass drafter=resolve_drafter(...) (CLI: a model "
                                "directory with drafter/ inside, or --drafter DIR); train one with "
@@ -264,10 +265,6 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
     ids = _encode(prompts, tokenizer, model.config.vocab_size)
     check_length(model, max(len(p) for p in ids), max_new_tokens)
     causal = model.config.attention == "causal"
-    if isinstance(decoder, CAUSAL_DECODERS) != causal:
-        kind = "causal" if causal else model.config.attention
-        fix = "use --decoder ar (or drafter)" if causal else "use a diffusion decoder (static, threshold, entropy)"
-        raise DecoderSpecError(f"decoder {decoder.name!r} does not fit a {kind} {model.config.family} model; {fix}")
     mask_id, eos, pad = _special_ids(model, tokenizer, need_mask=not causal)
     for i, p in enumerate(ids):  # the canvas's masks are the positions to generate: a prompt holds none
         if mask_id is not None and mask_id in p:
@@ -288,6 +285,17 @@ def _prepare(model, prompts, *, tokenizer, decoder, max_new_tokens, row_ids, hea
         check_canvas_length(model, geometry, rows)
         request.layout = (geometry, canvas, rows)
     return request
+
+
+def check_kind(decoder_class: type, model: Transformer) -> None:
+    """Refuse a causal decoder (ar, drafter) on a diffusion model and a diffusion one on a causal
+    model (a class, so a spec can be checked before it is built: `spec.parse_options`)."""
+    causal = model.config.attention == "causal"
+    if issubclass(decoder_class, CAUSAL_DECODERS) != causal:
+        kind = "causal" if causal else model.config.attention
+        fix = "use --decoder ar (or drafter)" if causal else "use a diffusion decoder (static, threshold, entropy)"
+        raise DecoderSpecError(f"decoder {decoder_class.name!r} does not fit a {kind} {model.config.family} model; "
+                               f"{fix}")
 
 
 def check_decoder(decoder: DiffusionDecoder, model: Transformer, head: MRPHead | None = None) -> None:
