@@ -480,6 +480,8 @@ def test_eval_cli_end_to_end(random_sdar, tmp_path, capsys, caplog):
     err = capsys.readouterr().err
     assert "skipped row 2: invalid JSON" in err
     assert json.loads((out2 / "results.json").read_text())["skipped_rows"] == {"gsm8k": ["row 2: invalid JSON (Expecting property name enclosed in double quotes)"]}
+    assert "gsm8k: 1 dataset row skipped (results.json's skipped_rows says which and why)" in (
+        out2 / "results.md").read_text()
     assert main(["eval", "--model", str(random_sdar), "--task", "gsm8k", "--data", str(tmp_path / "nope.jsonl"),
                  "--out", str(out2)]) == 2
 
@@ -505,6 +507,10 @@ def test_eval_compare_to_reports_token_agreement(tmp_path, capsys):
     assert runs["psd:policy=topk,k=1,depth=3"]["identical_rows"] == 1.0
     assert runs["static:k=4"]["token_agreement"] < 1.0
     assert "same as `static`" in capsys.readouterr().out
+    # results.md shows the accepted length where a decoder verifies drafts (it was in results.json alone)
+    psd_row = next(line for line in (out / "results.md").read_text().splitlines() if "`psd:" in line)
+    assert "accepted length |" in (out / "results.md").read_text()
+    assert f"| {runs['psd:policy=topk,k=1,depth=3']['mean_accepted_length']:.2f} |" in psd_row
     # a decoder or task named twice runs once, and --compare-to spelt otherwise is the run it names
     assert main(["eval", "--model", "toy-sdar", "--task", "toy-arith", "--task", "toy-arith", "--limit", "2",
                  "--no-progress", "--out", str(out), "--decoder", "threshold:tau=0.9", "--decoder", "threshold",

@@ -19,24 +19,31 @@ log = logging.getLogger(__name__)
 def markdown_table(records: list[RunRecord]) -> str:
     """One row per (task, decoder); speedup is the task's first decoder's wall time over this one's.
     NFE is per prompt, forwards for the whole task; batch TPF = committed tokens per row slot of
-    those forwards (TPF less the slots idle rows held). With `--compare-to`, two columns more:
-    the prompts whose tokens equal the reference decoder's, and the positions that do."""
+    those forwards (TPF less the slots idle rows held). Where a decoder verifies drafts, the mean
+    accepted length per row. With `--compare-to`, two columns more: the prompts whose tokens equal
+    the reference decoder's, and the positions that do. A task's skipped dataset rows are noted."""
     compared = records and records[0].compared_to is not None
-    extra = f" same as `{records[0].compared_to}` | token agreement |" if compared else ""
+    accepted = any(r.mean_accepted_length is not None for r in records)  # drafter, mrp-spec, psd with depth > 1
+    extra = (" accepted length |" if accepted else "") + (
+        f" same as `{records[0].compared_to}` | token agreement |" if compared else "")
     lines = [
         "| task | decoder | n | accuracy | NFE | TPF | useful TPF | forwards | batch TPF | tokens/s | speedup |" + extra,
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if compared else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (accepted + 2 * bool(compared)),
     ]
     baseline: dict[str, float] = {}
     for r in records:
         base = baseline.setdefault(r.task, r.wall_s)
+        length = "" if not accepted else " - |" if r.mean_accepted_length is None else f" {r.mean_accepted_length:.2f} |"
         agreement = f" {100 * r.identical_rows:.1f}% | {100 * r.token_agreement:.2f}% |" if compared else ""
         lines.append(
             f"| {r.task} | `{r.decoder}` | {r.n} | {100 * r.accuracy:.1f}% | {r.nfe:.1f} | {r.tpf:.2f} | "
             f"{r.useful_tpf:.2f} | {r.forwards} | {r.batch_tpf:.2f} | {r.tokens_per_s:.0f} | "
-            f"{base / max(r.wall_s, 1e-9):.2f}x |" + agreement
+            f"{base / max(r.wall_s, 1e-9):.2f}x |" + length + agreement
         )
-    return "\n".join(lines) + "\n"
+    skipped = {r.task: r.skipped_rows for r in records if r.skipped_rows}
+    notes = "".join(f"\n{task}: {n} dataset row{'s' if n > 1 else ''} skipped (results.json's skipped_rows says "
+                    "which and why)\n" for task, n in skipped.items())
+    return "\n".join(lines) + "\n" + notes
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
