@@ -173,8 +173,9 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_moe", ("qwen3_moe",), "hf", "causal", False, True, "Qwen3MoeForCausalLM"),
         Family("sdar_moe", ("sdar_moe",), "hf", "block_causal", False, True, "SDARMoeForCausalLM", 151669,
                ("<|MASK|>",)),
-        # model_type "llada" like dense LLaDA: selected by `architectures` (see _family_of)
-        Family("llada_moe", (), "llada_moe", "bidirectional", False, True, "LLaDAMoEModelLM", 156895, ("<|mdm_mask|>",)),
+        # published as model_type "llada" like dense LLaDA, selected by `architectures` (see _family_of);
+        # "lladamoe" is the spelling of checkpoints fine-tuned with ZHZisZZ/dllm's LLaDA-MoE config class
+        Family("llada_moe", ("lladamoe",), "llada_moe", "bidirectional", False, True, "LLaDAMoEModelLM", 156895, ("<|mdm_mask|>",)),
         Family("llada2_moe", ("llada2_moe",), "llada2", "block_causal", False, True, "LLaDA2MoeModelLM", 156895,
                ("<|mask|>",)),
         # Fast-dLLM v2 (NVlabs; Efficient-Large-Model/Fast_dLLM_v2_7B): Qwen2.5 layers, block-causal

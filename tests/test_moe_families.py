@@ -212,6 +212,13 @@ def test_llada_moe_absent_qk_layernorm_means_no_norm():
     assert from_hf_config({**absent, "qk_layernorm": True}).qk_norm
 
 
+def test_a_llada_moe_config_saved_as_model_type_lladamoe_reads_as_the_published_one():
+    """ZHZisZZ/dllm's LLaDA-MoE config class saves model_type "lladamoe" (it was refused)."""
+    published = _moe_raw_configs()["llada_moe"]
+    assert published["model_type"] == "llada"
+    assert from_hf_config({**published, "model_type": "lladamoe"}) == from_hf_config(published)
+
+
 def test_llada2_absent_group_keys_take_the_authors_defaults():
     """LLaDA2MoeConfig (inclusionAI's dInfer and dFactory) defaults to n_group 8 and topk_group 4: a
     config.json without them routes group-limited there, so it does here."""
