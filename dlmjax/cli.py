@@ -199,11 +199,11 @@ def cmd_eval(args) -> int:
         if value is not None:
             raise InputError(f"{option} applies to --backend lm-eval (the native tasks are zero-shot and always "
                              "sandbox the code they run); add --backend lm-eval or drop it")
+    from dlmjax.decoding.spec import spec_key
     from dlmjax.evaluation.report import run_settings, write_report
     from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
-    from dlmjax.decoding.spec import spec_key
-    from dlmjax.io.dflash import find_drafter_dir
     from dlmjax.evaluation.tasks import load_eval_set
+    from dlmjax.io.dflash import find_drafter_dir
     from dlmjax.presets import load_checkpoint, load_eval_preset
     from dlmjax.sharding import make_mesh
 
@@ -261,17 +261,18 @@ def cmd_eval(args) -> int:
         mrp_head=None if head is None else _used_path(args.mrp_head or path),
         drafter=None if drafter is None else _used_path(args.drafter or find_drafter_dir(path)),
         working_directory=os.getcwd())
-    runs = len(eval_sets) * len(decoders)
-    written = []
+    runs, title = len(eval_sets) * len(decoders), f"{args.model} ({path})"
+    reported = False  # whether this eval wrote its report yet (the first write moves an earlier eval's aside)
 
-    def report(records, outputs, title=f"{args.model} ({path})"):
-        """The report of the runs done so far (the earlier run's files moved aside the first time)."""
+    def report(records, outputs):
+        """The report of the runs done so far."""
+        nonlocal reported
         complete = len(records) == runs
-        table = write_report(records, outputs if args.save_outputs else None, args.out, settings={
-            **settings, "complete": complete}, title=title if complete else f"{title}: partial, {len(records)} of "
-            f"{runs} runs (interrupted, or still running)", skipped={s.task: s.skipped for s in eval_sets if s.skipped},
-            keep_earlier=not written)
-        written.append(len(records))
+        table = write_report(
+            records, outputs if args.save_outputs else None, args.out, settings={**settings, "complete": complete},
+            title=title if complete else f"{title}: partial, {len(records)} of {runs} runs (interrupted, or still "
+            "running)", skipped={s.task: s.skipped for s in eval_sets if s.skipped}, keep_earlier=not reported)
+        reported = True
         return table
 
     records, outputs = run_eval(
@@ -526,7 +527,7 @@ def _run(command: str, run) -> int:
         return 0
     except KeyboardInterrupt:  # Ctrl-C: what was finished is kept (a run's last step is checkpointed)
         kept = {"train": "; rerun the same command to resume from the last finished step",
-                "eval": "; the (task, decoder) runs that finished are in the --out directory's results "
+                "eval": "; any (task, decoder) runs that finished are in the --out directory's results "
                         "(settings.complete: false)"}
         print(f"dlmjax {command}: interrupted" + kept.get(command, ""), file=sys.stderr)
         return 130

@@ -141,7 +141,7 @@ def test_an_interrupted_eval_keeps_its_finished_runs(capsys, tmp_path, monkeypat
     interrupted_second.calls = 0
     monkeypatch.setattr(runner, "evaluate_decoder", interrupted_second)
     assert main(argv + ["--decoder", "entropy", "--decoder", "static"]) == 130
-    assert "the (task, decoder) runs that finished are in the --out directory" in capsys.readouterr().err
+    assert "any (task, decoder) runs that finished are in the --out directory" in capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
     assert [r["decoder"] for r in results["runs"]] == ["entropy"] and results["settings"]["complete"] is False
     assert "partial, 1 of 2 runs" in (out / "results.md").read_text()
