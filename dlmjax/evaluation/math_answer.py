@@ -10,10 +10,11 @@ words in `\\text{...}`/`\\mbox{...}` (not any word: `5\\text{ million}` stays), 
 `1 \\text{ and } 2` -> `1,2`; a top-level `a/b` of single terms -> `\\frac{a}{b}` (`\\pi/2`, not `1+\\pi/2`); the minus sign
 U+2212 -> `-`. `equivalent` compares the normal forms (plain words regardless of case), and
 else compares numbers exactly as fractions (`0.5`, `1/2`, `\\frac{1}{2}` and `\\frac12` are all
-one half; `1\\frac{4}{5}` is a mixed number; `50\\%` is 50, as MATH writes percentages), element by element for
-tuples and intervals, and in any order for sets (`\\{1,2\\}`) and bare lists (`1, 2`; a comma
-with three digits and no space after it, `1,100`, is a thousands separator). It does no algebra: `2\\sqrt{2}` and `\\sqrt{8}`, `10^{3}` and `1000` are
-different answers here.
+one half; `1\\frac{4}{5}` is a mixed number; `50\\%` is 50, as MATH writes percentages),
+element by element for tuples and intervals, and in any order for sets (`\\{1,2\\}`) and bare
+lists (`1, 2`; a comma with three digits and no space after it, `1,100`, is a thousands
+separator). It does no algebra: `2\\sqrt{2}` and `\\sqrt{8}`, `10^{3}` and `1000` are different
+answers here.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def run_python(program: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, 
     with tempfile.TemporaryDirectory(prefix="dlmjax-sandbox-") as tmp:
         root = Path(tmp)
         script = root / "program.py"
-        finished = secrets.token_hex(16)  # printed after the program's last line
+        finished = secrets.token_hex(16)  # written after the program's last line
         script.write_text(_limits_prelude(int(timeout_s) + 1, memory_mb * 2**20, max_processes) + _GUARD + "\n"
                           + program + _finished_line(finished))
         drop_to = NOBODY if os.geteuid() == 0 and _runnable_by_others(sys.executable) else None
