@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import jax
 
@@ -204,6 +203,7 @@ def cmd_eval(args) -> int:
     from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
     from dlmjax.evaluation.tasks import load_eval_set
     from dlmjax.io.dflash import find_drafter_dir
+    from dlmjax.io.files import absolute_if_local
     from dlmjax.presets import load_checkpoint, load_eval_preset
     from dlmjax.sharding import make_mesh
 
@@ -255,11 +255,11 @@ def cmd_eval(args) -> int:
         preset=None if preset is None else preset.name, dtype=model.config.dtype, decoders=decoders,
         compare_to=args.compare_to, tasks={s.task: {"rows": len(s.items), "max_new_tokens": s.max_new_tokens}
                                            for s in eval_sets},
-        data=_used_path(args.data), strict_data=args.strict_data, limit=args.limit, batch_size=args.batch_size,
+        data=absolute_if_local(args.data), strict_data=args.strict_data, limit=args.limit, batch_size=args.batch_size,
         mesh=dict(mesh.shape), seed=args.seed, chat=args.chat, expert_dispatch=args.expert_dispatch,
         # what was used, also where it was found in the model's directory
-        mrp_head=None if head is None else _used_path(args.mrp_head or path),
-        drafter=None if drafter is None else _used_path(args.drafter or find_drafter_dir(path)),
+        mrp_head=None if head is None else absolute_if_local(args.mrp_head or path),
+        drafter=None if drafter is None else absolute_if_local(args.drafter or find_drafter_dir(path)),
         working_directory=os.getcwd())
     runs, title = len(eval_sets) * len(decoders), f"{args.model} ({path})"
     reported = False  # whether this eval wrote its report yet (the first write moves an earlier eval's aside)
@@ -299,15 +299,6 @@ def _distinct_decoders(specs: list[str]) -> list[str]:
     for spec in specs:
         distinct.setdefault(spec_key(spec), spec)
     return list(distinct.values())
-
-
-def _used_path(source):
-    """A local file or directory as an absolute path (a results.json read elsewhere still finds
-    it); a preset or Hugging Face name, or None, as it is."""
-    if source is None:
-        return None
-    local = Path(source).expanduser()
-    return str(local.resolve()) if local.exists() else str(source)
 
 
 def cmd_lm_eval(argv: list[str]) -> int:

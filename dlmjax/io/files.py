@@ -77,6 +77,14 @@ def atomic_file(path: str | os.PathLike):
         tmp.unlink(missing_ok=True)
 
 
+def absolute_if_local(source):
+    """A local file's or directory's absolute path (`~` expanded) where it exists here, so that a
+    run resumes, and a results file is read, from any working directory; anything else (a Hugging
+    Face name, a preset name, None, or a mistake the reader will name) as given."""
+    local = Path(source).expanduser() if source else None
+    return str(local.resolve()) if local is not None and local.exists() else source
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     """The sha256 of a file's bytes (read in chunks: a data file may be large)."""
     digest = hashlib.sha256()

@@ -39,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from dlmjax.config import ModelConfig
+from dlmjax.io.files import absolute_if_local
 from dlmjax.train.mrp import LOSSES
 from dlmjax.train.objectives import MASK_RATES, WEIGHTINGS
 from dlmjax.validation import (
@@ -54,14 +55,6 @@ class RunConfigError(InputError):
 
 
 TOY_TASKS = {"toy-arith": 0.5, "toy-constraint": 0.5}
-
-
-def _local_path(source):
-    """A data file's (or a checkpoint or traces directory's) absolute path where it exists here, so
-    that a run resumes from any working directory; anything else (a Hugging Face dataset name, a
-    preset name, or a mistake the reader will name) as given."""
-    local = Path(source).expanduser() if source else None
-    return str(local.resolve()) if local is not None and local.exists() else source
 
 
 @dataclass(frozen=True)
@@ -93,12 +86,12 @@ class DataConfig:
             for path, weight in files.items():
                 check_value("data.files", path, "str", error=RunConfigError)
                 check_value(f"data.files.{path}", weight, "float", POSITIVE, error=RunConfigError)
-            local = {_local_path(p): w for p, w in files.items()}
-            if len(local) < len(files):
-                twice = [p for p in files if sum(_local_path(q) == _local_path(p) for q in files) > 1]
+            local = {path: absolute_if_local(path) for path in files}
+            twice = [path for path in files if list(local.values()).count(local[path]) > 1]
+            if twice:
                 raise RunConfigError(f"data.files names one file twice ({', '.join(twice)}); give it once, with the "
                                      "sum of the weights")
-            object.__setattr__(self, "files", local)
+            object.__setattr__(self, "files", {local[path]: weight for path, weight in files.items()})
             return
         if (self.prompt_field, self.response_field, self.chat) != ("prompt", "response", False):
             raise RunConfigError("data.prompt_field, data.response_field and data.chat read the rows of data.files, "
@@ -241,7 +234,7 @@ class TSPDSection:
 
     def __post_init__(self):
         check_fields(self, "tspd.", error=RunConfigError)
-        object.__setattr__(self, "traces", _local_path(self.traces))
+        object.__setattr__(self, "traces", absolute_if_local(self.traces))
         from dlmjax.heads.controller import check_features
 
         try:
@@ -303,7 +296,7 @@ class RunConfig:
     def __post_init__(self):
         check_fields(self, "", error=RunConfigError)
         if self.backbone is not None:  # a checkpoint directory by its absolute path (a preset name as given)
-            object.__setattr__(self, "backbone", _local_path(self.backbone))
+            object.__setattr__(self, "backbone", absolute_if_local(self.backbone))
         self._refuse_what_the_objective_does_not_read()
         if self.objective == "mrp":
             self._check_mrp()
