@@ -52,7 +52,7 @@ from flax import nnx
 
 from dlmjax import arithmetic
 from dlmjax.decoding import engine, policies
-from dlmjax.decoding.api import DEFAULT_BIDIRECTIONAL_BLOCK, check_canvas_length, check_length
+from dlmjax.decoding.api import DEFAULT_BIDIRECTIONAL_BLOCK, _round_up, check_canvas_length, check_length
 from dlmjax.decoding.engine import BlockForwards, Plan
 from dlmjax.decoding.spec import DiffusionDecoder, Static
 from dlmjax.decoding.tspd import Trajectory, block_abs_pos, feature_matrix, observe
@@ -436,7 +436,7 @@ def run(args) -> int:
 
         mesh = make_mesh(model=1)
     data = 1 if mesh is None else mesh.shape["data"]
-    batch_size = -(-args.batch_size // data) * data  # as eval's: each device takes an equal share
+    batch_size = _round_up(args.batch_size, data)  # as eval's: each device takes an equal share
     if batch_size != args.batch_size:
         print(f"--batch-size {args.batch_size} rounded up to {batch_size}, a multiple of the {data} data-parallel "
               "devices", file=sys.stderr)

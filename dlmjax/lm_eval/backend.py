@@ -78,6 +78,7 @@ def run_backend(args) -> int:
         raise InputError(f"--backend lm-eval needs lm-evaluation-harness: pip install 'dlmjax[lm-eval]' ({err})") from None
     check_backend_args(args, tasks)
 
+    from dlmjax.decoding.api import _round_up
     from dlmjax.evaluation.report import run_settings, write_report
     from dlmjax.evaluation.runner import default_decoders
     from dlmjax.heads.mrp import has_head
@@ -92,7 +93,7 @@ def run_backend(args) -> int:
         from dlmjax.sharding import parse_mesh
 
         axes = dict(parse_mesh(args.mesh).shape)
-    batch = -(-args.batch_size // axes["data"]) * axes["data"]  # as the native backend: a multiple of the data axis
+    batch = _round_up(args.batch_size, axes["data"])  # as the native backend: a multiple of the data axis
     lm = DlmjaxLM(pretrained=args.model, decoder=(args.decoder or [None])[0], batch_size=batch,
                   **{f"mesh_{axis}": size for axis, size in axes.items()}, expert_dispatch=args.expert_dispatch or "auto",
                   seed=args.seed, dtype=args.dtype, mrp_head=args.mrp_head, drafter=args.drafter,
