@@ -143,6 +143,8 @@ def test_toy_sdar_simple_evaluate_equals_generate(task_dir, toy_items):
     for m in metrics.values():
         assert m["n"] == LIMIT and m["nfe"] > 0 and m["tpf"] > 1.0 and m["forwards"] > 0 and m["tokens_per_s"] > 0
         assert m["mean_accepted_length"] is None  # threshold verifies no drafts
+    # the same prompts: the first line's rows stop at a block boundary past their first "\n"
+    assert metrics["toy_arith_first_line"]["nfe"] < metrics["toy_arith_final"]["nfe"]
     assert out["config"]["decoder"] == decoder_spec(parse_decoder(decoder))
 
 

@@ -142,6 +142,50 @@ def test_bidirectional_stream_equals_single_prompts(family, spec):
         assert rows[i].tokens == alone.tokens and rows[i].nfe == alone.nfe, i
 
 
+def cut_at(stop_token: int, tokens: list[int]) -> list[int]:
+    """The tokens up to the first `stop_token` (a stop string's cut, in tokens)."""
+    return tokens[: tokens.index(stop_token) + 1] if stop_token in tokens else tokens
+
+
+@pytest.mark.parametrize("family,spec,stop_token", [  # stop tokens common in each peaked model's rows
+    ("sdar", "static", 24), ("sdar", "psd:policy=threshold,tau=0.5,depth=3", 24), ("sdar", "mrp-spec:drafts=3", 24),
+    ("sdar", "mrp-remask:tau=0.5,delta=1.0", 24), ("llada", "threshold:block=4,tau=0.4,cache=dual", 22)])
+@pytest.mark.parametrize("check_every", [1, 8])
+def test_a_stop_ends_rows_at_a_block_boundary_with_the_cut_the_whole_decode_gives(peaky, family, spec, stop_token,
+                                                                                  check_every, monkeypatch):
+    """`Stream(stop=...)`: a row the stop says yes to ends at a block boundary. Its tokens begin the
+    row's whole decode and cut to the same tokens, in a stream of 5 slots and alone; the stream
+    runs fewer forwards. (Where the row ends past its cut depends on when it was looked at.)"""
+    import dlmjax.decoding.api as api
+
+    monkeypatch.setattr(api, "STOP_CHECK_FORWARDS", check_every)
+    model, head = peaky if family == "sdar" else (peaky_model(family, seed=12), None)
+    prompts = PEAKY["prompts"]
+    kw = dict(decoder=spec, head=head, max_new_tokens=PEAKY["max_new_tokens"], seed=PEAKY["seed"])
+    whole = generate(model, prompts, **kw).rows
+    asked = []
+
+    def stop(index, tokens):
+        asked.append((index, tokens))
+        return stop_token in tokens
+
+    stream = Stream(model, prompts, batch_size=5, refill=2, stop=stop, **kw)
+    rows = dict(stream)
+    assert all(tokens == whole[i].tokens[: len(tokens)] for i, tokens in asked)  # only final tokens are shown
+    shortened = 0
+    for i, row in rows.items():
+        assert row.tokens == whole[i].tokens[: len(row.tokens)], i
+        assert cut_at(stop_token, row.tokens) == cut_at(stop_token, whole[i].tokens), i
+        shortened += len(row.tokens) < len(whole[i].tokens)
+    assert shortened >= 5
+    unstopped = Stream(model, prompts, batch_size=5, refill=2, **kw)
+    assert [rows[i].tokens for i in range(len(prompts))] != [r.tokens for _, r in sorted(unstopped)]
+    assert stream.forwards < unstopped.forwards and stream.committed < unstopped.committed
+    for i in (0, 3):
+        alone = dict(Stream(model, [prompts[i]], batch_size=1, row_ids=[i], stop=lambda _, t: stop_token in t, **kw))
+        assert cut_at(stop_token, alone[0].tokens) == cut_at(stop_token, whole[i].tokens)
+
+
 def test_fused_store_equals_a_store_forward_then_a_step():
     """The forward that starts block 1 carries the finished block 0: its logits, hidden states and
     the KV it writes (the MRP head's too) equal a separate store forward followed by a step."""

@@ -407,6 +407,11 @@ def generate(
     )
 
 
+# Stream(stop=...) looks at the rows after at most this many forwards of the batch: a host sync
+# and a few decodes per look, against forwards of a whole batch
+STOP_CHECK_FORWARDS = 8
+
+
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -428,11 +433,18 @@ class Stream:
     started `refill` at a time (default batch/8), by one forward of their own that yields their
     first block's logits. Causal models (`ar`, `drafter`) run batch after batch. `limit` decodes
     only the first prompts with the layout of all (compiles what the full run needs: a warm-up).
+
+    `stop(index, tokens) -> bool` ends a row early, at a block boundary: every STOP_CHECK_FORWARDS
+    forwards it is asked about each row's tokens in finished blocks (final: decoders write only the
+    current block), and a row it says yes to is done with those tokens, its slot freed. For a stop
+    string (lm-eval's `until`) whose first occurrence cuts the text, the cut text is the one the
+    whole decode gives, for fewer forwards. Causal models decode to EOS or max_new_tokens.
     """
 
     def __init__(self, model: Transformer, prompts, *, batch_size: int = 64, refill: int | None = None,
                  tokenizer: Tokenizer | None = None, decoder="static", max_new_tokens: int = 64, seed: int = 0,
-                 row_ids=None, mesh=None, head: MRPHead | None = None, drafter=None, limit: int | None = None):
+                 row_ids=None, mesh=None, head: MRPHead | None = None, drafter=None, limit: int | None = None,
+                 stop=None):
         batch_size = positive_int("batch_size", batch_size)
         refill, limit = (None if value is None else positive_int(name, value)
                          for name, value in (("refill", refill), ("limit", limit)))
@@ -444,7 +456,7 @@ class Stream:
         data = mesh.shape["data"] if mesh is not None else 1
         self.batch = _round_up(min(batch_size, self.count), data)
         self.refill = min(self.batch, _round_up(refill or max(1, self.batch // 8), data))
-        self.seed, self.mesh, self.drafter = seed, mesh, drafter
+        self.seed, self.mesh, self.drafter, self.stop = seed, mesh, drafter, stop
         self.row_ids = list(range(len(self.request.ids))) if row_ids is None else list(row_ids)
         self.forwards = 0  # model forwards run
         self.start_forwards = 0  # of which forwards that started new rows (prefills yielding block 0)
@@ -493,6 +505,22 @@ class Stream:
     def _place(self, tree):
         return tree if self.mesh is None else shard_batch(tree, self.mesh)
 
+    def _stopped(self, out, done, block, slot_prompt, seen) -> dict[int, int]:
+        """{slot: tokens in its finished blocks} for the running rows `self.stop` ends now; `seen`
+        [B]: the finished tokens each slot's row was last asked about (updated)."""
+        geometry, _, rows_all = self.request.layout
+        stopped = {}
+        for slot, prompt in enumerate(slot_prompt):
+            if prompt is None or done[slot]:
+                continue
+            end = geometry.prefix + int(block[slot]) * geometry.block - int(rows_all.out_start[prompt])
+            final = min(max(end, 0), int(out.num_generated[slot]), geometry.max_new_tokens)
+            if final > seen[slot]:
+                seen[slot] = final
+                if self.stop(prompt, out.tokens[slot][:final].tolist()):
+                    stopped[slot] = final
+        return stopped
+
     def _continuous(self):
         req, b, r = self.request, self.batch, self.refill
         _, canvas_all, rows_all = req.layout
@@ -516,18 +544,27 @@ class Stream:
         if len(first) < b:  # more slots than prompts: the extra rows are done from the start
             state = state.replace(done=state.done | (np.arange(b) >= len(first)))
         yield None, None, 1, b, 1
+        seen = [0] * b
         while any(p is not None for p in slot_prompt):
             before = int(state.forwards)
             stop_at = min(r, len(queue)) if queue else b
+            limit = before + STOP_CHECK_FORWARDS if self.stop else np.iinfo(np.int32).max
             with on_mesh(self.mesh):
-                state, out = engine.decode_until(graphdef, params, state, rows, key, stop_at, req.head_split[1], **args)
-            out, done = to_host((out, state.done))
+                state, out = engine.decode_until(graphdef, params, state, rows, key, stop_at, limit,
+                                                 req.head_split[1], **args)
+            out, done, block = to_host((out, state.done, state.block))
             yield None, None, int(out.forwards) - before, (int(out.forwards) - before) * b, 0
+            stopped = self._stopped(out, done, block, slot_prompt, seen) if self.stop else {}
+            if stopped:
+                done = done | np.isin(np.arange(b), list(stopped))
+                with on_mesh(self.mesh):
+                    state = state.replace(done=state.done | done)
             for slot in np.flatnonzero(done):
                 if slot_prompt[slot] is not None:
-                    yield slot_prompt[slot], req.row(out.tokens[slot], out.num_generated[slot], out.nfe[slot],
-                                                     out.committed[slot]), 0, 0, 0
+                    yield slot_prompt[slot], req.row(out.tokens[slot], stopped.get(slot, out.num_generated[slot]),
+                                                     out.nfe[slot], out.committed[slot]), 0, 0, 0
                     slot_prompt[slot] = None
+                    seen[slot] = 0
             free = [s for s in range(b) if slot_prompt[s] is None]
             while queue and free:  # `refill` rows per forward: one compiled shape
                 take = min(r, len(queue), len(free))

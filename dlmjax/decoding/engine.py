@@ -595,11 +595,17 @@ def _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cach
                          last_ids=last)
 
 
-def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_ids, pad_id, stop_at):
-    """Rounds until every row is done or `stop_at` rows are; (state, DecodeOutput of every row)."""
+def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_ids, pad_id, stop_at,
+                forward_limit=None):
+    """Rounds until every row is done, `stop_at` rows are, or the batch's forward count reaches
+    `forward_limit` (None: no limit); (state, DecodeOutput of every row)."""
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (jnp.sum(s.done) < stop_at),
-                               partial(decode_round, decoder, fwd, seed_key=seed_key, eos=eos), state)
+
+    def going(s):
+        going = ~jnp.all(s.done) & (jnp.sum(s.done) < stop_at)
+        return going if forward_limit is None else going & (s.forwards < forward_limit)
+
+    state = jax.lax.while_loop(going, partial(decode_round, decoder, fwd, seed_key=seed_key, eos=eos), state)
     tokens, num_generated = finalize(state.canvas, fwd.rows, fwd.geometry, mask_id=fwd.mask_id, pad_id=pad_id, eos=eos)
     return state, DecodeOutput(tokens=tokens, num_generated=num_generated, nfe=state.nfe, committed=state.committed,
                                forwards=state.forwards)
@@ -617,11 +623,13 @@ def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, 
 
 
 @partial(arithmetic.jit, static_argnames=_STATIC)
-def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, stop_at, head_params=None, *, decoder,
-                 geometry, cache_mode, mask_id, pad_id, eos_ids, head_graphdef=None):
-    """Run rounds over the slots until `stop_at` of them are done (or all): (state, DecodeOutput)."""
+def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, stop_at, forward_limit,
+                 head_params=None, *, decoder, geometry, cache_mode, mask_id, pad_id, eos_ids, head_graphdef=None):
+    """Run rounds over the slots until `stop_at` of them are done (or all), or the batch has run
+    `forward_limit` forwards in all (a traced int: the caller's next look at the rows):
+    (state, DecodeOutput)."""
     fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id, decoder, eos_ids)
-    return _run_rounds(decoder, fwd, state, seed_key, eos_ids, pad_id, stop_at)
+    return _run_rounds(decoder, fwd, state, seed_key, eos_ids, pad_id, stop_at, forward_limit)
 
 
 @partial(arithmetic.jit, static_argnames=("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id"))

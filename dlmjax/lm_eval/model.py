@@ -4,7 +4,8 @@
 
 - `generate_until`: the requests of one task run as one continuous-batching `Stream` (the engine
   `dlmjax eval` uses), split over the mesh's 'data' axis. Outputs are cut as lm-eval cuts them:
-  at `max_gen_toks` tokens, then at the first stop string of `until` (the EOS string added).
+  at `max_gen_toks` tokens, then at the first stop string of `until` (the EOS string added). A
+  block decoder's row stops at the block boundary where its text holds a stop string.
 - `loglikelihood` / `loglikelihood_rolling`: exact for causal models; for diffusion models the
   masked-diffusion Monte Carlo bound (`dlmjax.lm_eval.likelihood`).
 - Decoding metrics per task (NFE, TPF, tokens/s, accepted length) are kept and reported by
@@ -395,7 +396,9 @@ class DlmjaxLM(TemplateLM):
         with tqdm(total=len(parsed), desc="dlmjax generate_until", disable=disable_tqdm or not self.progress) as bar:
             for (task, budget), group in groups.items():
                 prompts = [self._prompt_ids(req.context, budget) for req in group]
-                for req, row in zip(group, self._decode(task, prompts, budget, [streams[r.index] for r in group])):
+                stops = [req.until + [eos] for req in group]
+                for req, row in zip(group, self._decode(task, prompts, budget, [streams[r.index] for r in group],
+                                                        stops)):
                     responses[req.index] = finish_text(row.tokens, self.tokenizer, req.until + [eos])
                     self.cache_hook.add_partial("generate_until", requests[req.index].args, responses[req.index])
                     bar.update(1)
@@ -427,14 +430,19 @@ class DlmjaxLM(TemplateLM):
         block = int(self.decoder.block or self.drafter.config.block_size)
         return min(self.max_length, self.drafter.config.max_position_embeddings), block, "the drafter block"
 
-    def _decode(self, task: str, prompts: list[list[int]], budget: int, row_ids: list[int]):
-        """Rows for `prompts` in order, from one continuous-batching stream; metrics recorded."""
+    def _decode(self, task: str, prompts: list[list[int]], budget: int, row_ids: list[int], stops: list[list[str]]):
+        """Rows for `prompts` in order, from one continuous-batching stream; metrics recorded. A
+        row ends at the block boundary where its text holds one of its `stops` strings."""
+
+        def stop(index: int, tokens: list[int]) -> bool:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+            return any(term and term in text for term in stops[index])
 
         def stream(limit=None):
             return Stream(self.model, prompts, batch_size=self.batch_size, refill=self.refill, tokenizer=self.tokenizer,
                           decoder=self.decoder, max_new_tokens=budget, seed=self.seed, row_ids=row_ids,
                           mesh=self.mesh if self.mesh.shape["data"] > 1 else None, head=self.head,
-                          drafter=self.drafter, limit=limit)
+                          drafter=self.drafter, limit=limit, stop=stop)
 
         if self.warmup:  # compile outside the timed run, as `dlmjax eval` does
             probe = stream()
