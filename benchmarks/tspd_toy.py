@@ -16,6 +16,7 @@ compare NFE/TPF, not wall-clock.
 import argparse
 import json
 import re
+import shlex
 from pathlib import Path
 
 import matplotlib
@@ -90,8 +91,8 @@ def main():
     records, _ = run_eval(model, tokenizer, eval_sets, decoders(args.controller, args.learn2pd), model_name=args.model,
                           warmup=False, progress=False)
     (out / "results.json").write_text(json.dumps([r.to_json() for r in records], indent=2))
-    command = (f"PYTHONPATH=. python benchmarks/tspd_toy.py --model {args.model} --controller {args.controller} "
-               f"--limit {args.limit} --learn2pd {args.learn2pd} --out {args.out}")
+    command = shlex.join(["PYTHONPATH=.", "python", "benchmarks/tspd_toy.py", "--model", args.model, "--controller",
+                          args.controller, "--limit", str(args.limit), "--learn2pd", args.learn2pd, "--out", args.out])
     (out / "results.md").write_text(
         f"# TSPD / CE on {args.model} ({args.limit} prompts per task)\n\n`{command}`\n\n"
         f"Controller: {args.controller} (calibrated threshold {threshold}).\n\n{table(records)}\n")

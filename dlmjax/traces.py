@@ -315,17 +315,21 @@ def distinct(prompts) -> list:
 
 
 def prompts_from_file(path: str | Path, *, field: str = "prompt") -> list[str]:
-    """Prompts from a JSONL file (`field` of each object, e.g. GSM8K's `question`) or a text file
-    (one prompt per line; blank lines skipped); `traces_for_prompts` traces a repeat once. Training
+    """Prompts from a JSONL file (.jsonl, .json or .ndjson: `field` of each object, e.g. GSM8K's
+    `question`) or a text file (one prompt per line; blank lines skipped); `traces_for_prompts` traces a repeat once. Training
     traces should not come from a test split."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"--prompts {path}: no such file")
+    json_lines = path.suffix.lower() in (".jsonl", ".json", ".ndjson")
+    if not json_lines and field != "prompt":
+        raise TraceError(f"--field {field} reads JSON lines, and {path} is read as text (one prompt per line); name "
+                         "the file .jsonl, or drop --field")
     prompts = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        if path.suffix == ".jsonl":
+        if json_lines:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:

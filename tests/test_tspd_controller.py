@@ -301,3 +301,35 @@ def test_controller_files_of_the_wrong_shapes_and_thresholds_of_zero_are_refused
             parse_decoder(spec)
     with pytest.raises(InputError, match=r"or \['block_confidence'\] alone"):
         check_features(["block_confidence", "confidence"])
+
+
+@pytest.mark.parametrize("threshold,changed,message", [
+    ("0.0", {}, r"threshold 0.0 is not in \(0, 1\)"),  # the whole block at once
+    ("nan", {}, r"threshold nan is not in \(0, 1\)"),  # nothing passes: the one-token guard alone
+    ("1.5", {}, r"threshold 1.5 is not in \(0, 1\)"),
+    (None, {"feature_std": 0.0}, "feature_std holds values that are not positive"),
+    (None, {"feature_min": 1e9}, "feature_min exceeds feature_max"),
+    (None, {"fc1.weight": np.nan}, "fc1.weight holds values that are not finite"),
+])
+def test_controller_files_of_unusable_values_are_refused(tmp_path, threshold, changed, message):
+    """A controller's file is checked as the decoder options are: its threshold in (0, 1), its
+    feature scales positive, its ranges ordered, its weights finite; on load and on save."""
+    from dlmjax.io.safetensors import CheckpointError, save_file
+
+    shipped = load_controller("toy-sdar")
+    f = SafetensorsFile(Path(shipped.path))
+    tensors = {key: np.array(f.get(key)) for key in f.keys()}
+    for key, value in changed.items():
+        tensors[key][0] = value
+    path = tmp_path / "changed.safetensors"
+    save_file(tensors, path, metadata={**f.metadata, **({"threshold": threshold} if threshold else {})})
+    with pytest.raises(CheckpointError, match=f"not a usable TSPD controller: .*{message}"):
+        load_controller(str(path))
+    params = {**shipped.params}
+    names = {"feature_std": "std", "feature_min": "lo", "fc1.weight": "fc1_w"}
+    for key, value in changed.items():
+        params[names[key]] = params[names[key]].copy()
+        params[names[key]].flat[0] = value
+    with pytest.raises(InputError, match=message):
+        save_controller(params, tmp_path / "refused.safetensors", features=shipped.features,
+                        threshold=float(threshold) if threshold else shipped.threshold, model=shipped.model)

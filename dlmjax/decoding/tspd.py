@@ -13,8 +13,9 @@ position of the current block, at each round (= each new set of logits for the b
   abs_pos     the position's own token position in its row (counted from the row's first token)
 
 TSPD: a small MLP (dlmjax.heads.controller) maps the features to P(argmax is final); commit the
-masked positions with P > threshold (the controller's calibrated one unless given), and always
-at least the most confident one (progress guard).
+masked positions with P > threshold (the controller's calibrated one unless given); where none
+passes, the most confident one (progress guard: at least one token a round; `learn2pd` ORs its
+filter with the top-1, as Learn2PD does).
 
 CE (confidence extrapolation, training-free): per token a Kalman filter on x = [c, c_dot],
     x_t = A x_{t-1} + w, w ~ N(0, q I),   A = [[1, 1], [0, 1]];   z_t = c_t + v, v ~ N(0, r).
@@ -120,8 +121,6 @@ def block_abs_pos(fwd, block_b):
 
 # -- the Kalman filter (pure, elementwise over any leading shape) ---------------------------------
 
-A = ((1.0, 1.0), (0.0, 1.0))
-
 
 @struct.dataclass
 class Kalman:
@@ -141,8 +140,14 @@ def _mat(rows):
 
 
 def kalman_predict(x, p, q: float):
-    a = _mat(A)
-    return x @ a.T, a @ p @ a.T + q * jnp.eye(2, dtype=jnp.float32)
+    """(A x, A P A^T + q I) for A = [[1, 1], [0, 1]], written out elementwise (in the order a
+    matmul sums them): no matmul, so no TF32 rounding or batch-shape-dependent kernel on an
+    accelerator."""
+    (p00, p01), (p10, p11) = (p[..., 0, 0], p[..., 0, 1]), (p[..., 1, 0], p[..., 1, 1])
+    x_new = jnp.stack([x[..., 0] + x[..., 1], x[..., 1]], -1)
+    row0 = jnp.stack([((p00 + p10) + (p01 + p11)) + q, p01 + p11], -1)
+    row1 = jnp.stack([p10 + p11, p11 + q], -1)
+    return x_new, jnp.stack([row0, row1], -2)
 
 
 def kalman_update(state: Kalman, z, *, q: float, r: float, osc_eps: float = 0.0) -> Kalman:

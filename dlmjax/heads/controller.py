@@ -183,13 +183,31 @@ def shape_problems(params: dict, features) -> list[str]:
             for name, shape in expected.items() if tuple(params[name].shape) != shape]
 
 
+def value_problems(params: dict, threshold) -> list[str]:
+    """What is wrong with a controller's values: its threshold must lie in (0, 1) as the decoders'
+    `threshold=` must (0 commits every masked token at once; 1 or NaN none, leaving the decode to
+    the one-token guard), its feature scales be positive and its ranges ordered. Empty when fine."""
+    problems = []
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.floating)) or not 0 < threshold < 1:
+        problems.append(f"threshold {threshold!r} is not in (0, 1)")
+    for name in ("fc1_w", "fc1_b", "fc2_w", "fc2_b", "mean"):
+        if not np.all(np.isfinite(params[name])):
+            problems.append(f"{_TORCH_NAMES[name]} holds values that are not finite")
+    if not np.all(np.asarray(params["std"]) > 0) or not np.all(np.isfinite(params["std"])):
+        problems.append("feature_std holds values that are not positive and finite")
+    if np.any(np.asarray(params["lo"]) > np.asarray(params["hi"])) or np.any(np.isnan(params["lo"])) \
+            or np.any(np.isnan(params["hi"])):
+        problems.append("feature_min exceeds feature_max (or is NaN) for some feature")
+    return problems
+
+
 def save_controller(controller: Controller | dict, path: str | Path, *, features, threshold: float, model: dict,
                     block: int | None = None) -> Path:
     """Write the controller as one safetensors file in PyTorch layout (module docstring); `block`:
     the block its traces were decoded in."""
     params = controller.params() if isinstance(controller, Controller) else controller
     features = check_features(features)
-    problems = shape_problems(params, features)
+    problems = shape_problems(params, features) or value_problems(params, threshold)
     if problems:
         raise InputError(f"controller for features {list(features)}: {'; '.join(problems)}")
     path = Path(path)
@@ -248,7 +266,12 @@ def _read_controller(path: str, sha256: str) -> ControllerWeights:
     problems = shape_problems(params, features)
     if problems:
         raise CheckpointError(f"{path} does not hold the controller its metadata names: {'; '.join(problems)}")
-    return ControllerWeights(params=params, features=features, threshold=float(meta["threshold"]),
+    threshold = float(meta["threshold"])
+    problems = value_problems(params, threshold)
+    if problems:
+        raise CheckpointError(f"{path} is not a usable TSPD controller: {'; '.join(problems)}; retrain it (dlmjax "
+                              "train configs/tspd/...) or fix the file")
+    return ControllerWeights(params=params, features=features, threshold=threshold,
                              model=json.loads(meta["model"]), path=str(path),
                              block=int(meta["block"]) if "block" in meta else None, sha256=sha256)
 
