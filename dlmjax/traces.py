@@ -126,10 +126,12 @@ ROLLOUTS = ("egp", "static")
 @partial(arithmetic.jit, static_argnames=_STATIC)
 def _reference_and_trace(graphdef, params, canvas, rows, *, geometry, cache_mode, mask_id, eos_ids, max_rounds,
                          rollout):
-    """(y* canvas [B, T], the tracer's carry) for a laid-out batch."""
-    fwd = BlockForwards(nnx.merge(graphdef, params), rows, geometry, cache_mode, mask_id)
-    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
+    """(y* canvas [B, T], the tracer's carry) for a laid-out batch, scored as `generate` scores a
+    greedy decoder's rounds (from hidden states through `residual_argmax` where it runs)."""
     static = Static()
+    model = nnx.merge(graphdef, params)
+    fwd = BlockForwards(model, rows, geometry, cache_mode, mask_id, scores_from_hidden=static.scores_from_hidden(model))
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     ystar = _loop(static, fwd, engine.start(fwd, canvas, static), eos).canvas
     tracer = EGPTracer(max_rounds=max_rounds, rollout=rollout)
     state = engine.start(fwd, canvas, tracer)

@@ -97,6 +97,25 @@ def test_features_labels_and_targets_match_a_plain_loop(sdar, rollout):
         assert traces["label"][stable].any() and len(traces["label"]) > len(plain_traces(sdar, prompt, 4)[0])
 
 
+def test_traces_score_as_generate_does_where_the_argmax_kernel_runs(sdar, monkeypatch):
+    """Where `residual_argmax` runs (a GPU or TPU; here interpret mode), greedy decoders score
+    hidden states through it; traces do too, so the controller trains on the confidences it will
+    decode with. The kernel's traces equal the reference path's."""
+    from dlmjax import kernels
+    import dlmjax.traces as traces_module
+
+    made = []
+    real = traces_module.BlockForwards
+    monkeypatch.setattr(traces_module, "BlockForwards", lambda *a, **kw: made.append(kw) or real(*a, **kw))
+    reference = collect_traces(sdar, PROMPTS[:2], max_new_tokens=MAX_NEW, batch_size=2)
+    with kernels.use("interpret"):
+        kernel = collect_traces(sdar, PROMPTS[:2], max_new_tokens=MAX_NEW, batch_size=2)
+    assert [kw["scores_from_hidden"] for kw in made] == [False, True]
+    for name in ("label", "token", "target", "round", "block"):
+        np.testing.assert_array_equal(kernel[name], reference[name])
+    np.testing.assert_allclose(kernel["features"], reference["features"], atol=1e-5)
+
+
 @pytest.mark.devices(8)
 def test_sharded_traces_equal_single_device(sdar, tmp_path):
     mesh = make_mesh(model=1)
