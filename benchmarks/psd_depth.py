@@ -25,7 +25,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--policies", nargs="+", default=["threshold,tau=0.9", "topk,k=1", "margin,margin=0.5"])
-    parser.add_argument("--depths", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--depths", nargs="+", type=int, default=None,
+                        help="draft depths (default 1 2 4 8, those that fit the model's block)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -41,10 +42,11 @@ def main():
     model = dlmjax.load_model(args.model) if args.model else peaked_random_model("sdar", args, num_kv_heads=max(1, args.hidden // 64))
     rng = np.random.RandomState(0)
     prompts = [random_prompt(rng, model.config, args.prompt_len + i) for i in range(args.batch)]
+    depths = args.depths or [d for d in (1, 2, 4, 8) if d <= (model.config.block_size or args.block)]
     print(f"{'policy':<22}{'depth':>6}{'fwds':>6}{'TPF':>7}{'wall ms':>10}{'same tokens':>13}")
     for policy in args.policies:
         reference = None
-        for depth in args.depths:
+        for depth in depths:
             spec = f"psd:policy={policy},depth={depth}"
             generate(model, prompts, decoder=spec, max_new_tokens=args.max_new)  # compile
             runs = [generate(model, prompts, decoder=spec, max_new_tokens=args.max_new) for _ in range(args.repeats)]

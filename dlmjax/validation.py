@@ -75,6 +75,7 @@ POSITIVE = Range(0, low_open=True)
 PROBABILITY = Range(0, 1)  # [0, 1]
 OPEN_UNIT = Range(0, 1, low_open=True)  # (0, 1]: thresholds where 0 would commit everything
 STRICT_UNIT = Range(0, 1, low_open=True, high_open=True)  # (0, 1): fractions, and thresholds where 1 is out too
+UNIT_BELOW_1 = Range(0, 1, high_open=True)  # [0, 1): a margin between probabilities (1 or more: none passes)
 STEPS = Range(1, 65536)  # denoising steps per block: a schedule is built step by step on the host
 
 _KINDS = {

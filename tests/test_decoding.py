@@ -401,6 +401,14 @@ def test_unknown_option_lists_valid_ones():
 def test_bad_option_value():
     with pytest.raises(DecoderSpecError, match="option tau='high' is not a valid float"):
         parse_decoder("threshold:tau=high")
+    # Python's int()/float() would read these (depth 10, tau 0.95, depth 3): a slip runs silently
+    for spec, message in [("psd:depth=1_0", "depth='1_0' is not a valid int"),
+                          ("threshold:tau=0.9_5", "tau='0.9_5' is not a valid float"),
+                          ("psd:depth=+3", r"depth='\+3' is not a valid int"),
+                          ("psd:policy=margin,margin=1", r"margin=1.0 must be in \[0, 1\)")]:  # none would pass
+        with pytest.raises(DecoderSpecError, match=message):
+            parse_decoder(spec)
+    assert parse_decoder("threshold:tau=.5").tau == parse_decoder("threshold:tau=5e-1").tau == 0.5
 
 
 def test_decoder_family_mismatch(sdar):

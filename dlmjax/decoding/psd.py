@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan, rows_where
 from dlmjax.decoding.spec import DecoderSpecError, DiffusionDecoder, register_decoder
-from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, UNIT_BELOW_1
 
 PSD_POLICIES = ("threshold", "topk", "decay", "margin")
 POLICY_OPTIONS = {"threshold": ("tau",), "topk": ("k",), "decay": ("tau", "decay"), "margin": ("margin",)}  # they read
@@ -124,7 +124,7 @@ class PSD(DraftAndVerify, DiffusionDecoder):
 
     name: ClassVar[str] = "psd"
     eos_options: ClassVar[bool] = True
-    limits = {"tau": OPEN_UNIT, "k": AT_LEAST_1, "decay": AT_LEAST_0, "margin": AT_LEAST_0, "depth": AT_LEAST_1}
+    limits = {"tau": OPEN_UNIT, "k": AT_LEAST_1, "decay": AT_LEAST_0, "margin": UNIT_BELOW_1, "depth": AT_LEAST_1}
     policy: str = "threshold"
     tau: float = 0.9
     k: int = 1

@@ -11,6 +11,7 @@ decoder built from a spec or in Python with a value out of range raises `Decoder
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -305,10 +306,16 @@ def register_decoder(cls: type) -> type:
     return cls
 
 
+# what an option's number may look like: Python's int()/float() would also read `1_0` (10) or `+3`
+_NUMBER = {"int": re.compile(r"-?\d+"), "float": re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-?inf|nan", re.I)}
+
+
 def _convert(value: str, annotation, field: str, decoder: str):
     kinds = {"int": int, "float": float, "str": str, "bool": _parse_bool}
     kind = str(annotation).replace(" | None", "").strip()
     try:
+        if kind in _NUMBER and not _NUMBER[kind].fullmatch(value.strip()):
+            raise ValueError(value)
         return kinds[kind](value) if kind in kinds else value
     except ValueError:
         raise DecoderSpecError(f"{decoder}: option {field}={value!r} is not a valid {kind}") from None
