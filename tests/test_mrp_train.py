@@ -285,9 +285,11 @@ def test_settings_that_would_be_ignored_or_train_nothing_are_refused(config, ove
         load_run_config(config, overrides)
 
 
-@pytest.mark.parametrize("loss, gt_topk, chain_steps", [("kd_diff_sum", 4, 1), ("kd_diff", 2, 2)])
+@pytest.mark.parametrize("loss, gt_topk, chain_steps", [("kd_diff_sum", 4, 1), ("kd_diff", 2, 2),
+                                                      ("kd_diff_sum", 2, 2)])
 def test_reveals_that_leave_nothing_masked_are_refused(tmp_path, backbone, loss, gt_topk, chain_steps):
-    """gt_topk reveals per chain step; on blocks of 4 these leave no position to supervise."""
+    """gt_topk reveals per chain step; on blocks of 4 these leave no position to supervise at the
+    last step (a _sum loss's last step would add a zero term, and its module would never train)."""
     run = load_run_config(CONFIG, tiny_overrides(backbone) + [f"mrp.loss={loss}", f"mrp.gt_topk={gt_topk}",
                                                               f"mrp.chain_steps={chain_steps}"])
     with pytest.raises(RunConfigError, match="reveals every position of the backbone's blocks of 4"):

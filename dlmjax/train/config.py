@@ -175,14 +175,15 @@ class MRPSection:
 
     def check_supervises(self, block_size: int) -> None:
         """Refuse reveals that leave no masked position of a block of `block_size` to supervise: the
-        loss reads the positions still masked after its chain steps' reveals (the first one's for
-        the *_sum losses), so such a run would train nothing."""
-        reveals = self.gt_topk if self.loss.endswith("_sum") else self.gt_topk * self.chain_steps
+        loss reads the positions still masked after a chain step's reveals (gt_topk more each
+        step), so a last step with none would train nothing (the plain losses) or add a zero term
+        whose module never trains, yet decoding would use it (the *_sum losses)."""
+        reveals = self.gt_topk * self.chain_steps
         if reveals >= block_size:
-            what = "mrp.gt_topk" if self.loss.endswith("_sum") else "mrp.gt_topk x mrp.chain_steps"
             raise RunConfigError(
-                f"{what} = {reveals} reveals every position of the backbone's blocks of {block_size}, so "
-                f"mrp.loss={self.loss} would supervise nothing; make it less than {block_size}"
+                f"mrp.gt_topk x mrp.chain_steps = {reveals} reveals every position of the backbone's blocks of "
+                f"{block_size}, so the last chain step of mrp.loss={self.loss} would supervise nothing; make it "
+                f"less than {block_size}"
             )
 
 
