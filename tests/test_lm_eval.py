@@ -131,7 +131,10 @@ def check_against_generate(model_name, decoder, samples, results, toy_items):
     return texts
 
 
-def test_toy_sdar_simple_evaluate_equals_generate(task_dir, toy_items):
+def test_toy_sdar_simple_evaluate_equals_generate(task_dir, toy_items, monkeypatch):
+    import dlmjax.decoding.api as api
+
+    monkeypatch.setattr(api, "STOP_CHECK_FORWARDS", 1)  # the toy rows are short: look at them every forward
     decoder = "threshold:tau=0.9"
     out = lm_eval.simple_evaluate(
         model="dlmjax", model_args=f"pretrained=toy-sdar,decoder={decoder},batch_size=4,mesh_data=1,warmup=False",
@@ -143,7 +146,8 @@ def test_toy_sdar_simple_evaluate_equals_generate(task_dir, toy_items):
     for m in metrics.values():
         assert m["n"] == LIMIT and m["nfe"] > 0 and m["tpf"] > 1.0 and m["forwards"] > 0 and m["tokens_per_s"] > 0
         assert m["mean_accepted_length"] is None  # threshold verifies no drafts
-    # the same prompts: the first line's rows stop at a block boundary past their first "\n"
+    # the same prompts: the first line's rows stop at a block boundary past their first "\n" (once
+    # the cut is settled: `cut_is_settled`)
     assert metrics["toy_arith_first_line"]["nfe"] < metrics["toy_arith_final"]["nfe"]
     assert out["config"]["decoder"] == decoder_spec(parse_decoder(decoder))
 
@@ -310,6 +314,35 @@ def test_stop_strings_that_are_special_tokens_cut_the_answer():
     assert finish_text(tokens, tokenizer, [eos]) == "x=1"
     assert finish_text(tokens, tokenizer, ["#"]) == "x=1y=2"  # no stop string met: the special token is dropped
     assert finish_text(tokenizer.encode("12+7-3"), tokenizer, ["-"]) == "12+7"
+
+
+def test_a_row_stops_only_once_its_cut_cannot_change():
+    """`cut_is_settled` (the stop `generate_until` gives its Stream): once it accepts a prefix,
+    lm-eval's cut of the whole text equals the prefix's, even where a later stop string cuts
+    inside an earlier one's occurrence that runs past the prefix, and where the prefix's last
+    characters (an unfinished character, cleaned-up spaces) differ from the whole text's."""
+    from hypothesis import given, settings, strategies as st
+    from lm_eval.models.utils import postprocess_generated_text
+
+    from dlmjax.lm_eval.model import _UNSETTLED_TAIL, cut_is_settled
+
+    # the review's cases: stopped at the prefix, the responses were "so the Answer" and "x = 3"
+    assert not cut_is_settled("so the Answer:", ["Answer: ", ":"])
+    assert not cut_is_settled("x = 3;;", [";Q", ";;"])
+    assert cut_is_settled("so the Answer: 42, as the sum: 40 + 2 is", ["Answer: ", ":"])
+    assert cut_is_settled("7\nQuestion: what" + "x" * 20, ["Question:"]) and not cut_is_settled("7\nQuestion:", ["Question:"])
+    assert not cut_is_settled("anything at all", []) and not cut_is_settled("no stop here" * 5, ["\n"])
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(st.text("ab:; ", max_size=40), st.lists(st.text("ab:; ", max_size=4), min_size=1, max_size=3),
+           st.integers(0, 40), st.text("ab:; ", max_size=_UNSETTLED_TAIL))
+    def check(whole, until, n, tail):
+        prefix = whole[:n]
+        prefix = prefix[: max(0, len(prefix) - len(tail))] + tail  # its last characters may differ
+        if cut_is_settled(prefix, until):
+            assert postprocess_generated_text(prefix, until, None) == postprocess_generated_text(whole, until, None)
+
+    check()
 
 
 def test_chat_options_of_lm_evals_hf_model(monkeypatch, tmp_path):

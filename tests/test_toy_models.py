@@ -47,3 +47,17 @@ def test_unknown_preset_lists_the_shipped_ones(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="toy-sdar, toy-ar"):
         resolve_model("toy-sdarr")
+
+
+@pytest.mark.parametrize("name", ["toy-sdar", "toy-ar"])
+def test_the_toy_tokenizer_reads_every_character_newlines_included(name, tmp_path):
+    """One token per character: blank lines (few-shot separators) were one unknown piece, as the
+    split's `.` does not match a newline. The shipped tokenizer is the one the package writes."""
+    from dlmjax.toy.tokenizer import save_char_tokenizer
+
+    tok = load_tokenizer(resolve_model(name))
+    text = "Q: 1+1\n\n\nA: 2\n"
+    assert len(tok.encode(text)) == len(text) and tok.decode(tok.encode(text)) == text
+    save_char_tokenizer(tmp_path)
+    written, shipped = (json.loads((d / "tokenizer.json").read_text()) for d in (tmp_path, resolve_model(name)))
+    assert written == shipped

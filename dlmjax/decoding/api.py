@@ -427,8 +427,8 @@ class Stream:
             ...
         stream.forwards, stream.batch_tpf, stream.wall_s
 
-    Each row's tokens are the ones `generate` gives for that prompt alone (rows never see each
-    other; `row_ids`, default the prompt's index, keys its sampling stream); in fast numerics a
+    Each row's tokens are the ones `generate` gives for that prompt alone (with `stop`, the first
+    of them; rows never see each other; `row_ids`, default the prompt's index, keys its sampling stream); in fast numerics a
     speculative decoder's NFE for a row can move by a forward with its batch (invariant mode: no). New prompts are
     started `refill` at a time (default batch/8), by one forward of their own that yields their
     first block's logits. Causal models (`ar`, `drafter`) run batch after batch. `limit` decodes
@@ -436,9 +436,11 @@ class Stream:
 
     `stop(index, tokens) -> bool` ends a row early, at a block boundary: every STOP_CHECK_FORWARDS
     forwards it is asked about each row's tokens in finished blocks (final: decoders write only the
-    current block), and a row it says yes to is done with those tokens, its slot freed. For a stop
-    string (lm-eval's `until`) whose first occurrence cuts the text, the cut text is the one the
-    whole decode gives, for fewer forwards. Causal models decode to EOS or max_new_tokens.
+    current block), and a row it says yes to is done with those tokens, its slot freed. A stop that
+    says yes only once the tokens fix the caller's cut (lm-eval's stop strings:
+    `lm_eval.model.cut_is_settled`) gives the cut the whole decode gives, for fewer forwards; where
+    a row stops moves with the batch (it is looked at every STOP_CHECK_FORWARDS forwards of the
+    batch). Causal models decode to EOS or max_new_tokens.
     """
 
     def __init__(self, model: Transformer, prompts, *, batch_size: int = 64, refill: int | None = None,

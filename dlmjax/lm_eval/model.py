@@ -5,7 +5,7 @@
 - `generate_until`: the requests of one task run as one continuous-batching `Stream` (the engine
   `dlmjax eval` uses), split over the mesh's 'data' axis. Outputs are cut as lm-eval cuts them:
   at `max_gen_toks` tokens, then at the first stop string of `until` (the EOS string added). A
-  block decoder's row stops at the block boundary where its text holds a stop string.
+  block decoder's row stops at a block boundary once its text settles that cut (`cut_is_settled`).
 - `loglikelihood` / `loglikelihood_rolling`: exact for causal models; for diffusion models the
   masked-diffusion Monte Carlo bound (`dlmjax.lm_eval.likelihood`).
 - Decoding metrics per task (NFE, TPF, tokens/s, accepted length) are kept and reported by
@@ -152,6 +152,24 @@ def finish_text(tokens: list[int], tokenizer, until: list[str]) -> str:
     evaluation decodes so; lm-eval's HF model stops at such a string while generating)."""
     text = postprocess_generated_text(tokenizer.decode(tokens, skip_special_tokens=False), until, None)
     return tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True)
+
+
+# the last characters of a decoded prefix can change with the tokens after it: an unfinished
+# character (U+FFFD), a space that tokenization cleanup drops before punctuation
+_UNSETTLED_TAIL = 4
+
+
+def cut_is_settled(prefix: str, until: list[str]) -> bool:
+    """Whether the text of a row's first tokens fixes its stop-string cut: `finish_text` cuts the
+    whole text where it cuts `prefix`, whatever follows. lm-eval splits at each stop string in
+    turn, so a later string can cut inside an earlier one's occurrence (until ["Answer: ", ":"]);
+    an occurrence that runs past the prefix can move the cut, but only one that starts within the
+    longest string's length of its end: a cut at least that much further back is settled."""
+    terms = [term for term in until if term]
+    if not terms:
+        return False
+    cut = len(postprocess_generated_text(prefix, terms, None))
+    return cut <= len(prefix) - _UNSETTLED_TAIL - 2 * max(map(len, terms)) + 1
 
 
 def parse_generation_request(index: int, request, default_max: int) -> GenerationRequest:
@@ -396,7 +414,8 @@ class DlmjaxLM(TemplateLM):
         with tqdm(total=len(parsed), desc="dlmjax generate_until", disable=disable_tqdm or not self.progress) as bar:
             for (task, budget), group in groups.items():
                 prompts = [self._prompt_ids(req.context, budget) for req in group]
-                stops = [req.until + [eos] for req in group]
+                # the EOS string is cut last, from a cut text `until` has settled; the EOS token ends a row
+                stops = [req.until for req in group]
                 for req, row in zip(group, self._decode(task, prompts, budget, [streams[r.index] for r in group],
                                                         stops)):
                     responses[req.index] = finish_text(row.tokens, self.tokenizer, req.until + [eos])
@@ -432,11 +451,10 @@ class DlmjaxLM(TemplateLM):
 
     def _decode(self, task: str, prompts: list[list[int]], budget: int, row_ids: list[int], stops: list[list[str]]):
         """Rows for `prompts` in order, from one continuous-batching stream; metrics recorded. A
-        row ends at the block boundary where its text holds one of its `stops` strings."""
+        row ends at a block boundary once its text settles its cut at its `stops` strings."""
 
         def stop(index: int, tokens: list[int]) -> bool:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
-            return any(term and term in text for term in stops[index])
+            return cut_is_settled(self.tokenizer.decode(tokens, skip_special_tokens=False), stops[index])
 
         def stream(limit=None):
             return Stream(self.model, prompts, batch_size=self.batch_size, refill=self.refill, tokenizer=self.tokenizer,

@@ -18,7 +18,7 @@ CHARS = tuple(chr(i) for i in range(32, 127)) + ("\n",)
 def char_tokenizer(chars: tuple[str, ...] = CHARS) -> Tokenizer:
     vocab = {token: i for i, token in enumerate(SPECIALS + tuple(chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # every character, newlines too
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIALS))
     return tok
