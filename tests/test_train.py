@@ -219,6 +219,50 @@ def test_interrupted_training_resumes_exactly(tmp_path, config):
     assert (straight.model_dir / "tokenizer.json").is_file()
 
 
+def test_a_step_that_fails_on_the_device_reports_its_own_error_and_the_run_resumes(tmp_path, monkeypatch, capsys):
+    """Step 5 fails while running (here a host callback in its loss raises): its inputs, step 4's
+    state, were donated to it, so step 4 cannot be checkpointed. The error raised is the step's
+    (it was hidden behind the save's "Array has been deleted"), no half-written checkpoint is
+    left, and a rerun resumes from step 3 exactly."""
+    import jax
+    import jax.numpy as jnp
+
+    import dlmjax.train.loop as loop
+
+    # one device: the host callback runs once a step (on 8, a device whose callback raised would
+    # leave the others waiting in the gradient's all-reduce)
+    run = load_run_config("configs/toy-sdar.yaml", tiny_overrides() + ["mesh.data=1"])
+    straight = train(run, tmp_path / "straight", progress=False)
+    real, calls = loop.make_loss, []
+
+    def failing_loss(run, cfg):
+        loss_fn = real(run, cfg)
+
+        def fail_on_fifth_call(x):
+            calls.append(1)
+            if len(calls) == 5:
+                raise RuntimeError("the device failed in step 5")
+            return np.float32(0)
+
+        def loss(model, batch, key):
+            value, metrics = loss_fn(model, batch, key)
+            extra = jax.pure_callback(fail_on_fifth_call, jax.ShapeDtypeStruct((), jnp.float32),
+                                      jax.lax.stop_gradient(value))
+            return value, {**metrics, "loss": metrics["loss"] + extra}
+
+        return loss
+
+    monkeypatch.setattr(loop, "make_loss", failing_loss)
+    with pytest.raises(Exception, match="the device failed in step 5"):
+        train(run, tmp_path / "failed", progress=False)
+    assert "step 4 was not checkpointed" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "failed" / "checkpoints").iterdir()) == ["3"]
+    monkeypatch.setattr(loop, "make_loss", real)
+    resumed = train(run, tmp_path / "failed", progress=False)
+    assert sorted(resumed.losses) == [4, 5, 6]
+    assert all(resumed.losses[step] == straight.losses[step] for step in (4, 5, 6))
+
+
 def test_a_run_stopped_by_a_data_error_takes_the_fix_it_names(tmp_path, capsys):
     """Toy rows longer than data.seq_len stop the run before its first step with "raise seq_len".
     Found where a batch first held one (here step 15, after checkpoints at 5 and 10, for toy-arith

@@ -360,6 +360,12 @@ def test_train_out_refuses_a_directory_holding_a_checkpoint(checkpoint, capsys):
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
 
 
+def test_train_out_refuses_a_path_orbax_would_read_as_a_pattern(tmp_path, capsys):
+    """Under `run[1]/` Orbax saved checkpoints whose metadata never landed: the run could not resume."""
+    err = one_line_error(capsys, ["train", "configs/toy-sdar.yaml", "train.steps=1", "--out", str(tmp_path / "run[1]")])
+    assert "pass a directory without '['" in err and not (tmp_path / "run[1]").exists()
+
+
 def test_export_refuses_a_directory_with_a_config(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "config.json").write_text("{}")

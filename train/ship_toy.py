@@ -4,7 +4,9 @@
 
 Writes dlmjax/toy/checkpoints/NAME/{config.json, model.safetensors, tokenizer files,
 accuracy.json, TRAINING.md}; accuracy.json holds the static / whole-block (or AR) accuracy on the fixed
-64-prompt held-out slice that tests/test_toy_models.py checks.
+64-prompt held-out slice that tests/test_toy_models.py checks. What else the directory holds
+(toy-ar's drafter/, toy-sdar's MRP head and TSPD controller) is kept, and named as trained on
+the previous weights.
 """
 
 import json
@@ -21,13 +23,26 @@ from dlmjax.io.tokenizer import load_tokenizer
 from dlmjax.presets import SHIPPED_DIR
 
 
+WRITTEN = ("config.json", "accuracy.json", "TRAINING.md", "tokenizer.json", "tokenizer_config.json",
+           "generation_config.json", "special_tokens_map.json")  # the model's own files, replaced
+
+
 def ship(run_dir: Path, name: str) -> Path:
     model_dir = run_dir / "model"
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"{model_dir} has no exported model; finish the training run first")
     target = SHIPPED_DIR / name
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(model_dir, target)
+    target.mkdir(parents=True, exist_ok=True)
+    for old in target.iterdir():  # the previous model's files (its shard layout may differ), not the heads beside it
+        if old.is_file() and (old.name in WRITTEN or old.name.startswith("model.safetensors")):
+            old.unlink()
+    for new in model_dir.iterdir():
+        shutil.copy2(new, target / new.name) if new.is_file() else shutil.copytree(new, target / new.name)
+    kept = sorted(p.name for p in target.iterdir() if not (model_dir / p.name).exists() and p.name not in WRITTEN)
+    if kept:  # e.g. toy-ar's drafter/, toy-sdar's MRP head and TSPD controller
+        print(f"kept beside the new {name}: {', '.join(kept)}; they were trained on the previous weights: retrain them "
+              "(scripts/train_toy.sh retrains the MRP head; the others' TRAINING notes give their commands)",
+              file=sys.stderr)
     model = load_model(target)
     accuracy = record_accuracy(model, load_tokenizer(target, model.config))
     config = yaml.safe_load((run_dir / "config.yaml").read_text())

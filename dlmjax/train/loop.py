@@ -327,7 +327,12 @@ RUN_ENTRIES = ("config.yaml", "checkpoints", "metrics.jsonl", "tb", "model", "to
 
 def check_run_dir(run_dir: Path) -> None:
     """A run directory is new, empty, or an earlier run's (config.yaml and only what a run writes):
-    anything else (a checkpoint, another tool's files) is refused rather than mixed with the run."""
+    anything else (a checkpoint, another tool's files) is refused rather than mixed with the run.
+    A path with `[` is refused: Orbax reads it as a glob pattern when it merges a checkpoint, whose
+    metadata then never lands, so the run could not resume."""
+    if "[" in str(run_dir.resolve()):
+        raise RunConfigError(f"--out {run_dir}: Orbax cannot write checkpoints under a path with '[' (it reads it as a "
+                             "pattern); pass a directory without '['")
     if not run_dir.exists():
         return
     if not run_dir.is_dir():
@@ -599,7 +604,7 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         if done > logged and is_log_step(done) and not written:
             record(done, metrics)
         if done > start and manager.latest_step() != done and not stopped_on_input:
-            manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+            _save_on_exit(manager, done, {"params": params, "opt_state": opt_state}, failing=sys.exc_info()[1])
         manager.wait_until_finished()
         manager.close()
         bar.close()
@@ -614,6 +619,24 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
         sync("dlmjax-train-export")
         model_dir = model_dir or _export_dir(run_dir, run)
     return TrainResult(run_dir=run_dir, step=done, losses=losses, model_dir=model_dir)
+
+
+def _save_on_exit(manager, step: int, state: dict, *, failing: BaseException | None) -> None:
+    """Checkpoint the last finished `step` as a run stops (Ctrl-C, an error). A step that failed on
+    the device had been handed that state (its buffers donated), so then there is nothing to
+    save: the run resumes from its last checkpoint, and the error the user sees is the one that
+    stopped it, not the save's."""
+    if any(leaf.is_deleted() for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)):
+        print(f"step {step} was not checkpointed: the step after it failed holding its state; a rerun resumes "
+              f"from the last checkpoint ({manager.latest_step() or 'none'})", file=sys.stderr)
+        return
+    try:
+        manager.save(step, args=ocp.args.StandardSave(state), force=True)
+        manager.wait_until_finished()
+    except Exception as err:  # noqa: BLE001 (the state of a failed run may not be readable)
+        if failing is None:
+            raise
+        print(f"step {step} was not checkpointed ({type(err).__name__}: {err})", file=sys.stderr)
 
 
 def _agreed(flag: bool) -> bool:
