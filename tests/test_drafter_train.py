@@ -121,6 +121,13 @@ def test_config_errors():
         load_run_config(CONFIG, ["drafter.labels=oracle"])
     with pytest.raises(RunConfigError, match="unknown drafter keys"):
         load_run_config(CONFIG, ["drafter.foo=1"])
+    # settings that would be ignored, or train nothing
+    with pytest.raises(RunConfigError, match=r"target_layer_ids=\[\] names no target layer"):
+        load_run_config(CONFIG, ["drafter.target_layer_ids=[]"])
+    with pytest.raises(RunConfigError, match="the loss is 0 and nothing would train"):
+        load_run_config(CONFIG, ["drafter.ce_weight=0", "drafter.focal_alpha=0", "drafter.chain_alpha=0"])
+    with pytest.raises(RunConfigError, match="focal_gamma=3 shapes the first-error focal term"):
+        load_run_config(CONFIG, ["drafter.focal_alpha=0", "drafter.focal_gamma=3"])
 
 
 # ----------------------------------------------------------------------------------------------

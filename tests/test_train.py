@@ -448,7 +448,7 @@ def test_training_lowers_the_loss(tmp_path):
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0  # 3.95 -> 1.88 when written
 
 
-def test_init_from_starts_at_the_source_weights_and_refuses_other_shapes(tmp_path):
+def test_init_from_starts_at_the_source_weights_and_refuses_other_shapes_and_settings(tmp_path):
     source = train(load_run_config("configs/toy-ar.yaml", tiny_overrides(2)), tmp_path / "ar", progress=False)
     run = load_run_config("configs/toy-sdar.yaml", tiny_overrides(0) + [f"train.init_from={source.model_dir}"])
     result = train(run, tmp_path / "sdar", progress=False)  # zero steps: the export is the starting point
@@ -459,6 +459,11 @@ def test_init_from_starts_at_the_source_weights_and_refuses_other_shapes(tmp_pat
                                                                          f"train.init_from={source.model_dir}"])
     with pytest.raises(ValueError, match="hidden_size: 32 vs 64"):
         train(wider, tmp_path / "wider", progress=False)
+    other_rope = load_run_config("configs/toy-sdar.yaml", tiny_overrides(1) + [
+        "model.rope_theta=100", "model.rms_norm_eps=0.1", f"train.init_from={source.model_dir}"])
+    with pytest.raises(ValueError, match=r"other settings its weights were trained with .*rms_norm_eps: 1e-06 vs "
+                                         r"0.1, rope_theta: 10000.0 vs 100"):
+        train(other_rope, tmp_path / "other-rope", progress=False)
     # a bf16 source starts a float32 run in float32, as its resume restores it (and losses stay bitwise)
     from dlmjax.io.hf import export_model
     from dlmjax.train.loop import backbone_trainee

@@ -221,6 +221,10 @@ def test_a_key_given_twice_in_a_run_config_is_refused_naming_the_line(tmp_path, 
     config.write_text("objective: block_diffusion\ntrain:\n  steps: 3\n  steps: 4\n")
     assert "line 4, column 3: key 'steps' is given twice" in one_line_error(
         capsys, ["train", str(config), "--out", str(tmp_path / "run")])
+    # an override's value too (the last weight used to win)
+    assert "key 'toy-arith' is given twice" in one_line_error(
+        capsys, ["train", "configs/toy-sdar.yaml", "data.tasks={toy-arith: 1, toy-arith: 2}", "--out",
+                 str(tmp_path / "run")])
 
 
 @pytest.mark.parametrize("override, message", [

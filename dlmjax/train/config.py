@@ -213,8 +213,17 @@ class DrafterSection:
 
     def __post_init__(self):
         check_fields(self, "drafter.", error=RunConfigError)
+        if self.target_layer_ids is not None and not self.target_layer_ids:
+            raise RunConfigError("drafter.target_layer_ids=[] names no target layer; list the layers (e.g. [1, 2]) or "
+                                 "drop the key for DFlash's default")
         for layer in self.target_layer_ids or ():
             check_value("drafter.target_layer_ids[]", layer, "int", AT_LEAST_0, error=RunConfigError)
+        if self.ce_weight == self.focal_alpha == self.chain_alpha == 0:
+            raise RunConfigError("drafter.ce_weight, focal_alpha and chain_alpha are all 0: the loss is 0 and nothing "
+                                 "would train; give one of them a weight")
+        if self.focal_gamma != DrafterSection.focal_gamma and self.focal_alpha == 0:
+            raise RunConfigError(f"drafter.focal_gamma={self.focal_gamma} shapes the first-error focal term, which "
+                                 "drafter.focal_alpha=0 turns off: drop it, or give focal_alpha a weight")
 
     def __hash__(self):
         return hash(tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(self)))
@@ -478,7 +487,7 @@ def apply_override(raw: dict, override: str) -> None:
         if not isinstance(node, dict):
             raise RunConfigError(f"override {key!r}: {part!r} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(value)
+        node[parts[-1]] = yaml.load(value, Loader=_UniqueKeyLoader)  # `{toy-arith: 1, toy-arith: 2}`: refused
     except yaml.YAMLError as err:
         raise RunConfigError(f"override {override!r}: the value is not valid YAML ({yaml_problem(err)})") from None
 

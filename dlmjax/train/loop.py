@@ -84,6 +84,13 @@ TRAINED_DTYPE = "float32"
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "qkv_bias", "o_bias", "qk_norm", "tie_word_embeddings")
+# what weights were trained to compute with: an adapted model keeps them (SDAR keeps Qwen3's RoPE),
+# where its attention, block size, family and special tokens may change
+COMPUTE_FIELDS = ("rms_norm_eps", "rope_theta", "rotary_dim", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                  "rope_high_freq_factor", "rope_original_max_positions", "num_experts", "num_experts_per_tok",
+                  "moe_intermediate_size", "shared_expert_intermediate_size", "moe_layers", "router",
+                  "norm_topk_prob", "routed_scaling_factor", "router_groups", "router_topk_groups",
+                  "router_expert_bias")
 
 
 def initial_model(model_cfg: ModelConfig, cfg):
@@ -92,11 +99,12 @@ def initial_model(model_cfg: ModelConfig, cfg):
     if cfg.init_from is None:
         return init_model(model_cfg, seed=cfg.seed)
     source = load_model(resolve_model(cfg.init_from, "train.init_from"), dtype=model_cfg.dtype)  # as a restore has it
-    differing = [f for f in SHAPE_FIELDS if getattr(source.config, f) != getattr(model_cfg, f)]
-    if differing:
-        detail = ", ".join(f"{f}: {getattr(source.config, f)} vs {getattr(model_cfg, f)}" for f in differing)
-        raise InputError(f"train.init_from={cfg.init_from} has other shapes than this run's model ({detail}); "
-                         "make the model section match it")
+    for fields, what in ((SHAPE_FIELDS, "other shapes"), (COMPUTE_FIELDS, "other settings its weights were trained with")):
+        differing = [f for f in fields if getattr(source.config, f) != getattr(model_cfg, f)]
+        if differing:
+            detail = ", ".join(f"{f}: {getattr(source.config, f)} vs {getattr(model_cfg, f)}" for f in differing)
+            raise InputError(f"train.init_from={cfg.init_from} has {what} than this run's model ({detail}); "
+                             "make the model section match it")
     graphdef, _ = nnx.split(abstract_model(model_cfg))
     return nnx.merge(graphdef, nnx.state(source))
 
