@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dlmjax, not an installed one
 import dlmjax
 from common import peaked_random_model, random_prompt
 from dlmjax.decoding.api import generate

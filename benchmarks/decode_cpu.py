@@ -3,9 +3,11 @@
 For each decoder: steps/s (forwards per second), tokens/s, and
 overhead = (time per step - pure block-forward time) / time per step, where time per step is
 (wall - prefill) / (forwards - 1) of a warmed-up run and the pure forward is the same jitted
-block forward against the same KV cache, timed alone. Target: overhead < 10%. The engine's
+block forward against the same KV cache, timed alone. The engine's
 forward that starts a row's next block also carries the finished block (2K tokens instead of
-K), so that cost, which replaces a store forward, counts as overhead here.
+K), so that cost, which replaces a store forward, counts as overhead here. The overhead goal
+(< 10%) is an accelerator's; on CPU at toy size (README: 24-38%) the numbers say where the
+step's time goes, not whether it is fast.
 
     python benchmarks/decode_cpu.py [--batch 8] [--hidden 256] [--layers 4] [--repeats 10]
 """
@@ -17,12 +19,14 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dlmjax, not an installed one
 from common import peaked_random_model
 from dlmjax.decoding import engine
 from dlmjax.decoding.api import generate

@@ -46,11 +46,12 @@ def random_sdar(shape: str):
 
 
 def run_batches(model, prompts, batch, **kw):
-    """Fixed batches, one `generate` each (the first batch once more untimed, to compile)."""
+    """Fixed batches, one `generate` each, timed on a second pass: batches of prompts of other
+    lengths lay out to other shapes, and the untimed first pass compiles each of them (the
+    stream compiles one shape)."""
     chunks = [prompts[s : s + batch] for s in range(0, len(prompts), batch)]
-    generate(model, chunks[0], **kw)
-    if len(chunks[-1]) != len(chunks[0]):
-        generate(model, chunks[-1], **kw)
+    for c in chunks:
+        generate(model, c, **kw)
     results = [generate(model, c, **kw) for c in chunks]
     rows = [row for r in results for row in r.rows]
     committed = sum(round(row.tpf * row.nfe) for row in rows)

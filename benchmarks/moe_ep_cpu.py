@@ -5,9 +5,11 @@ For each mesh (`--meshes`, default expert=4 x data=2 and expert=8) and each toke
 jitted with each `dispatch`:
 - "all_to_all": each device routes its slice of the tokens and sends each assignment's row to the
   device holding its expert (jax.lax.all_to_all under shard_map, dropless padded buffers), which
-  runs its local experts with ragged_dot and sends the outputs back;
+  runs its local experts (`moe.grouped_rows`: tiled rows on CPU, ragged_dot elsewhere) and sends
+  the outputs back;
 - "gather": the experts are all-gathered over 'expert' and each device computes its own slice;
-- "xla": the layer as written, with XLA partitioning the grouped matmul over the sharded experts;
+- "xla": the layer as written, partitioned by XLA over the sharded experts (on CPU it all-gathers
+  them);
 median of `--repeats` calls after `--warmup`, random fp32 weights, tokens split over 'data'. It
 also reads the compiled HLO and sums, per device, the bytes each kind of collective produces
 (all-to-all, all-gather, all-reduce, ...), checks every path against the one-device layer
@@ -15,8 +17,7 @@ also reads the compiled HLO and sums, per device, the bytes each kind of collect
 
 What this shows: 8 fake devices share the host's cores and "communicate" by memory copies, so the
 times are CPU compute plus copies, not accelerator speed or interconnect; the collective bytes and
-the shapes are what carries over. On CPU, jax 0.10 lowers ragged_dot to a dense dot over every
-group, masked, so a device's expert arithmetic is (rows it runs) x (experts it holds).
+the shapes are what carries over.
 
     python benchmarks/moe_ep_cpu.py --json benchmarks/results/moe_ep_cpu/results.json
 """

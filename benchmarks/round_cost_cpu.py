@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dlmjax, not an installed one
 from common import peaked_random_model  # noqa: E402
 from dlmjax.decoding.api import generate  # noqa: E402
 from dlmjax.heads.drafter import DrafterConfig, init_drafter  # noqa: E402

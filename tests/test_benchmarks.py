@@ -370,3 +370,32 @@ def test_the_seen_prompts_benchmark_splits_accuracy_by_the_training_draws(tmp_pa
     printed = capsys.readouterr().out
     assert printed.strip() == bench.markdown(bench.split_accuracy(rows, bench.trained_prompts([config], steps=1)))
     assert "| toy-arith | `static` | all |" in printed
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+TINY = ["--batch", "2", "--hidden", "64", "--layers", "1", "--max-new", "8", "--prompt-len", "8"]
+
+
+@pytest.mark.parametrize("script, args", [
+    ("decode_cpu.py", TINY + ["--repeats", "1", "--inner", "2", "--decoders", "static", "threshold:tau=0.9"]),
+    ("psd_depth.py", TINY + ["--block", "4", "--vocab", "64", "--repeats", "1", "--policies", "topk,k=1"]),
+    ("round_cost_cpu.py", ["--prompt-len", "16", "--batch", "2", "--hidden", "64", "--layers", "1", "--short", "4",
+                           "--long", "8"]),
+])
+def test_benchmark_scripts_run_from_anywhere_on_this_checkout(script, args, tmp_path):
+    """Run as their README commands run them, from another directory with no PYTHONPATH: each puts
+    this checkout first on its path (an installed dlmjax, e.g. another clone's editable install,
+    would have been the one measured), and its default options fit (psd_depth: depths that fit
+    the block)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # as `python benchmarks/SCRIPT` runs it (its own folder first on the path), then which dlmjax ran
+    probe = "import os, sys, runpy; sys.argv = sys.argv[1:]; sys.path[0] = os.path.dirname(sys.argv[0]); " \
+            "runpy.run_path(sys.argv[0], run_name='__main__'); print('DLMJAX_FROM', sys.modules['dlmjax'].__file__)"
+    done = subprocess.run([sys.executable, "-c", probe, str(ROOT / "benchmarks" / script), *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"DLMJAX_FROM {ROOT / 'dlmjax' / '__init__.py'}" in done.stdout
