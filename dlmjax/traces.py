@@ -318,8 +318,8 @@ def distinct(prompts) -> list:
 
 def prompts_from_file(path: str | Path, *, field: str = "prompt") -> list[str]:
     """Prompts from a JSONL file (.jsonl, .json or .ndjson: `field` of each object, e.g. GSM8K's
-    `question`) or a text file (one prompt per line; blank lines skipped); `traces_for_prompts` traces a repeat once. Training
-    traces should not come from a test split."""
+    `question`) or a text file (one prompt per line; blank lines skipped); `traces_for_prompts`
+    traces a repeat once. Training traces should not come from a test split."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"--prompts {path}: no such file")

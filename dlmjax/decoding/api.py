@@ -428,11 +428,12 @@ class Stream:
         stream.forwards, stream.batch_tpf, stream.wall_s
 
     Each row's tokens are the ones `generate` gives for that prompt alone (with `stop`, the first
-    of them; rows never see each other; `row_ids`, default the prompt's index, keys its sampling stream); in fast numerics a
-    speculative decoder's NFE for a row can move by a forward with its batch (invariant mode: no). New prompts are
-    started `refill` at a time (default batch/8), by one forward of their own that yields their
-    first block's logits. Causal models (`ar`, `drafter`) run batch after batch. `limit` decodes
-    only the first prompts with the layout of all (compiles what the full run needs: a warm-up).
+    of them; rows never see each other; `row_ids`, default the prompt's index, keys its sampling
+    stream); in fast numerics a speculative decoder's NFE for a row can move by a forward with its
+    batch (invariant mode: no). New prompts are started `refill` at a time (default batch/8), by
+    one forward of their own that yields their first block's logits. Causal models (`ar`,
+    `drafter`) run batch after batch. `limit` decodes only the first prompts with the layout of
+    all (compiles what the full run needs: a warm-up).
 
     `stop(index, tokens) -> bool` ends a row early, at a block boundary: every STOP_CHECK_FORWARDS
     forwards it is asked about each row's tokens in finished blocks (final: decoders write only the

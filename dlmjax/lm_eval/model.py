@@ -162,9 +162,11 @@ _UNSETTLED_TAIL = 4
 def cut_is_settled(prefix: str, until: list[str]) -> bool:
     """Whether the text of a row's first tokens fixes its stop-string cut: `finish_text` cuts the
     whole text where it cuts `prefix`, whatever follows. lm-eval splits at each stop string in
-    turn, so a later string can cut inside an earlier one's occurrence (until ["Answer: ", ":"]);
-    an occurrence that runs past the prefix can move the cut, but only one that starts within the
-    longest string's length of its end: a cut at least that much further back is settled."""
+    turn, so a later string can cut inside an earlier one's occurrence (until ["Answer: ", ":"]).
+    Occurrences the prefix and the whole text disagree on start within the longest string's length
+    L of the prefix's settled end (its last `_UNSETTLED_TAIL` characters may change); a cut that
+    lies 2 L before that end is made by occurrences wholly inside the settled text, which no such
+    occurrence can precede or undo (property-tested)."""
     terms = [term for term in until if term]
     if not terms:
         return False

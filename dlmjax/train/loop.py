@@ -99,7 +99,8 @@ def initial_model(model_cfg: ModelConfig, cfg):
     if cfg.init_from is None:
         return init_model(model_cfg, seed=cfg.seed)
     source = load_model(resolve_model(cfg.init_from, "train.init_from"), dtype=model_cfg.dtype)  # as a restore has it
-    for fields, what in ((SHAPE_FIELDS, "other shapes"), (COMPUTE_FIELDS, "other settings its weights were trained with")):
+    checks = ((SHAPE_FIELDS, "other shapes"), (COMPUTE_FIELDS, "other settings its weights were trained with"))
+    for fields, what in checks:
         differing = [f for f in fields if getattr(source.config, f) != getattr(model_cfg, f)]
         if differing:
             detail = ", ".join(f"{f}: {getattr(source.config, f)} vs {getattr(model_cfg, f)}" for f in differing)
