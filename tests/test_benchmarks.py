@@ -2,6 +2,7 @@
 answers (real sandboxed execution for MBPP), malformed rows reported with line numbers."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -372,7 +373,7 @@ def test_the_seen_prompts_benchmark_splits_accuracy_by_the_training_draws(tmp_pa
     assert "| toy-arith | `static` | all |" in printed
 
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--batch", "2", "--hidden", "64", "--layers", "1", "--max-new", "8", "--prompt-len", "8"]
 
 
