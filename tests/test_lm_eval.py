@@ -237,6 +237,22 @@ def test_sampled_responses_depend_on_the_request_alone_and_repeats_differ():
     assert repeated[0] == alone[0] and repeated[1] != repeated[0]
 
 
+def test_requests_without_stop_strings_decode_without_looking_at_the_rows(monkeypatch):
+    """A stop makes the stream hand its rows to the host every few forwards; with no stop string
+    in a task's requests there is nothing to look for, and the stream runs without one."""
+    import dlmjax.lm_eval.model as lm_model
+
+    made = []
+    real = lm_model.Stream
+    monkeypatch.setattr(lm_model, "Stream", lambda *a, **kw: made.append(kw["stop"]) or real(*a, **kw))
+    lm = DlmjaxLM(pretrained="toy-sdar", batch_size=4, mesh_data=1, warmup=False)
+    for until, stops in (([], False), (["", ""], False), (["\n"], True)):
+        made.clear()
+        lm.generate_until([Instance("generate_until", {}, ("12+7\n", {"until": until, "max_gen_toks": 8}), 0,
+                                    ("t", 0, 1))])
+        assert [stop is not None for stop in made] == [stops], until
+
+
 def test_unknown_model_args_name_the_accepted_keys():
     with pytest.raises(ModelArgsError, match=r"key 'gen_length' unknown; accepted: pretrained, decoder, max_new_tokens"):
         DlmjaxLM.create_from_arg_string("pretrained=toy-ar,gen_length=256")

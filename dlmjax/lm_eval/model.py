@@ -462,7 +462,8 @@ class DlmjaxLM(TemplateLM):
             return Stream(self.model, prompts, batch_size=self.batch_size, refill=self.refill, tokenizer=self.tokenizer,
                           decoder=self.decoder, max_new_tokens=budget, seed=self.seed, row_ids=row_ids,
                           mesh=self.mesh if self.mesh.shape["data"] > 1 else None, head=self.head,
-                          drafter=self.drafter, limit=limit, stop=stop)
+                          drafter=self.drafter, limit=limit,
+                          stop=stop if any(map(any, stops)) else None)  # no stop string: no looks at the rows
 
         if self.warmup:  # compile outside the timed run, as `dlmjax eval` does
             probe = stream()
