@@ -352,13 +352,16 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
     # without --per-task a prompt file is read whole (it used to stop at the tasks' default, 256)
     assert parse_args(["traces", "--prompts", "p.jsonl", "--out", "x"]).per_task is None
     (tmp_path / "bad.jsonl").write_text('{"question": "1+1"}\nnot json\n')
-    (tmp_path / "bad.JSON").write_text('{"question": "1+1"}\nnot json\n')  # JSON lines too, not text
+    (tmp_path / "bad.NDJSON").write_text('{"question": "1+1"}\nnot json\n')  # JSON lines too, not text
+    (tmp_path / "list.json").write_text(json.dumps([{"question": "1+1"}, {"answer": "2"}], indent=1))  # as eval reads
     (tmp_path / "train.txt").write_text("".join(q + "\n" for q in questions))
     for argv, message in [
         (["--prompts", str(tmp_path / "train.jsonl")], "needs --max-new-tokens"),
         (["--prompts", str(tmp_path / "train.jsonl"), "--max-new-tokens", "8"], "no text field 'prompt'"),
         (["--prompts", str(tmp_path / "bad.jsonl"), "--field", "question", "--max-new-tokens", "8"], "bad.jsonl:2"),
-        (["--prompts", str(tmp_path / "bad.JSON"), "--field", "question", "--max-new-tokens", "8"], "bad.JSON:2"),
+        (["--prompts", str(tmp_path / "bad.NDJSON"), "--field", "question", "--max-new-tokens", "8"], "bad.NDJSON:2"),
+        (["--prompts", str(tmp_path / "list.json"), "--field", "question", "--max-new-tokens", "8"],
+         "list.json item 2: no text field 'question'"),
         (["--prompts", str(tmp_path / "train.txt"), "--field", "question", "--max-new-tokens", "8"],
          "is read as text"),
         (["--prompts", str(tmp_path / "train.jsonl"), "--tasks", "toy-arith", "--max-new-tokens", "8"], "give one"),

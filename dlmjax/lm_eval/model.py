@@ -163,15 +163,15 @@ def cut_is_settled(prefix: str, until: list[str]) -> bool:
     """Whether the text of a row's first tokens fixes its stop-string cut: `finish_text` cuts the
     whole text where it cuts `prefix`, whatever follows. lm-eval splits at each stop string in
     turn, so a later string can cut inside an earlier one's occurrence (until ["Answer: ", ":"]).
-    Occurrences the prefix and the whole text disagree on start within the longest string's length
-    L of the prefix's settled end (its last `_UNSETTLED_TAIL` characters may change); a cut that
-    lies 2 L before that end is made by occurrences wholly inside the settled text, which no such
-    occurrence can precede or undo (property-tested)."""
+    The prefix and the whole text agree up to E (the prefix's length less `_UNSETTLED_TAIL`).
+    At each split either the cut falls where both agree, and from then on both texts are the
+    same, or both cuts lie past E - (that string's length); so a cut at most E - (the strings'
+    total length) was made where both agree (property-tested)."""
     terms = [term for term in until if term]
     if not terms:
         return False
     cut = len(postprocess_generated_text(prefix, terms, None))
-    return cut <= len(prefix) - _UNSETTLED_TAIL - 2 * max(map(len, terms)) + 1
+    return cut <= len(prefix) - _UNSETTLED_TAIL - sum(map(len, terms))
 
 
 def parse_generation_request(index: int, request, default_max: int) -> GenerationRequest:
