@@ -40,7 +40,7 @@ from flax import nnx
 from dlmjax import arithmetic
 from dlmjax.io.files import file_sha256
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile, save_file
-from dlmjax.validation import InputError
+from dlmjax.validation import STRICT_UNIT, InputError
 
 FEATURES = ("confidence", "entropy", "momentum", "stable", "block_pos", "abs_pos")
 # A Learn2PD-style filter (kind "block"): one MLP over the K confidences of the block (committed and
@@ -188,8 +188,9 @@ def value_problems(params: dict, threshold) -> list[str]:
     `threshold=` must (0 commits every masked token at once; 1 or NaN none, leaving the decode to
     the one-token guard), its feature scales be positive and its ranges ordered. Empty when fine."""
     problems = []
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.floating)) or not 0 < threshold < 1:
-        problems.append(f"threshold {threshold!r} is not in (0, 1)")
+    number = isinstance(threshold, (int, float, np.floating)) and not isinstance(threshold, bool)
+    if not number or threshold not in STRICT_UNIT:  # the decoders' `threshold=` limit
+        problems.append(f"threshold {threshold!r} is not {STRICT_UNIT}")
     for name in ("fc1_w", "fc1_b", "fc2_w", "fc2_b", "mean"):
         if not np.all(np.isfinite(params[name])):
             problems.append(f"{_TORCH_NAMES[name]} holds values that are not finite")
