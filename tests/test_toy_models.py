@@ -61,3 +61,30 @@ def test_the_toy_tokenizer_reads_every_character_newlines_included(name, tmp_pat
     save_char_tokenizer(tmp_path)
     written, shipped = (json.loads((d / "tokenizer.json").read_text()) for d in (tmp_path, resolve_model(name)))
     assert written == shipped
+
+
+def test_reshipping_a_toy_model_replaces_its_files_and_keeps_the_heads_beside_it(tmp_path, monkeypatch, capsys):
+    """train/ship_toy.py replaces the model's own files (a stale shard index too) and keeps what
+    else the preset holds (toy-ar's drafter/), naming it as trained on the previous weights: it
+    used to delete the whole directory, drafter and controller with it."""
+    import shutil
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "train"))
+    import ship_toy
+
+    shipped = tmp_path / "shipped" / "toy-ar"
+    shutil.copytree(resolve_model("toy-ar"), shipped)
+    (shipped / "model.safetensors.index.json").write_text("{}")  # the previous model's shard layout
+    run = tmp_path / "run"
+    shutil.copytree(resolve_model("toy-ar"), run / "model",
+                    ignore=shutil.ignore_patterns("drafter", "accuracy.json", "TRAINING.md"))
+    (run / "config.yaml").write_text("train: {steps: 5, init_from: null}\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval/toy-arith": 0.5}) + "\n")
+    monkeypatch.setattr(ship_toy, "SHIPPED_DIR", tmp_path / "shipped")
+    ship_toy.ship(run, "toy-ar")
+    assert sorted(p.name for p in shipped.iterdir()) == [
+        "TRAINING.md", "accuracy.json", "config.json", "drafter", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]
+    assert (shipped / "drafter" / "model.safetensors").is_file()
+    assert "kept beside the new toy-ar: drafter; they were trained on the previous weights" in capsys.readouterr().err
