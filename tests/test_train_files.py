@@ -89,9 +89,10 @@ def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, ro
     batch = make_batch(examples, tokenizer, seq_len=96, block=4, pad_id=tokenizer.eos_id)
     first = tokenizer.decode(batch.tokens[0][batch.valid[0]], skip_special_tokens=False)
     prompt = tokenizer.decode(batch.tokens[0][batch.valid[0] & ~batch.target[0]], skip_special_tokens=False)
-    question = next(r["question"] for r in ROWS if r["answer"] == examples[0].target)
-    assert prompt == examples[0].prompt == f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
-    assert first.startswith(prompt + examples[0].target + "<|im_end|>")  # then EOS up to the block's end
+    row = next(r for r in ROWS if r["answer"] + "<|im_end|>" == examples[0].target)  # the answer's turn
+    assert prompt == examples[0].prompt == f"<|im_start|>user\n{row['question']}<|im_end|>\n<|im_start|>assistant\n"
+    turn_ends = len(tokenizer.encode_prompt(prompt) + tokenizer.encode(examples[0].target))
+    assert first == prompt + examples[0].target + "<|im_end|>" * (-turn_ends % 4)  # EOS up to the block's end
 
     # a byte-order mark before the first line (Excel's, PowerShell's) is not part of it; a blank answer
     # is no answer, as evaluation reads it
@@ -99,7 +100,7 @@ def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, ro
     bom.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in [*ROWS[:2], {"question": "q", "answer": " "}]
                                                    ).encode() + b"\n")
     (task,) = file_tasks(load_run_config(MRP_CONFIG, file_overrides(sdar, bom)).data, tokenizer, block=4).values()
-    assert [ex.target for ex in task.examples] == [r["answer"] for r in ROWS[:2]]
+    assert [ex.target for ex in task.examples] == [r["answer"] + "<|im_end|>" for r in ROWS[:2]]
     assert "skipped 1 line without text fields 'question' and 'answer' (row 3: missing or empty 'answer')" in (
         capsys.readouterr().out)
 
@@ -118,17 +119,53 @@ def test_file_rows_are_the_models_chat_turns_and_bad_lines_are_reported(sdar, ro
 def test_data_chat_takes_the_templates_variables_as_evaluation_does(sdar, rows_file, tmp_path):
     """`data.chat={enable_thinking: false}`: the rows' prompts are the turns a Qwen3 preset
     evaluates with (it was refused: true or false only)."""
-    thinking = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    # Qwen3's template: the last assistant turn opens with an empty think block
+    thinking = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}<think>\n\n</think>"
+                "\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
                 "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
     chat_checkpoint(tmp_path / "tok", thinking, SPECIALS, {"bos_token": None, "eos_token": "<|im_end|>"})
     tokenizer = load_tokenizer(tmp_path / "tok")
-    for chat, ending in (("true", "assistant\n"), ("{enable_thinking: false}", "assistant\n<think>\n\n</think>\n\n")):
+    for chat, ending, answer_starts in (("true", "assistant\n", "<think>\n\n</think>\n\n"),
+                                        ("{enable_thinking: false}", "assistant\n<think>\n\n</think>\n\n", "")):
         run = load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file) + [f"data.chat={chat}"])
         (task,) = file_tasks(run.data, tokenizer, block=4).values()
         assert all(ex.prompt.endswith(ending) for ex in task.examples), chat
+        assert [ex.target for ex in task.examples] == [answer_starts + r["answer"] + "<|im_end|>" for r in ROWS], chat
     assert hash(run.data) == hash(load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file)
                                                   + ["data.chat={enable_thinking: false}"]).data)
+
+
+def test_chat_rows_end_with_the_models_end_of_turn_then_eos(sdar, rows_file, tmp_path):
+    """A chat model stops at its end of turn, which need not be its EOS (LLaDA's <|eot_id|> before
+    <|endoftext|>, Dream's <|im_end|>): a row is the answer's turn up to that token, then EOS. It
+    ended with EOS alone, so the heads never saw the turn end the model writes. A template that
+    writes the answer elsewhere than after the generation prompt is refused."""
+    llada = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+             "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    specials = ["<|endoftext|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|mdm_mask|>"]
+    chat_checkpoint(tmp_path / "tok", llada, specials, {"bos_token": None, "eos_token": "<|endoftext|>"})
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    assert tokenizer.stop_ids == (tokenizer.token_to_id("<|endoftext|>"),)  # the turn end is no stop id yet
+    run = load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file))
+    (task,) = file_tasks(run.data, tokenizer, block=None).values()
+    assert task.examples[0].target == ROWS[0]["answer"] + "<|eot_id|>"  # no stop id in the turn: kept whole
+
+    (tmp_path / "tok" / "generation_config.json").write_text(json.dumps({"eos_token_id": [
+        tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|eot_id|>")]}))
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    two_turns = llada.replace("{{ m.content }}<|eot_id|>", "{{ m.content }}<|eot_id|>\n\nmore<|eot_id|>")
+    tokenizer.chat_template = two_turns  # a turn with text after its end: cut after the first stop token
+    (task,) = file_tasks(run.data, tokenizer, block=None).values()
+    assert task.examples[0].target == ROWS[0]["answer"] + "<|eot_id|>"
+    batch = make_batch(task.examples[:1], tokenizer, seq_len=96, block=None, pad_id=tokenizer.eos_id)
+    row = tokenizer.decode(batch.tokens[0][batch.valid[0] & batch.target[0]], skip_special_tokens=False)
+    assert row == ROWS[0]["answer"] + "<|eot_id|><|endoftext|>"
+    tokenizer.chat_template = llada.replace(  # a template that writes something before the assistant's header
+        "{% for m in messages %}", "{% for m in messages %}{% if m.role == 'assistant' %}[answer]{% endif %}")
+    with pytest.raises(DataError, match="data.chat: the chat template writes a conversation's assistant turn "
+                                        "elsewhere .*set data.chat=false"):
+        file_tasks(run.data, tokenizer, block=None)
 
 
 def test_file_rows_come_in_epochs_each_row_once_an_epoch():

@@ -62,7 +62,8 @@ class DataConfig:
     """What a run trains on: the toy tasks (`tasks`), or for a head on a real model (objectives mrp
     and drafter) JSONL files of its data (`files`: path -> weight; each line an object whose
     `prompt_field` and `response_field` hold the prompt and the answer to learn; `chat`: the
-    prompt as a user turn of the model's chat template; a mapping gives the template's variables
+    prompt as a user turn of the model's chat template and the answer as the assistant turn after
+    it, up to its end-of-turn token; a mapping gives the template's variables
     too, e.g. {enable_thinking: false} for Qwen3, as evaluation's presets do). A file that exists
     is recorded by its absolute path, so a run resumes from any working directory."""
 

@@ -103,7 +103,8 @@ def _epoch_order(seed: int, name: str, epoch: int, n: int) -> tuple[int, ...]:
 
 def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str, FileTask]:
     """{path: FileTask} of `data.files` (a DataConfig): each line's `prompt_field` and
-    `response_field` (the prompt as a user turn of `tokenizer`'s chat template where `data.chat`).
+    `response_field`; where `data.chat`, the prompt as a user turn of `tokenizer`'s chat template
+    and the answer as the assistant turn after it, up to its end-of-turn token (`chat_rows`).
     Lines without both fields, and lines whose row (`encode_row` with `block`) is longer than
     `data.seq_len`, are reported and skipped; a file without one good line is refused."""
     from dlmjax.evaluation.tasks import DatasetError, usable_rows, read_rows
@@ -124,10 +125,11 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
                             "data.response_field to its keys, or write it one JSON object a line")
         if data.chat:
             try:
-                prompts = tokenizer.user_turns([ex.prompt for _, ex in numbered], data.chat)
+                turns = tokenizer.chat_rows([ex.prompt for _, ex in numbered], [ex.target for _, ex in numbered],
+                                            data.chat)
             except InputError as err:
                 raise DataError(f"data.chat: {err}; set data.chat=false to train on the prompts as they are") from None
-            numbered = [(n, Example(prompt=p, target=ex.target)) for p, (n, ex) in zip(prompts, numbered)]
+            numbered = [(n, Example(prompt=p, target=a)) for (p, a), (n, _) in zip(turns, numbered)]
         fits = [_row_length(tokenizer, ex, block) <= data.seq_len for _, ex in numbered]
         long = [n for (n, _), ok in zip(numbered, fits) if not ok]
         examples = tuple(ex for (_, ex), ok in zip(numbered, fits) if ok)
@@ -157,9 +159,16 @@ def check_toy_rows_fit(task_weights: dict, tokenizer, *, seq_len: int, block: in
 
 
 def _row_length(tokenizer, example: Example, block: int | None) -> int:
-    """The tokens `encode_row` gives `example`: prompt, answer, EOS, and EOS up to a block's end."""
-    n = len(tokenizer.encode_prompt(example.prompt)) + len(tokenizer.encode(example.target)) + 1
-    return -(-n // block) * block if block else n
+    """The tokens `encode_row` gives `example`."""
+    return len(_row(tokenizer.encode_prompt(example.prompt), tokenizer.encode(example.target), tokenizer.eos_id, block))
+
+
+def _row(prompt_ids, target_ids, eos_id: int, block: int | None) -> list[int]:
+    """Prompt, answer, EOS (none more where the answer ends with it: a chat turn whose end-of-turn
+    token is the EOS), and EOS up to a block's end."""
+    row = list(prompt_ids) + list(target_ids)
+    row += [] if target_ids and target_ids[-1] == eos_id else [eos_id]
+    return row + [eos_id] * (-len(row) % block) if block else row
 
 
 def _first_problems(malformed: list[str]) -> str:
@@ -177,9 +186,7 @@ def _numbers(numbers: list[int]) -> str:
 
 def encode_row(prompt_ids, target_ids, *, eos_id: int, pad_id: int, seq_len: int, block: int | None):
     """(tokens, valid, target) for one row; `block` None for autoregressive models."""
-    row = list(prompt_ids) + list(target_ids) + [eos_id]
-    if block:
-        row += [eos_id] * (-len(row) % block)
+    row = _row(prompt_ids, target_ids, eos_id, block)
     if len(row) > seq_len:
         raise DataError(
             f"an example needs {len(row)} tokens but seq_len={seq_len}; raise seq_len in the config "
