@@ -60,7 +60,7 @@ from dlmjax.heads.controller import FEATURES, model_fingerprint
 from dlmjax.io.files import check_output_dir
 from dlmjax.io.tokenizer import decode_stop_ids
 from dlmjax.models.transformer import take_rows
-from dlmjax.validation import InputError, count_arg, read_json_file, seed_arg
+from dlmjax.validation import InputError, count_arg, seed_arg
 
 TRACE_FORMAT = "dlmjax-tspd-traces"
 TRACE_VERSION = 2  # 2: each prompt traced once (v1 could hold one twice, on both sides of a held-out split)
@@ -317,38 +317,30 @@ def distinct(prompts) -> list:
 
 
 def prompts_from_file(path: str | Path, *, field: str = "prompt") -> list[str]:
-    """Prompts from a JSONL file (.jsonl or .ndjson: `field` of each line's object, e.g. GSM8K's
-    `question`), a .json file (a list of such objects, as `dlmjax eval --data` reads one) or a
-    text file (one prompt per line; blank lines skipped); `traces_for_prompts` traces a repeat
-    once. Training traces should not come from a test split."""
+    """Prompts from a JSONL file (.jsonl, .ndjson or gzipped: `field` of each line's object, e.g.
+    GSM8K's `question`), a .json file (a list of such objects), both read as `dlmjax eval --data`
+    reads them, or a text file (one prompt per line; blank lines skipped); `traces_for_prompts`
+    traces a repeat once. Training traces should not come from a test split."""
+    from dlmjax.evaluation.tasks import DatasetError, read_rows, usable_rows
+
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"--prompts {path}: no such file")
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".ndjson", ".json") and field != "prompt":
+    if path.suffix.lower() in (".jsonl", ".ndjson", ".json", ".gz"):
+        try:
+            rows = read_rows(path)
+        except DatasetError as err:
+            raise TraceError(f"--prompts: {err}") from None
+        usable, bad = usable_rows(rows, (field,))
+        if bad:
+            raise TraceError(f"--prompts {path}: {len(bad)} row{'s' * (len(bad) > 1)} without a text field {field!r} ({'; '.join(bad[:5])}"
+                             f"{' ...' if len(bad) > 5 else ''}); fix them, or pass --field NAME")
+        prompts = [row[field] for _, row in usable]
+    elif field != "prompt":
         raise TraceError(f"--field {field} reads JSON objects, and {path} is read as text (one prompt per line); "
                          "name the file .jsonl, or drop --field")
-    if suffix == ".json":
-        rows = read_json_file(path, error=TraceError, fix="fix the file or pass a .jsonl file")
-        if not isinstance(rows, list):
-            raise TraceError(f"{path} holds no list of objects; write a JSON list, or one object per line in a .jsonl "
-                             "file")
-        numbered = [(f"{path} item {number}", row) for number, row in enumerate(rows, 1)]
-    elif suffix in (".jsonl", ".ndjson"):
-        numbered = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    numbered.append((f"{path}:{number}", json.loads(line)))
-                except json.JSONDecodeError as err:
-                    raise TraceError(f"{path}:{number}: invalid JSON ({err.msg}); one object per line") from None
     else:
-        numbered = [(None, {field: line}) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    prompts = []
-    for where, row in numbered:
-        if not isinstance(row, dict) or not isinstance(row.get(field), str) or not row[field]:
-            raise TraceError(f"{where}: no text field {field!r} (pass --field NAME)")
-        prompts.append(row[field])
+        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
         raise TraceError(f"{path} holds no prompts")
     return prompts

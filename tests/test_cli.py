@@ -357,11 +357,13 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
     (tmp_path / "train.txt").write_text("".join(q + "\n" for q in questions))
     for argv, message in [
         (["--prompts", str(tmp_path / "train.jsonl")], "needs --max-new-tokens"),
-        (["--prompts", str(tmp_path / "train.jsonl"), "--max-new-tokens", "8"], "no text field 'prompt'"),
-        (["--prompts", str(tmp_path / "bad.jsonl"), "--field", "question", "--max-new-tokens", "8"], "bad.jsonl:2"),
-        (["--prompts", str(tmp_path / "bad.NDJSON"), "--field", "question", "--max-new-tokens", "8"], "bad.NDJSON:2"),
+        (["--prompts", str(tmp_path / "train.jsonl"), "--max-new-tokens", "8"], "without a text field 'prompt'"),
+        (["--prompts", str(tmp_path / "bad.jsonl"), "--field", "question", "--max-new-tokens", "8"],
+         "bad.jsonl: 1 row without a text field 'question' (row 2: invalid JSON"),
+        (["--prompts", str(tmp_path / "bad.NDJSON"), "--field", "question", "--max-new-tokens", "8"],
+         "bad.NDJSON: 1 row without a text field 'question' (row 2: invalid JSON"),
         (["--prompts", str(tmp_path / "list.json"), "--field", "question", "--max-new-tokens", "8"],
-         "list.json item 2: no text field 'question'"),
+         "list.json: 1 row without a text field 'question' (row 2: missing or empty 'question')"),
         (["--prompts", str(tmp_path / "train.txt"), "--field", "question", "--max-new-tokens", "8"],
          "is read as text"),
         (["--prompts", str(tmp_path / "train.jsonl"), "--tasks", "toy-arith", "--max-new-tokens", "8"], "give one"),
@@ -370,3 +372,10 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
     ]:
         assert main(["traces", "--model", "toy-sdar", *argv, "--out", str(tmp_path / "x")]) == 2
         assert message in capsys.readouterr().err
+    # prompt files are read as `dlmjax eval --data` reads them: gzipped, with a byte-order mark
+    import gzip
+
+    from dlmjax.traces import prompts_from_file
+
+    (tmp_path / "bom.jsonl.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf" + (tmp_path / "train.jsonl").read_bytes()))
+    assert prompts_from_file(tmp_path / "bom.jsonl.gz", field="question") == [q + "\n" for q in questions[:1] + questions]

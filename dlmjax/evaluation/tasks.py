@@ -108,7 +108,7 @@ def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | N
     """Rows of a local file or directory, or of a Hugging Face dataset `name` (split `split`)."""
     path = local_rows_file(source, split)
     if path.is_file():
-        if path.suffix == ".json":
+        if path.suffix.lower() == ".json":
             data = read_json_file(path, error=DatasetError, fix="fix the file or pass a .jsonl file")
             if isinstance(data, dict):
                 data = data.get(split, data.get("data"))
