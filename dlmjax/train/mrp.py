@@ -32,7 +32,10 @@ answer tokens instead, a per-batch constant factor):
 
 The plain names supervise the last chain step; the `_sum` variants average the per-step losses
 over the n steps (uniform 1/n). (The reference code's `_sum` means "A + C against B", which is what
-every loss here does; its chain averaging is ours to name.)
+every loss here does; its chain averaging is ours to name. Its plain `mse` compares the head's own
+logits C with l_A, the spec's "mse (teacher A)", for a head whose output replaces the logits; with
+the residual here, logits = l_A + C against l_A would only pull C to 0, so mse's teacher is l_B
+as every other loss's.)
 """
 
 from __future__ import annotations
