@@ -382,6 +382,17 @@ TINY = ["--batch", "2", "--hidden", "64", "--layers", "1", "--max-new", "8", "--
     ("psd_depth.py", TINY + ["--block", "4", "--vocab", "64", "--repeats", "1", "--policies", "topk,k=1"]),
     ("round_cost_cpu.py", ["--prompt-len", "16", "--batch", "2", "--hidden", "64", "--layers", "1", "--short", "4",
                            "--long", "8"]),
+    ("cache_modes_cpu.py", TINY + ["--vocab", "64", "--block", "4", "--repeats", "1"]),
+    ("forward_cpu.py", ["--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+                        "--intermediate", "128", "--vocab", "128", "--seq", "16", "--batches", "1,2", "--warmup", "1",
+                        "--repeats", "1"]),
+    ("moe_cpu.py", ["--hidden", "64", "--experts", "8", "--width", "32", "--top-k", "2", "--tokens", "1", "4",
+                    "--warmup", "1", "--repeats", "1"]),
+    ("moe_ep_cpu.py", ["--hidden", "32", "--experts", "8", "--width", "16", "--top-k", "2", "--tokens", "8",
+                       "--meshes", "expert=4,data=2", "--warmup", "1", "--repeats", "1"]),
+    ("eval_data_parallel_cpu.py", ["--limit", "4", "--batch-size", "4", "--widths", "1", "2"]),
+    ("decode_throughput.py", ["--prompts", "2", "--batches", "1", "--max-new", "8", "--decoders", "static",
+                              "--out", "results"]),  # in the test's own directory
 ])
 def test_benchmark_scripts_run_from_anywhere_on_this_checkout(script, args, tmp_path):
     """Run as their README commands run them, from another directory with no PYTHONPATH: each puts
