@@ -1,4 +1,4 @@
-"""The `dlmjax` command: generate, eval, train, traces, export.
+"""The `dlmjax` command: generate, eval, train, traces, regenerate, export.
 
     dlmjax generate --model DIR_OR_PRESET --prompt TEXT [--prompt TEXT ...] [--decoder SPEC]
                     [--max-new-tokens N] [--json]
@@ -6,10 +6,11 @@
                 [--save-outputs] [--backend {native,lm-eval}]
     dlmjax train CONFIG [section.key=value ...] --out RUN_DIR
     dlmjax traces [--model DIR_OR_PRESET] --out DIR        (TSPD training traces)
+    dlmjax regenerate --model DIR --data FILE --max-new-tokens N --out FILE   (drafter data: the model's answers)
     dlmjax export SRC OUT --format torch
     dlmjax lm-eval --model dlmjax --model_args pretrained=DIR_OR_PRESET,... --tasks ...   (lm-eval's flags)
 
-generate, eval, train and traces take --precision {default,highest} and --invariant (dlmjax.numerics),
+generate, eval, train, traces and regenerate take --precision {default,highest} and --invariant (dlmjax.numerics),
 and --kernels {auto,on,interpret,off} (dlmjax.kernels).
 """
 
@@ -27,6 +28,7 @@ from dlmjax import kernels
 from dlmjax.arithmetic import PRECISIONS, numerics
 from dlmjax.decoding.spec import decoder_names
 from dlmjax.models.moe import EXPERT_DISPATCH
+from dlmjax.regenerate import add_parser as add_regenerate_parser
 from dlmjax.traces import add_parser as add_traces_parser
 from dlmjax.io.files import check_output_dir
 from dlmjax.validation import InputError, count_arg, seed_arg
@@ -458,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=cmd_train)
 
     add_traces_parser(sub)
-    for name in ("generate", "eval", "train", "traces"):
+    add_regenerate_parser(sub)
+    for name in ("generate", "eval", "train", "traces", "regenerate"):
         add_numerics_args(sub.choices[name])
     for name in ("generate", "eval", "train"):
         add_distributed_args(sub.choices[name])
@@ -518,6 +521,7 @@ def _run(command: str, run) -> int:
         return 0
     except KeyboardInterrupt:  # Ctrl-C: what was finished is kept (a run's last step is checkpointed)
         kept = {"train": "; rerun the same command to resume from the last finished step",
+                "regenerate": "; rerun the same command to keep the rows written and decode the others",
                 "eval": "; any (task, decoder) runs that finished are in the --out directory's results "
                         "(settings.complete: false)"}
         print(f"dlmjax {command}: interrupted" + kept.get(command, ""), file=sys.stderr)
