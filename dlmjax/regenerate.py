@@ -81,7 +81,7 @@ def regenerate(model, tokenizer, rows: list[tuple[int, dict]], *, field: str, ou
     from tqdm.auto import tqdm
 
     from dlmjax.decoding.api import Stream
-    from dlmjax.io.tokenizer import decode_stop_ids
+    from dlmjax.io.tokenizer import decode_stop_ids, training_chat_vars
 
     partial = out.with_name(out.name + ".partial")
     done = read_partial(partial, settings) if partial.is_file() else {}
@@ -90,8 +90,8 @@ def regenerate(model, tokenizer, rows: list[tuple[int, dict]], *, field: str, ou
     todo = [(n, row) for n, row in rows if n not in done]
     stops = set(decode_stop_ids(model.config, tokenizer))
     prompts = [row[field] for _, row in todo]
-    if chat and prompts:
-        prompts = tokenizer.user_turns(prompts, chat)
+    if chat and prompts:  # as training renders them (training_chat_vars: the template's date fixed)
+        prompts = tokenizer.user_turns(prompts, training_chat_vars(chat))
     if prompts:
         stream = Stream(model, prompts, batch_size=batch_size, tokenizer=tokenizer, decoder=decoder,
                         max_new_tokens=max_new_tokens, seed=seed, row_ids=[n for n, _ in todo], mesh=mesh, head=head,

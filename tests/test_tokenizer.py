@@ -192,6 +192,24 @@ def test_chat_templates_render_as_transformers_renders_them(chat_pair):
     assert "Zürich" in text and '"b": 1, "a": 2' in text
 
 
+def test_training_rows_render_the_templates_date_as_a_fixed_day(chat_pair):
+    """A template that writes today's date (Llama 3.1's strftime_now) writes training rows at
+    TRAINING_DATE, so a run resumed on another day reads the same rows (how many fit seq_len, and
+    so every epoch's order, could change with the date); inference keeps today's date, as
+    transformers writes it."""
+    from dlmjax.io.tokenizer import TRAINING_DATE
+
+    ours, theirs = chat_pair("llama")
+    user = [{"role": "user", "content": "What is 7 * 6?"}]
+    ((prompt, answer),) = ours.chat_rows(["What is 7 * 6?"], ["42"])
+    assert prompt == theirs.apply_chat_template(user, tokenize=False, add_generation_prompt=True,
+                                                date_string=f"{TRAINING_DATE:%d %b %Y}")
+    assert answer == "42<|eot_id|>"  # the assistant turn up to its stop token (the EOS here)
+    assert ours.apply_chat_template(user) == theirs.apply_chat_template(user, tokenize=False,
+                                                                          add_generation_prompt=True)
+    assert f"{TRAINING_DATE:%d %b %Y}" not in ours.apply_chat_template(user)  # today's date
+
+
 def test_a_chat_template_cannot_reach_python(chat_pair):
     """Templates come with downloaded checkpoints: they run in Jinja's sandbox, as in transformers."""
     from dlmjax.io.tokenizer import TokenizerError

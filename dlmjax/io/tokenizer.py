@@ -103,14 +103,15 @@ class Tokenizer:
 
     def chat_rows(self, prompts: list[str], answers: list[str], chat=True) -> list[tuple[str, str]]:
         """Training rows as the chat template writes the conversations: (each prompt as a user
-        turn ready for the answer, as `user_turns` gives it; the assistant turn that follows it,
-        the answer with the template's own framing, up to and including its first stop token).
-        That is what the model writes before decoding stops: LLaDA's answer then `<|eot_id|>`,
-        Dream's and Qwen's then `<|im_end|>`; a turn without a stop token is kept whole."""
-        template_vars = chat if isinstance(chat, dict) else {}
+        turn ready for the answer, as `user_turns` gives it with `training_chat_vars`; the
+        assistant turn that follows it, the answer with the template's own framing, up to and
+        including its first stop token). That is what the model writes before decoding stops:
+        LLaDA's answer then `<|eot_id|>`, Dream's and Qwen's then `<|im_end|>`; a turn without a
+        stop token is kept whole."""
+        template_vars = training_chat_vars(chat)
         stops = [self.backend.id_to_token(i) for i in self.stop_ids]
         rows = []
-        for prompt_turn, prompt, answer in zip(self.user_turns(prompts, chat), prompts, answers):
+        for prompt_turn, prompt, answer in zip(self.user_turns(prompts, template_vars), prompts, answers):
             whole = self.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
                                              add_generation_prompt=False, **template_vars)
             if not whole.startswith(prompt_turn):
@@ -129,6 +130,18 @@ class Tokenizer:
                 "(e.g. '<|mask|>') to tokenizer.json and set mask_token_id in config.json"
             )
         return self.mask_id
+
+
+# The day training data is rendered at: a template that writes today's date (Llama 3.1's
+# `strftime_now`) would make a run's rows depend on the day it runs, and a resume on another day
+# would read other rows. Llama 3.1's own template falls back to this day.
+TRAINING_DATE = datetime(2024, 7, 26)
+
+
+def training_chat_vars(chat) -> dict:
+    """The chat template's variables for training data (`chat`: True, or the user's variables):
+    `strftime_now` answers TRAINING_DATE, so the rows are a function of the data alone."""
+    return {**(chat if isinstance(chat, dict) else {}), "strftime_now": TRAINING_DATE.strftime}
 
 
 _CONTINUE_MARK = "\x00dlmjax-continue\x00 "  # appended to the message to continue; cut off after rendering
