@@ -23,7 +23,7 @@ written in row order and OUT.partial removed.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -37,21 +37,13 @@ class RegenerateError(InputError):
     pass
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def read_partial(partial: Path, settings: dict) -> dict[int, dict]:
-    """{source row: output line} of a stopped run's partial file, which must have been started
-    with `settings`; a last line cut short by the stop is dropped."""
-    lines = partial.read_text(encoding="utf-8").split("\n")
+def read_partial(content: bytes, partial: Path, settings: dict) -> dict[int, dict]:
+    """{source row: output line} of a stopped run's partial file (its whole lines: one the stop
+    cut short is not among them), which must have been started with `settings`."""
+    header, *lines = content.split(b"\n")[:-1]
     try:
-        started = json.loads(lines[0])[SETTINGS_KEY]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        started = json.loads(header)[SETTINGS_KEY]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
         raise RegenerateError(f"{partial} is not a dlmjax regenerate file; move it away") from None
     changed = [key for key in sorted(set(settings) | set(started)) if settings.get(key) != started.get(key)]
     if changed:
@@ -60,12 +52,13 @@ def read_partial(partial: Path, settings: dict) -> dict[int, dict]:
             f"now {', '.join(f'{settings.get(k)!r}' for k in changed)}); rerun with its settings to finish it, or "
             "delete it to start over")
     done = {}
-    for line in lines[1:]:
+    for number, line in enumerate(lines, 2):
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line being written when the run stopped (or the empty end)
-        done[row["source_row"]] = row
+            done[row["source_row"]] = row
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            raise RegenerateError(f"{partial}:{number} is not a row this command wrote; delete the file to start "
+                                  "over") from None
     return done
 
 
@@ -73,44 +66,70 @@ def output_line(row: dict, source_row: int, text: str, finished: bool, response_
     return {**row, response_field: text if finished else None, "source_row": source_row}
 
 
+def _line(row: dict) -> bytes:
+    return json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
 def regenerate(model, tokenizer, rows: list[tuple[int, dict]], *, field: str, out: Path, settings: dict,
                decoder: str, max_new_tokens: int, batch_size: int, chat=False, seed: int = 0, mesh=None, head=None,
                drafter=None, progress: bool = True, response_field: str = "response") -> dict:
     """Decode `rows` ([(source row, object)]) into `out` (module docstring), resuming a stopped run
-    of the same `settings`; a summary {rows, unfinished, resumed}."""
+    of the same `settings`; a summary {rows, unfinished, resumed}. The partial file is locked
+    while it is written: a second run on the same --out is refused."""
     from tqdm.auto import tqdm
 
     from dlmjax.decoding.api import Stream
     from dlmjax.io.tokenizer import decode_stop_ids, training_chat_vars
 
     partial = out.with_name(out.name + ".partial")
-    done = read_partial(partial, settings) if partial.is_file() else {}
-    if not partial.is_file():
-        partial.write_text(json.dumps({SETTINGS_KEY: settings}) + "\n", encoding="utf-8")
-    todo = [(n, row) for n, row in rows if n not in done]
-    stops = set(decode_stop_ids(model.config, tokenizer))
-    prompts = [row[field] for _, row in todo]
-    if chat and prompts:  # as training renders them (training_chat_vars: the template's date fixed)
-        prompts = tokenizer.user_turns(prompts, training_chat_vars(chat))
-    if prompts:
-        stream = Stream(model, prompts, batch_size=batch_size, tokenizer=tokenizer, decoder=decoder,
-                        max_new_tokens=max_new_tokens, seed=seed, row_ids=[n for n, _ in todo], mesh=mesh, head=head,
-                        drafter=drafter)
-        with open(partial, "a", encoding="utf-8") as f, tqdm(total=len(rows), initial=len(done), unit="row",
-                                                             desc="regenerate", disable=not progress) as bar:
-            for index, result in stream:
-                n, row = todo[index]
-                finished = bool(result.tokens) and result.tokens[-1] in stops
-                done[n] = output_line(row, n, result.text, finished, response_field)
-                f.write(json.dumps(done[n], ensure_ascii=False) + "\n")
-                f.flush()  # a stopped run keeps every row written
-                bar.update(1)
-    whole = out.with_name(out.name + ".tmp")  # OUT appears only complete
-    whole.write_text("".join(json.dumps(done[n], ensure_ascii=False) + "\n" for n, _ in rows), encoding="utf-8")
-    os.replace(whole, out)
-    partial.unlink()
+    with open(partial, "a+b") as f:  # appends go to the end, whatever was read
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RegenerateError(f"another dlmjax regenerate is writing {partial}; wait for it to finish, or give "
+                                  "this one another --out") from None
+        f.seek(0)
+        content = f.read()
+        whole_lines = content[: content.rfind(b"\n") + 1]  # a line the stop cut short is dropped
+        f.truncate(len(whole_lines))
+        done = read_partial(whole_lines, partial, settings) if whole_lines else {}
+        if not whole_lines:
+            f.write(_line({SETTINGS_KEY: settings}))
+        todo = [(n, row) for n, row in rows if n not in done]
+        stops = set(decode_stop_ids(model.config, tokenizer))
+        prompts = [row[field] for _, row in todo]
+        if chat and prompts:  # as training renders them (training_chat_vars: the template's date fixed)
+            prompts = tokenizer.user_turns(prompts, training_chat_vars(chat))
+        if prompts:
+            stream = Stream(model, prompts, batch_size=batch_size, tokenizer=tokenizer, decoder=decoder,
+                            max_new_tokens=max_new_tokens, seed=seed, row_ids=[n for n, _ in todo], mesh=mesh,
+                            head=head, drafter=drafter)
+            with tqdm(total=len(rows), initial=len(done), unit="row", desc="regenerate", disable=not progress) as bar:
+                for index, result in stream:
+                    n, row = todo[index]
+                    finished = bool(result.tokens) and result.tokens[-1] in stops
+                    done[n] = output_line(row, n, result.text, finished, response_field)
+                    f.write(_line(done[n]))
+                    f.flush()  # a stopped run keeps every row written
+                    bar.update(1)
+        whole = out.with_name(out.name + ".tmp")  # OUT appears only complete
+        whole.write_bytes(b"".join(_line(done[n]) for n, _ in rows))
+        os.replace(whole, out)
+        partial.unlink()
     unfinished = sum(done[n][response_field] is None for n, _ in rows)
     return {"rows": len(rows), "unfinished": unfinished, "resumed": len(rows) - len(todo)}
+
+
+def check_fields_free(rows: list[tuple[int, dict]], data: Path, field: str, response_field: str) -> None:
+    """The fields the output writes hold nothing of the rows' own (a prompt, the data's answers)."""
+    if response_field == field:
+        raise RegenerateError(f"--response-field {response_field} is the prompt's field; the answers would replace "
+                              "the prompts: name another")
+    for n, row in rows:
+        for key, fix in ((response_field, "write the answers to another field (--response-field NAME)"),
+                         ("source_row", "rename it in the file")):
+            if key in row:
+                raise RegenerateError(f"{data}: row {n} already has a field {key!r}, which the output writes; {fix}")
 
 
 # -- `dlmjax regenerate` --------------------------------------------------------------------------
@@ -154,10 +173,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from dlmjax.cli import _cli_mesh, _drafter_for, _with_controller
+    from dlmjax.distributed import plan
     from dlmjax.decoding.api import check_kind
     from dlmjax.decoding.spec import parse_options
     from dlmjax.evaluation.runner import default_decoders, replicate_on
     from dlmjax.evaluation.tasks import DatasetError, read_rows, usable_rows
+    from dlmjax.io.files import file_sha256
     from dlmjax.presets import load_checkpoint
 
     out, data = Path(args.out), Path(args.data).expanduser()
@@ -177,6 +198,10 @@ def run(args) -> int:
     usable = usable[: args.limit]
     if not usable:
         raise RegenerateError(f"{data} has no row with a text field {args.field!r}; pass --field NAME")
+    check_fields_free(usable, data, args.field, args.response_field)
+    if plan().mode in ("explicit", "slurm"):
+        raise RegenerateError("regenerate runs as one process (split its rows over this host's devices with --mesh "
+                              "data=N); start it once, not under srun or with DLMJAX_* multi-process settings")
     mesh = _cli_mesh(args.mesh)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, mesh=mesh)
     decoder = args.decoder or default_decoders(model)[0]
@@ -185,7 +210,7 @@ def run(args) -> int:
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     if mesh is not None:
         model, head, drafter = (replicate_on(m, mesh) for m in (model, head, drafter))
-    settings = {"model": str(path), "data": str(data.resolve()), "data_sha256": sha256_of(data), "field": args.field,
+    settings = {"model": str(path.resolve()), "data": str(data.resolve()), "data_sha256": file_sha256(data), "field": args.field,
                 "response_field": args.response_field, "chat": args.chat, "decoder": decoder,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed, "dtype": args.dtype, "limit": args.limit}
     summary = regenerate(model, tokenizer, usable, field=args.field, out=out, settings=settings, decoder=decoder,

@@ -328,7 +328,7 @@ def prompts_from_file(path: str | Path, *, field: str = "prompt") -> list[str]:
         raise TraceError(f"--prompts {path}: no such file")
     if path.suffix.lower() in (".jsonl", ".ndjson", ".json", ".gz"):
         try:
-            rows = read_rows(path)
+            rows = read_rows(path, split="train")  # a .json object's "train" list, never its "test"
         except DatasetError as err:
             raise TraceError(f"--prompts: {err}") from None
         usable, bad = usable_rows(rows, (field,))

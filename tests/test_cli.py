@@ -379,3 +379,5 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
 
     (tmp_path / "bom.jsonl.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf" + (tmp_path / "train.jsonl").read_bytes()))
     assert prompts_from_file(tmp_path / "bom.jsonl.gz", field="question") == [q + "\n" for q in questions[:1] + questions]
+    (tmp_path / "splits.json").write_text(json.dumps({"train": [{"prompt": "train q"}], "test": [{"prompt": "test q"}]}))
+    assert prompts_from_file(tmp_path / "splits.json") == ["train q"]  # never a test split's

@@ -1,6 +1,7 @@
 """`dlmjax regenerate`: a training file's answers written again by the model, the data a drafter
 trains on; a stopped run resumes to the file an uninterrupted run writes."""
 
+import fcntl
 import json
 import random
 
@@ -63,26 +64,35 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_runs_file(rows_file, tmp_pat
     stopped = tmp_path / "stopped.jsonl"
     real_iter = Stream.__iter__
 
-    def stop_after_three(self):
-        for count, item in enumerate(real_iter(self)):
-            if count == 3:
-                raise KeyboardInterrupt
-            yield item
+    def stop_after(rows):
+        def iterate(self):
+            for count, item in enumerate(real_iter(self)):
+                if count == rows:
+                    raise KeyboardInterrupt
+                yield item
+        return iterate
 
-    monkeypatch.setattr(Stream, "__iter__", stop_after_three)
+    monkeypatch.setattr(Stream, "__iter__", stop_after(3))
     assert main(regenerate_argv(rows_file, stopped)) == 130
     assert "rerun the same command to keep the rows written" in capsys.readouterr().err
     partial = tmp_path / "stopped.jsonl.partial"
     assert not stopped.exists() and len(partial.read_text().splitlines()) == 1 + 3  # settings, three rows
-    with partial.open("a") as f:
-        f.write('{"question": "cut sho')  # a line the stop cut short
+    with partial.open("ab") as f:
+        f.write('{"question": "cut short in Zü'.encode()[:-1])  # a line the stop cut, inside a character
+    with partial.open("rb") as f:  # while another run writes the file, a second is refused
+        fcntl.flock(f, fcntl.LOCK_EX)
+        assert main(regenerate_argv(rows_file, stopped)) == 2
+    assert f"another dlmjax regenerate is writing {partial}" in capsys.readouterr().err
+    monkeypatch.setattr(Stream, "__iter__", stop_after(2))  # stopped again: the cut line is gone, five rows kept
+    assert main(regenerate_argv(rows_file, stopped)) == 130
+    assert [json.loads(line)["source_row"] for line in partial.read_text().splitlines()[1:]] == [1, 2, 3, 5, 6]
     monkeypatch.setattr(Stream, "__iter__", real_iter)
 
     # other settings are refused, naming them; the same command finishes the file
     assert main(regenerate_argv(rows_file, stopped, "--seed", "3")) == 2
     assert "was started with other settings (seed: 0; now 3)" in capsys.readouterr().err
     assert main(regenerate_argv(rows_file, stopped)) == 0
-    assert ", 3 of them from the stopped run" in capsys.readouterr().out
+    assert ", 5 of them from the stopped run" in capsys.readouterr().out
     assert stopped.read_bytes() == whole.read_bytes() and not partial.exists()
     assert main(regenerate_argv(rows_file, stopped)) == 2  # a finished file is not overwritten
     assert "exists; pick another --out" in capsys.readouterr().err
@@ -104,6 +114,9 @@ def test_a_diffusion_model_regenerates_with_its_decoder(rows_file, tmp_path):
     (["--field", "q"], "has no row with a text field 'q'; pass --field NAME"),
     (["--chat"], "this tokenizer has no chat template"),
     (["--chat", "[1]"], "is not a JSON object of chat template variables"),  # argparse's refusal
+    (["--response-field", "question"], "--response-field question is the prompt's field"),
+    (["--response-field", "answer"], "row 1 already has a field 'answer', which the output writes; write the "
+                                     "answers to another field (--response-field NAME)"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(rows_file, tmp_path, capsys, extra, message):
     try:

@@ -201,7 +201,7 @@ def test_training_rows_render_the_templates_date_as_a_fixed_day(chat_pair):
 
     ours, theirs = chat_pair("llama")
     user = [{"role": "user", "content": "What is 7 * 6?"}]
-    ((prompt, answer),) = ours.chat_rows(["What is 7 * 6?"], ["42"])
+    prompt, answer = ours.chat_row("What is 7 * 6?", "42")
     assert prompt == theirs.apply_chat_template(user, tokenize=False, add_generation_prompt=True,
                                                 date_string=f"{TRAINING_DATE:%d %b %Y}")
     assert answer == "42<|eot_id|>"  # the assistant turn up to its stop token (the EOS here)

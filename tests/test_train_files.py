@@ -136,35 +136,52 @@ def test_data_chat_takes_the_templates_variables_as_evaluation_does(sdar, rows_f
                                                   + ["data.chat={enable_thinking: false}"]).data)
 
 
-def test_chat_rows_end_with_the_models_end_of_turn_then_eos(sdar, rows_file, tmp_path):
+def test_chat_rows_end_with_the_models_end_of_turn_then_eos(sdar, rows_file, tmp_path, capsys):
     """A chat model stops at its end of turn, which need not be its EOS (LLaDA's <|eot_id|> before
-    <|endoftext|>, Dream's <|im_end|>): a row is the answer's turn up to that token, then EOS. It
-    ended with EOS alone, so the heads never saw the turn end the model writes. A template that
-    writes the answer elsewhere than after the generation prompt is refused."""
+    <|endoftext|>, Dream's <|im_end|>): a row is the answer's turn up to the first stop token after
+    the answer's text, then EOS. It ended with EOS alone, so the heads never saw the turn end the
+    model writes. A row the template does not write after the generation prompt is skipped and
+    reported; a file of nothing else is refused."""
     llada = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
              "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
     specials = ["<|endoftext|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|mdm_mask|>"]
     chat_checkpoint(tmp_path / "tok", llada, specials, {"bos_token": None, "eos_token": "<|endoftext|>"})
     tokenizer = load_tokenizer(tmp_path / "tok")
-    assert tokenizer.stop_ids == (tokenizer.token_to_id("<|endoftext|>"),)  # the turn end is no stop id yet
+    eos, eot = tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|eot_id|>")
+    assert tokenizer.stop_ids == (eos,)  # the turn end is no stop id of the tokenizer's
     run = load_run_config(MRP_CONFIG, file_overrides(sdar, rows_file))
     (task,) = file_tasks(run.data, tokenizer, block=None).values()
     assert task.examples[0].target == ROWS[0]["answer"] + "<|eot_id|>"  # no stop id in the turn: kept whole
 
-    (tmp_path / "tok" / "generation_config.json").write_text(json.dumps({"eos_token_id": [
-        tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|eot_id|>")]}))
-    tokenizer = load_tokenizer(tmp_path / "tok")
     two_turns = llada.replace("{{ m.content }}<|eot_id|>", "{{ m.content }}<|eot_id|>\n\nmore<|eot_id|>")
     tokenizer.chat_template = two_turns  # a turn with text after its end: cut after the first stop token
-    (task,) = file_tasks(run.data, tokenizer, block=None).values()
-    assert task.examples[0].target == ROWS[0]["answer"] + "<|eot_id|>"
+    for stop_ids in ((eos, eot), None):  # the model's (config.json's eos beside the tokenizer's), or
+        if stop_ids is None:  # generation_config.json's
+            (tmp_path / "tok" / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, eot]}))
+            tokenizer = load_tokenizer(tmp_path / "tok")
+            tokenizer.chat_template = two_turns
+        (task,) = file_tasks(run.data, tokenizer, block=None, stop_ids=stop_ids).values()
+        assert task.examples[0].target == ROWS[0]["answer"] + "<|eot_id|>"
     batch = make_batch(task.examples[:1], tokenizer, seq_len=96, block=None, pad_id=tokenizer.eos_id)
     row = tokenizer.decode(batch.tokens[0][batch.valid[0] & batch.target[0]], skip_special_tokens=False)
     assert row == ROWS[0]["answer"] + "<|eot_id|><|endoftext|>"
-    tokenizer.chat_template = llada.replace(  # a template that writes something before the assistant's header
-        "{% for m in messages %}", "{% for m in messages %}{% if m.role == 'assistant' %}[answer]{% endif %}")
-    with pytest.raises(DataError, match="data.chat: the chat template writes a conversation's assistant turn "
-                                        "elsewhere .*set data.chat=false"):
+    # a stop token's text inside the answer does not end it
+    tokenizer.chat_template = llada
+    assert tokenizer.chat_row("q", "end a turn with <|eot_id|>, then", True) == (
+        "<|start_header_id|>user<|end_header_id|>\n\nq<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        "end a turn with <|eot_id|>, then<|eot_id|>")
+
+    capsys.readouterr()
+    # a template that writes something before the assistant's header for one answer: that row is skipped
+    tokenizer.chat_template = llada.replace("{% for m in messages %}", "{% for m in messages %}{% if m.role == "
+                                            "'assistant' and '12' in m.content %}[answer]{% endif %}")
+    (task,) = file_tasks(run.data, tokenizer, block=None).values()
+    assert len(task.examples) == len(ROWS) - 1
+    assert ("skipped 1 line the chat template does not write as a prompt turn and an answer turn after it (row 2: "
+            "the chat template writes this answer's turn elsewhere") in capsys.readouterr().out
+    tokenizer.chat_template = tokenizer.chat_template.replace("'12' in m.content", "true")  # for every answer
+    with pytest.raises(DataError, match="data.chat: .*train.jsonl: row 1: the chat template writes this answer's "
+                                        "turn elsewhere .*set data.chat=false"):
         file_tasks(run.data, tokenizer, block=None)
 
 

@@ -101,27 +101,29 @@ class Tokenizer:
         template_vars = chat if isinstance(chat, dict) else {}
         return [self.apply_chat_template([{"role": "user", "content": p}], **template_vars) for p in prompts]
 
-    def chat_rows(self, prompts: list[str], answers: list[str], chat=True) -> list[tuple[str, str]]:
-        """Training rows as the chat template writes the conversations: (each prompt as a user
-        turn ready for the answer, as `user_turns` gives it with `training_chat_vars`; the
-        assistant turn that follows it, the answer with the template's own framing, up to and
-        including its first stop token). That is what the model writes before decoding stops:
-        LLaDA's answer then `<|eot_id|>`, Dream's and Qwen's then `<|im_end|>`; a turn without a
-        stop token is kept whole."""
+    def chat_row(self, prompt: str, answer: str, chat=True, stop_ids=None) -> tuple[str, str]:
+        """A training row as the chat template writes the conversation: (the prompt as a user turn
+        ready for the answer, as `user_turns` gives it with `training_chat_vars`; the assistant
+        turn that follows it, the answer with the template's own framing, up to and including the
+        first stop token after the answer's text). That is what the model writes before decoding
+        stops: LLaDA's answer then `<|eot_id|>`, Dream's and Qwen's then `<|im_end|>`; a turn
+        without a stop token is kept whole. `stop_ids`: where decoding stops (`decode_stop_ids`;
+        default the tokenizer's `stop_ids`)."""
         template_vars = training_chat_vars(chat)
-        stops = [self.backend.id_to_token(i) for i in self.stop_ids]
-        rows = []
-        for prompt_turn, prompt, answer in zip(self.user_turns(prompts, template_vars), prompts, answers):
-            whole = self.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
-                                             add_generation_prompt=False, **template_vars)
-            if not whole.startswith(prompt_turn):
-                raise TokenizerError("the chat template writes a conversation's assistant turn elsewhere than after the "
-                                     f"prompt it writes for generation ({prompt_turn[-40:]!r} is not followed by "
-                                     "the answer), so the answer's tokens cannot be told apart")
-            turn = whole[len(prompt_turn):]
-            ends = [turn.index(stop) + len(stop) for stop in stops if stop and stop in turn]
-            rows.append((prompt_turn, turn[: min(ends)] if ends else turn))
-        return rows
+        (prompt_turn,) = self.user_turns([prompt], template_vars)
+        whole = self.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
+                                         add_generation_prompt=False, **template_vars)
+        if not whole.startswith(prompt_turn):
+            raise TokenizerError("the chat template writes this answer's turn elsewhere than after the prompt's turn "
+                                 f"for generation ({prompt_turn[-40:]!r} is not followed by the answer; e.g. Qwen3's "
+                                 "template moves a <think> block out of an answer rendered with enable_thinking: "
+                                 "false)")
+        turn = whole[len(prompt_turn):]
+        answer_at = turn.rfind(answer.strip())  # a stop token's text inside the answer does not end it
+        after = answer_at + len(answer.strip()) if answer_at >= 0 else 0
+        stops = [self.backend.id_to_token(i) for i in (self.stop_ids if stop_ids is None else stop_ids)]
+        ends = [turn.index(stop, after) + len(stop) for stop in stops if stop and stop in turn[after:]]
+        return prompt_turn, turn[: min(ends)] if ends else turn
 
     def require_mask(self) -> int:
         if self.mask_id is None:

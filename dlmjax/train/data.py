@@ -101,10 +101,11 @@ def _epoch_order(seed: int, name: str, epoch: int, n: int) -> tuple[int, ...]:
     return tuple(order)
 
 
-def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str, FileTask]:
+def file_tasks(data, tokenizer, *, block: int | None, report=print, stop_ids=None) -> dict[str, FileTask]:
     """{path: FileTask} of `data.files` (a DataConfig): each line's `prompt_field` and
     `response_field`; where `data.chat`, the prompt as a user turn of `tokenizer`'s chat template
-    and the answer as the assistant turn after it, up to its end-of-turn token (`chat_rows`).
+    and the answer as the assistant turn after it, up to its first stop token of `stop_ids`
+    (`Tokenizer.chat_row`; the model's `decode_stop_ids`).
     Lines without both fields, and lines whose row (`encode_row` with `block`) is longer than
     `data.seq_len`, are reported and skipped; a file without one good line is refused."""
     from dlmjax.evaluation.tasks import DatasetError, usable_rows, read_rows
@@ -123,25 +124,42 @@ def file_tasks(data, tokenizer, *, block: int | None, report=print) -> dict[str,
             raise DataError(f"data.files: {path} has no line with text fields {data.prompt_field!r} and "
                             f"{data.response_field!r} ({_first_problems(malformed)}); set data.prompt_field and "
                             "data.response_field to its keys, or write it one JSON object a line")
+        unsplit = []  # rows the chat template cannot write as (prompt turn, answer turn)
         if data.chat:
-            try:
-                turns = tokenizer.chat_rows([ex.prompt for _, ex in numbered], [ex.target for _, ex in numbered],
-                                            data.chat)
-            except InputError as err:
-                raise DataError(f"data.chat: {err}; set data.chat=false to train on the prompts as they are") from None
-            numbered = [(n, Example(prompt=p, target=a)) for (p, a), (n, _) in zip(turns, numbered)]
+            numbered, unsplit = _chat_rows(numbered, tokenizer, data.chat, stop_ids)
+            if not numbered:
+                raise DataError(f"data.chat: {path}: {_first_problems(unsplit)}; set data.chat=false to train on the "
+                                "prompts as they are")
         fits = [_row_length(tokenizer, ex, block) <= data.seq_len for _, ex in numbered]
         long = [n for (n, _), ok in zip(numbered, fits) if not ok]
         examples = tuple(ex for (_, ex), ok in zip(numbered, fits) if ok)
         if malformed:
             report(f"{path}: skipped {_lines(malformed)} without text fields {data.prompt_field!r} and "
                    f"{data.response_field!r} ({_first_problems(malformed)})")
+        if unsplit:
+            report(f"{path}: skipped {_lines(unsplit)} the chat template does not write as a prompt turn and an "
+                   f"answer turn after it ({_first_problems(unsplit)})")
         if long:
             report(f"{path}: skipped {_lines(long)} longer than data.seq_len={data.seq_len} tokens ({_numbers(long)})")
         if not examples:
             raise DataError(f"data.files: no line of {path} fits in data.seq_len={data.seq_len} tokens; raise it")
         tasks[path] = FileTask(name=name, examples=examples)
     return tasks
+
+
+def _chat_rows(numbered, tokenizer, chat, stop_ids):
+    """([(line, Example as chat turns)], ["row N: why the template cannot split it"])."""
+    if not tokenizer.chat_template:
+        return [], ["the tokenizer has no chat template"]
+    rows, unsplit = [], []
+    for n, ex in numbered:
+        try:
+            prompt, answer = tokenizer.chat_row(ex.prompt, ex.target, chat, stop_ids)
+        except InputError as err:
+            unsplit.append(f"row {n}: {err}")
+        else:
+            rows.append((n, Example(prompt=prompt, target=answer)))
+    return rows, unsplit
 
 
 TOY_ROWS_CHECKED = 4096  # examples drawn per toy task to find its longest row before a run starts

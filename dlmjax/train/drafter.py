@@ -222,7 +222,7 @@ def drafter_trainee(run, run_dir, mesh=None):
     from dlmjax.train.loop import Trainee, data_tasks, frozen_mesh, pad_id_of
 
     _, target, tokenizer = load_target(run.backbone, toy_data=not run.data.files, mesh=frozen_mesh(mesh))
-    tasks = data_tasks(run, tokenizer, None)
+    tasks = data_tasks(run, tokenizer, target, None)
     dcfg = drafter_config_for(run, target, tokenizer)
     check_compatible(dcfg, target.config)
     loss = partial(drafter_train_loss, spec=spec_from_run(run))

@@ -37,7 +37,7 @@ from dlmjax.evaluation.toy import toy_accuracy
 from dlmjax.heads.mrp import MRPConfig, abstract_head, init_head, save_head
 from dlmjax.io.files import file_sha256, is_staging_name, staged_dir, write_atomic
 from dlmjax.io.hf import SIDE_FILES, export_model, load_config, load_model
-from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
+from dlmjax.io.tokenizer import Tokenizer, decode_stop_ids, load_tokenizer
 from dlmjax.models.transformer import Transformer, abstract_model, init_model
 from dlmjax.presets import resolve_model
 from dlmjax.memory import check_training_memory
@@ -154,12 +154,13 @@ class Trainee:
     tasks: dict | None = None  # data.files' tasks by path (None: data.tasks, the toy tasks)
 
 
-def data_tasks(run: RunConfig, tokenizer: Tokenizer, block: int | None) -> dict | None:
-    """The `FileTask`s of `data.files` (None: the run trains on the toy tasks); process 0 reports
-    the lines it skips."""
+def data_tasks(run: RunConfig, tokenizer: Tokenizer, model: Transformer, block: int | None) -> dict | None:
+    """The `FileTask`s of `data.files` for the frozen `model` (None: the run trains on the toy
+    tasks); process 0 reports the lines it skips."""
     if not run.data.files:
         return None
-    return file_tasks(run.data, tokenizer, block=block, report=lambda message: print(message) if is_main() else None)
+    return file_tasks(run.data, tokenizer, block=block, report=lambda message: print(message) if is_main() else None,
+                      stop_ids=decode_stop_ids(model.config, tokenizer))
 
 
 def frozen_mesh(mesh: Mesh | None) -> Mesh | None:
@@ -237,7 +238,7 @@ def mrp_trainee(run: RunConfig, run_dir: Path, mesh: Mesh | None = None) -> Trai
     the training draws; its answers and masks differ); drawn from the training rows of a file)."""
     backbone_dir, backbone, tokenizer = load_backbone(run.backbone, toy_data=not run.data.files,
                                                       mesh=frozen_mesh(mesh))
-    tasks = data_tasks(run, tokenizer, backbone.config.block_size)
+    tasks = data_tasks(run, tokenizer, backbone, backbone.config.block_size)
     pad_id = pad_id_of(backbone.config, tokenizer)
     cfg, m = backbone.config, run.mrp
     m.check_supervises(cfg.block_size)
