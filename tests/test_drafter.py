@@ -122,6 +122,21 @@ def test_a_llama3_scaled_drafter_config_round_trips_and_a_changed_one_is_written
     assert (plain["rope_theta"], plain["rope_scaling"]) == (500000.0, None)
 
 
+def test_dtype_and_torch_dtype_agree_and_are_written_as_the_drafter_is():
+    """A config holding both keys (transformers 4 wrote torch_dtype, 5 writes dtype) must say one
+    dtype; each key present is written with the dtype the drafter is saved in (one kept stale
+    contradicted the weights)."""
+    raw = {**tiny_drafter_config(), "torch_dtype": "float32"}
+    cfg = from_dflash_config(raw)
+    assert to_dflash_config(cfg) == raw
+    written = to_dflash_config(cfg.replace(dtype="bfloat16"))
+    assert (written["dtype"], written["torch_dtype"]) == ("bfloat16", "bfloat16")
+    only_torch = {k: v for k, v in raw.items() if k != "dtype"}
+    assert to_dflash_config(from_dflash_config(only_torch)) == only_torch  # the key it was read from
+    with pytest.raises(ConfigError, match=r"`dtype` \('float32'\) and `torch_dtype` \('bfloat16'\) disagree"):
+        from_dflash_config({**raw, "torch_dtype": "bfloat16"})
+
+
 def test_block_size_inside_dflash_config_round_trips():
     """Newer z-lab drafters (Qwen3.5) keep block_size inside dflash_config only."""
     raw = copy.deepcopy(QWEN3_8B_B16)

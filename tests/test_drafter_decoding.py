@@ -197,6 +197,80 @@ def test_sampled_next_tokens_match_target_distribution(pair):
         assert chi2_dist.sf(chi2, dof) > 0.001, (chi2, dof)
 
 
+def test_sampled_sequences_follow_the_targets_joint_distribution_with_top_p(tmp_path):
+    """Every three-token continuation over a 5-token vocabulary, its exact probability under the
+    target's tempered nucleus distribution against 4,096 drafter-sampled rows (chi-square): the
+    rejection sampler with top_p keeps the whole joint, and nothing outside the nucleus is drawn."""
+    import itertools
+
+    from scipy.stats import chi2 as chi2_dist
+
+    vocab, temperature, top_p, length = 5, 0.7, 0.8, 3
+    tm = torch_model("qwen3", seed=5, num_hidden_layers=6, vocab_size=vocab)
+    tm.save_pretrained(tmp_path / "target")
+    ours = dlmjax.load_model(tmp_path / "target")
+    raw = tiny_drafter_config(block_size=3)
+    raw["vocab_size"], raw["dflash_config"]["mask_token_id"] = vocab, vocab - 1
+    write_reference_drafter(tmp_path / "drafter", raw, seed=2)
+    drafter = load_drafter(tmp_path / "drafter", ours.config)
+    prompt = [3, 1, 2, 1, 0]
+
+    def nucleus(logits):  # the target's tempered top-p distribution (ties at the cut kept)
+        z = logits.double() / temperature
+        ranked = torch.sort(z, descending=True).values
+        cut = ranked[int((torch.cumsum(torch.softmax(ranked, -1), -1) < top_p).sum())]
+        return torch.softmax(torch.where(z < cut, -torch.inf, z), -1)
+
+    exact = {}
+    with torch.no_grad():
+        for head in itertools.product(range(vocab), repeat=length - 1):
+            steps = [nucleus(lg) for lg in tm(torch.tensor([prompt + list(head)])).logits[0, len(prompt) - 1:]]
+            p_head = float(np.prod([steps[j][t] for j, t in enumerate(head)]))
+            for last in range(vocab):
+                exact[head + (last,)] = p_head * float(steps[-1][last])
+    out = generate_with_drafter(ours, drafter, [prompt] * 4096, max_new_tokens=length, temperature=temperature,
+                                top_p=top_p, seed=0, eos_ids=(), pad_id=0)
+    counts = dict.fromkeys(exact, 0)
+    for row in np.asarray(out.tokens).tolist():
+        counts[tuple(row)] += 1
+    assert sum(counts[s] for s in exact if exact[s] == 0) == 0
+    observed, expected = np.array([counts[s] for s in exact]), np.array([exact[s] for s in exact]) * 4096
+    big = expected >= 5  # pool the rare sequences into one cell
+    obs, exp = np.append(observed[big], observed[~big].sum()), np.append(expected[big], expected[~big].sum())
+    chi2 = (((obs - exp) ** 2)[exp > 0] / exp[exp > 0]).sum()
+    assert chi2_dist.sf(chi2, (exp > 0).sum() - 1) > 0.001, chi2
+    assert out.mean_accepted_length > 1.0  # drafts were accepted: the rejection sampler ran
+
+
+def test_bad_sampling_options_are_refused_not_decoded_greedily(pair):
+    """generate_with_drafter and generate_ar are public: a negative or NaN temperature decoded
+    greedily, top_p outside (0, 1] decoded unfiltered, max_new_tokens=2.5 decoded 2 tokens."""
+    _, ours, make = pair
+    _, drafter = make(block_size=4)
+    for bad, message in [(dict(temperature=-1.0), "temperature=-1.0"), (dict(temperature=float("nan")), "temperature"),
+                         (dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.5), "top_p=1.5"),
+                         (dict(max_new_tokens=2.5), "max_new_tokens=2.5")]:
+        options = dict(max_new_tokens=4, temperature=1.0) | bad
+        with pytest.raises(InputError, match=message):
+            generate_with_drafter(ours, drafter, [[1, 2, 3]], **options)
+        with pytest.raises(InputError, match=message):
+            generate_ar(ours, [[1, 2, 3]], **options)
+
+
+def test_a_row_that_verified_no_draft_has_no_accepted_length(pair):
+    """max_new_tokens=1: the prefill gives the only token, no round verifies a draft; the row's
+    mean accepted length is None (it was 0.0, and a run's mean, which averages the rows', fell
+    below the least possible 1)."""
+    from dlmjax.decoding.api import generate
+
+    _, ours, make = pair
+    _, drafter = make(block_size=4)
+    one = generate(ours, [[1, 2, 3], [4, 5]], decoder="drafter", drafter=drafter, max_new_tokens=1)
+    assert [row.mean_accepted_length for row in one.rows] == [None, None]
+    more = generate(ours, [[1, 2, 3], [4, 5]], decoder="drafter", drafter=drafter, max_new_tokens=6)
+    assert all(row.mean_accepted_length >= 1.0 for row in more.rows)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_other_target_families(family, tmp_path):
     """The drafter's layers are Qwen3-style whatever the target's family (a Llama target too)."""

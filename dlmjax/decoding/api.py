@@ -239,13 +239,14 @@ class _Request:
                     mask_id=int(self.mask_id), pad_id=self.pad, eos_ids=self.eos, head_graphdef=self.head_split[0])
 
     def row(self, tokens, count: int, nfe: int, committed: int, accepted_length: float | None = None) -> RowResult:
-        """A row's result; a speculative decoder's accepted length defaults to its TPF (tokens per
-        forward, the prefill and the forwards that move the row to its next block included,
-        though those verify nothing; the drafter's own count leaves its prefill out)."""
+        """A row's result. The `drafter` decoder gives its own accepted length (rounds counted
+        without the prefill; None for a row that verified no draft: its only token came from the
+        prefill); another speculative decoder's is its TPF (tokens per forward, the prefill and
+        the forwards that move the row to its next block included, though those verify nothing)."""
         row_tokens = np.asarray(tokens)[:count].tolist()
         text = self.tokenizer.decode(row_tokens) if self.tokenizer is not None else None
         tpf = float(committed) / max(int(nfe), 1)
-        if accepted_length is None and verifies_drafts(self.decoder):
+        if self.decoder.name != "drafter" and verifies_drafts(self.decoder):
             accepted_length = tpf
         return RowResult(text=text, tokens=row_tokens, nfe=int(nfe), tpf=tpf, num_tokens=len(row_tokens),
                          mean_accepted_length=accepted_length)
@@ -371,7 +372,7 @@ def generate(
             lengths = out.accepted_lengths()
             # Every token comes from a target forward; the prefill gives the first. NFE = target forwards.
             nfe_rows, committed, forwards = np.asarray([len(a) + 1 for a in lengths]), counts, int(out.nfe)
-            accepted = [sum(a) / len(a) if a else 0.0 for a in lengths]
+            accepted = [sum(a) / len(a) if a else None for a in lengths]  # None: no round (runs' means skip it)
         elif req.causal:
             out = generate_ar(model, req.ids, max_new_tokens=max_new_tokens, temperature=decoder.temperature,
                               top_p=decoder.top_p, seed=seed, eos_ids=req.eos, pad_id=req.pad, row_ids=req.row_ids,

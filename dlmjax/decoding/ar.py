@@ -20,7 +20,7 @@ from dlmjax import arithmetic, kernels
 from dlmjax.decoding.policies import categorical_rows, hidden_scores, nucleus_filter, row_keys
 from dlmjax.models.transformer import KVCache, Transformer
 from dlmjax.sharding import shard_batch
-from dlmjax.validation import INT32_MAX, InputError, Range
+from dlmjax.validation import AT_LEAST_0, INT32_MAX, OPEN_UNIT, InputError, Range, check_value, positive_int
 
 ROW_ID_RANGE = Range(0, INT32_MAX)  # sampling-stream ids are int32
 
@@ -78,6 +78,13 @@ def greedy_tokens(model: Transformer, hidden_bkd):
     if kernels.choose("residual_argmax") is None:
         return jnp.argmax(model.lm_logits(hidden_bkd), axis=-1).astype(jnp.int32)
     return hidden_scores(model, hidden_bkd, mask_id=None).tokens
+
+
+def sampling_options(temperature, top_p) -> tuple[float, float]:
+    """(temperature, top_p) as floats, within the decoder specs' limits: temperature >= 0 (0 is
+    greedy), top_p in (0, 1]; anything else is refused, not decoded greedily or unfiltered."""
+    return (float(check_value("temperature", temperature, "float", AT_LEAST_0)),
+            float(check_value("top_p", top_p, "float", OPEN_UNIT)))
 
 
 def sample_token(model: Transformer, hidden_bd, keys_b, temperature: float, top_p: float):
@@ -165,6 +172,8 @@ def generate_ar(
     cfg = model.config
     if cfg.attention != "causal":
         raise InputError(f"AR generation needs a causal model; {cfg.family} is {cfg.attention} (use a diffusion decoder)")
+    max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
+    temperature, top_p = sampling_options(temperature, top_p)
     eos_ids, pad_id = special_ids(cfg, eos_ids, pad_id)
     tokens, valid = left_pad(prompts, pad_id, width)
     if tokens.shape[1] + max_new_tokens > cfg.max_position_embeddings:
@@ -178,6 +187,5 @@ def generate_ar(
     graphdef, state = nnx.split(model)
     return _generate(
         graphdef, state, tokens, valid, row_ids, jax.random.key(seed),
-        max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
-        eos_ids=eos_ids, pad_id=int(pad_id),
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=int(pad_id),
     )

@@ -36,7 +36,8 @@ import numpy as np
 from flax import nnx, struct
 
 from dlmjax import arithmetic
-from dlmjax.decoding.ar import batch_row_ids, greedy_tokens, left_pad, positions_from_valid, special_ids
+from dlmjax.decoding.ar import (batch_row_ids, greedy_tokens, left_pad, positions_from_valid, sampling_options,
+                                special_ids)
 from dlmjax.decoding.policies import categorical_rows, nucleus_filter, row_keys
 from dlmjax.heads.drafter import Drafter, block_hidden, check_compatible, context_features
 from dlmjax.models.transformer import KVCache, Transformer
@@ -239,8 +240,8 @@ def generate_with_drafter(
     block = drafter.config.block_size if block is None else positive_int("block", block)  # 2.7 is no block
     if block < 2:
         raise InputError(f"block={block}: a drafter block needs at least 2 tokens (the last token + 1 proposal)")
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens={max_new_tokens}; ask for at least 1 token")
+    max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
+    temperature, top_p = sampling_options(temperature, top_p)
     eos_ids, pad_id = special_ids(cfg, eos_ids, pad_id)
     tokens, valid = left_pad(prompts, pad_id, width)
     # The last round may verify drafts past the end; they are cut, so only the output must fit

@@ -192,7 +192,10 @@ def from_dflash_config(raw: dict, tokenizer: Tokenizer | None = None) -> Drafter
     if unknown:
         raise ConfigError(f"unknown dflash_config keys {unknown}; known: {sorted(_DFLASH_KEYS)}")
     block_size, num_target_layers, ids = (_either_place(raw, dcfg, key) for key in _EITHER_PLACE)
-    dtype = raw.get("dtype", raw.get("torch_dtype")) or "bfloat16"
+    if raw.get("dtype") and raw.get("torch_dtype") and raw["dtype"] != raw["torch_dtype"]:
+        raise ConfigError(f"config keys `dtype` ({raw['dtype']!r}) and `torch_dtype` ({raw['torch_dtype']!r}) "
+                          "disagree; keep one of them")
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
     if dtype not in DTYPES:
         raise ConfigError(f"config key `dtype` = {dtype!r}; supported: {', '.join(DTYPES)}")
     # the defaults below count with these
@@ -226,7 +229,7 @@ def from_dflash_config(raw: dict, tokenizer: Tokenizer | None = None) -> Drafter
     owned = {
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "head_dim", "vocab_size", "dflash_config", "rms_norm_eps", "max_position_embeddings", "layer_types", "dtype",
-        "architectures", "model_type", *_EITHER_PLACE,
+        "torch_dtype", "architectures", "model_type", *_EITHER_PLACE,
     }
     verbatim = {k: v for k, v in raw.items() if k not in owned}
     places = {key: [place for place, where in (("top", raw), ("dflash_config", dcfg)) if key in where]
@@ -234,7 +237,7 @@ def from_dflash_config(raw: dict, tokenizer: Tokenizer | None = None) -> Drafter
     verbatim["_places"] = {key: where for key, where in places.items() if where and where != [_EITHER_PLACE[key]]}
     if "mask_token" in dcfg:
         verbatim["_mask_token"] = dcfg["mask_token"]
-    verbatim["_dtype_key"] = "torch_dtype" if "torch_dtype" in raw and "dtype" not in raw else "dtype"
+    verbatim["_dtype_keys"] = [key for key in ("dtype", "torch_dtype") if key in raw] or ["dtype"]  # written back
     return cfg.replace(hf_extra=tuple((k, json.dumps(v)) for k, v in sorted(verbatim.items())))
 
 
@@ -243,7 +246,7 @@ def to_dflash_config(cfg: DrafterConfig) -> dict:
     verbatim = {k: json.loads(v) for k, v in cfg.hf_extra}
     places = {key: [default] for key, default in _EITHER_PLACE.items()} | verbatim.pop("_places", {})
     mask_token = verbatim.pop("_mask_token", None)
-    dtype_key = verbatim.pop("_dtype_key", "dtype")
+    dtype_keys = verbatim.pop("_dtype_keys", ["dtype"])
     dflash: dict[str, Any] = {"mask_token_id": cfg.mask_token_id}
     if mask_token is not None:
         dflash["mask_token"] = mask_token
@@ -253,7 +256,7 @@ def to_dflash_config(cfg: DrafterConfig) -> dict:
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": cfg.max_position_embeddings,
-        "layer_types": list(cfg.layer_types), dtype_key: cfg.dtype, "dflash_config": dflash,
+        "layer_types": list(cfg.layer_types), **{key: cfg.dtype for key in dtype_keys}, "dflash_config": dflash,
     }
     values = {"block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
               "target_layer_ids": list(cfg.target_layer_ids)}
