@@ -183,6 +183,10 @@ def test_the_shipped_math500_loads_and_every_solutions_boxed_answer_matches_its_
     ("\\pi/2", "\\frac{\\pi}{2}"),
     ("\\sqrt{3}/2", "\\frac{\\sqrt{3}}{2}"),
     ("1 \\text{ and } 2", "1, 2"),
+    ("3, 5, \\text{ and } 7", "3, 5, 7"),  # a list's last "and" after its comma
+    ("3, 5, and 7", "3, 5, 7"),
+    ("11111111100", "11,\\! 111,\\! 111,\\! 100"),  # MATH-500's thousands separators, spaced
+    ("11,111,111,100", "11,\\! 111,\\! 111,\\! 100"),
     ("\\text{East}", "east"),
     ("\u22125", "-5"),
     ("90°", "90"),

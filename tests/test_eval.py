@@ -29,6 +29,27 @@ from dlmjax.validation import InputError
 # ------------------------------------------------------------------------------------------ sandbox
 
 
+def test_a_sandboxed_program_run_as_this_user_keeps_its_process_limit(monkeypatch):
+    """A user's process limit counts all its processes and threads: run as a non-root user (no
+    drop to `nobody`), a limit of 16 left the program none, the evaluation's own threads (JAX's)
+    using them up, so any program that started a thread failed. The limit is set only as `nobody`."""
+    import threading
+
+    from dlmjax.evaluation import sandbox
+
+    check = ("import resource, threading\nassert resource.getrlimit(resource.RLIMIT_NPROC)[0] != 16\n"
+             "t = threading.Thread(target=lambda: None)\nt.start()\nt.join()")
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)  # as a user who is not root
+    idle = [threading.Timer(60, lambda: None) for _ in range(20)]  # this process's own threads
+    for t in idle:
+        t.start()
+    try:
+        assert run_python(check).passed
+    finally:
+        for t in idle:
+            t.cancel()
+
+
 def test_sandbox_passes_and_fails_programs():
     assert run_python("assert sum([1, 2]) == 3").passed
     failed = run_python("assert 1 == 2")
@@ -278,6 +299,9 @@ def test_humaneval_scores_chat_answers_that_restate_the_function():
     items = [loaded.items[0]] * len(right)
     assert loaded.score(items, right) == [True] * len(right)
     assert loaded.score(items, wrong) == [False] * len(wrong)
+    # a word before an unclosed bare fence opens the block: it does not close one (the prompt's own
+    # `def` made the word look like code)
+    assert loaded.score(items[:2], [f"Sure\n```\n{prompt}{body}", f"Sure!\n```\n{prompt}{body}"]) == [True, True]
 
 
 def test_humaneval_instruct_puts_opencompass_instruction_before_the_same_problems():

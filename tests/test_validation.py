@@ -332,6 +332,9 @@ def test_unreadable_data_rows_are_skipped_with_line_numbers_or_refused(tmp_path,
     assert len(loaded.items) == 2
     assert loaded.skipped == ["row 2: invalid JSON (Expecting property name enclosed in double quotes)",
                               "row 3: missing or empty 'answer'", "row 5: not UTF-8 text"]
+    # --limit 1 evaluates row 1 alone: the problems of rows it never reached are not its own
+    assert load_eval_set("gsm8k", data=data, limit=1).skipped == []
+    assert load_eval_set("gsm8k", data=data, limit=2).skipped == loaded.skipped[:2]  # rows 1 and 4 evaluated
     with pytest.raises(DatasetError, match=r"gsm.jsonl: 3 unusable rows \(row 2: invalid JSON"):
         load_eval_set("gsm8k", data=data, strict=True)
     err = one_line_error(capsys, ["eval", "--model", "random-sdar", "--task", "gsm8k", "--data", str(data),

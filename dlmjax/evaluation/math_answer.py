@@ -93,10 +93,12 @@ def normalize(answer: str) -> str:
     """One spelling for the common ways of writing the same answer (see the module docstring)."""
     a = answer.strip().rstrip(".").strip().strip("$").strip().replace("{,}", ",").replace("\u2212", "-")
     a = re.sub(r"\\(?:left|right)(?![a-zA-Z])", "", a)
+    a = re.sub(r",\\!\s*", ",", a)  # `11,\! 111`: a thousands separator, its space included
     a = re.sub(r"(\\\\)|\\(?:displaystyle|!|,|;|:| )|~", r"\1", a)  # spacing; a row break `\\` stays
     a = a.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("^{\\circ}", "").replace("^\\circ", "")
     a = a.replace("\\%", "").replace("%", "").replace("\\$", "").replace("°", "")
-    a = re.sub(r"\\text\{\s*and\s*\}", ",", a)  # `1 \text{ and } 2`: two answers
+    a = re.sub(r"(?:,\s*)?\\text\{\s*and\s*\}", ",", a)  # `1 \text{ and } 2`, `1, 2, \text{ and } 3`: a list
+    a = re.sub(r",\s*and\s+", ",", a)  # `1, 2, and 3`
     # a trailing unit, squared or cubed too (`864 \mbox{ inches}^2`, `60 \text{ km/h}`)
     a = _TEXT_UNIT.sub("", a)
     for command in ("text", "textbf", "mbox", "mathrm", "mathbf"):

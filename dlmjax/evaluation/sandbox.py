@@ -5,7 +5,9 @@ Layers, each of which alone stops the common failure modes:
   timeout, so an infinite loop or a runaway child never outlives the call, and killed as soon as
   the directory holds more than `DISK_LIMIT_BYTES` (checked every `DISK_CHECK_S`: the file-size
   limit bounds one file, not how many a loop writes);
-- resource limits: CPU seconds, address space, file size, open files, processes; as root, when
+- resource limits: CPU seconds, address space, file size, open files, and processes for a child
+  that runs as `nobody` (a user's process limit counts all its processes and threads, the
+  evaluation's own; process creation is refused by the guard anyway); as root, when
   `nobody` can run the interpreter (it cannot if Python or its virtualenv lives under /root), the
   child drops to `nobody` so the process limit is enforced and most of the filesystem is
   read-only to it;
@@ -125,11 +127,13 @@ class SandboxResult:
         return self.status == "passed"
 
 
-def _limits_prelude(cpu_s: int, memory_bytes: int, max_processes: int) -> str:
+def _limits_prelude(cpu_s: int, memory_bytes: int, max_processes: int | None) -> str:
     """Resource limits the program sets on itself before anything else runs (no `preexec_fn`:
-    a Python callback between fork and exec can deadlock a multithreaded parent such as JAX)."""
+    a Python callback between fork and exec can deadlock a multithreaded parent such as JAX).
+    `max_processes` None: no process limit (it counts every process and thread of the user, so
+    for a child that keeps this user's id the evaluation's own threads would use it up)."""
     limits = {"RLIMIT_CPU": cpu_s, "RLIMIT_AS": memory_bytes, "RLIMIT_FSIZE": 16 * 2**20, "RLIMIT_NOFILE": 64,
-              "RLIMIT_CORE": 0, "RLIMIT_NPROC": max_processes}
+              "RLIMIT_CORE": 0, **({} if max_processes is None else {"RLIMIT_NPROC": max_processes})}
     lines = ["import resource as _resource"]
     lines += [f"_resource.setrlimit(_resource.{name}, ({value}, {value}))" for name, value in limits.items()]
     return "\n".join(lines) + "\ndel _resource\n"
@@ -171,9 +175,10 @@ def run_python(program: str, *, timeout_s: float = 10.0, memory_mb: int = 1024, 
         root = Path(tmp)
         script = root / "program.py"
         finished = secrets.token_hex(16)  # written after the program's last line
-        script.write_text(_limits_prelude(int(timeout_s) + 1, memory_mb * 2**20, max_processes) + _GUARD + "\n"
-                          + program + _finished_line(finished))
         drop_to = NOBODY if os.geteuid() == 0 and _runnable_by_others(sys.executable) else None
+        # the process limit as `nobody` only (root ignores it; another user's threads would count)
+        script.write_text(_limits_prelude(int(timeout_s) + 1, memory_mb * 2**20, max_processes if drop_to else None)
+                          + _GUARD + "\n" + program + _finished_line(finished))
         if drop_to is not None:
             os.chown(root, NOBODY, NOBODY)
             os.chown(script, NOBODY, NOBODY)

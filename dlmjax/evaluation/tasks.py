@@ -327,15 +327,20 @@ def extract_code(completion: str, prompt_code: str = "") -> str:
 def _closes_a_block(completion: str, fence: int, prompt_code: str) -> bool:
     """Whether the first fence (at `fence`) closes a code block the completion began inside
     (`code ... ``` then an explanation): a bare fence, an odd number of fences, and before it code
-    that parses after `prompt_code` and is more than a bare expression (not a word like "Sure")."""
+    that parses after `prompt_code` and adds more than bare expressions (not a word like "Sure")."""
     before, rest_of_line = completion[:fence], completion[fence + 3:].split("\n", 1)[0]
     if not before.strip() or rest_of_line.strip() or completion.count("```") % 2 == 0:
         return False
     try:
-        tree = ast.parse(prompt_code + before)
+        added = _statements(prompt_code + before) - _statements(prompt_code)
     except (SyntaxError, ValueError):
         return False
-    return any(not isinstance(node, ast.Expr) for node in tree.body)
+    return added > 0  # what `before` adds: the prompt's own `def` does not count
+
+
+def _statements(code: str) -> int:
+    """The statements of `code` at any depth, bare expressions (a docstring, a word) left out."""
+    return sum(isinstance(node, ast.stmt) and not isinstance(node, ast.Expr) for node in ast.walk(ast.parse(code)))
 
 
 def mbpp_program(row: dict, completion: str) -> str:
@@ -446,6 +451,9 @@ def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tok
         loaded = _math500(data, strict=strict)
     else:
         raise DatasetError(f"unknown task {name!r}; tasks: {', '.join(EVAL_TASKS)}")
-    loaded.items = loaded.items[:limit] if limit else loaded.items
+    if limit:  # the rows past the last one evaluated are not this run's: their problems are not reported
+        loaded.items = loaded.items[:limit]
+        last = loaded.items[-1].index + 1 if loaded.items else 0  # rows are numbered from 1
+        loaded.skipped = [problem for problem in loaded.skipped if int(problem.split()[1].rstrip(":")) <= last]
     loaded.max_new_tokens = max_new_tokens or loaded.max_new_tokens
     return loaded
