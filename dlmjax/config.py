@@ -610,6 +610,8 @@ def _to_dense(cfg: ModelConfig) -> dict:
             "block_type": "llama",
             "layer_norm_type": "rms",
             "rope": True,
+            # written as LLaDA-8B's config writes them: LLaDA's own code defaults all three to 0.1
+            "attention_dropout": 0.0, "residual_dropout": 0.0, "embedding_dropout": 0.0,
             "torch_dtype": cfg.dtype,
             **_token_ids(cfg),
         }

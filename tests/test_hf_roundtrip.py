@@ -143,6 +143,10 @@ def test_llada_layout_matches_llama_bidirectional(tmp_path):
     names = set(dlmjax.io.hf.open_shards(out))
     assert "model.transformer.blocks.0.attn_out.weight" in names
     assert max_diff(dlmjax.load_model(out)(jnp.asarray(tokens)).logits, expected) <= TOL
+    # the dropouts written as LLaDA-8B writes them: LLaDA's own code defaults each to 0.1, which a
+    # fine-tune of the export in PyTorch would have trained with
+    written = json.loads((out / "config.json").read_text())
+    assert [written[f"{k}_dropout"] for k in ("attention", "residual", "embedding")] == [0.0, 0.0, 0.0]
 
 
 def test_a_config_without_dtype_loads_in_the_dtype_its_weights_are_stored_in(tmp_path):

@@ -296,6 +296,22 @@ def test_reference_names_round_trip_through_a_checkpoint_dir(toy, tmp_path):
             load_head(out, model.config)
 
 
+@pytest.mark.parametrize("preset", ["random-sdar-moe", "random-llada2-moe"])
+def test_a_head_saved_beside_another_block_causal_family_loads_with_it(preset, tmp_path):
+    """MRP heads train on any block-causal backbone; the head's shape keys are SDAR's config keys,
+    which another family's config.json refuses (LLaDA2 reads num_nextn_predict_layers as its own
+    MTP layers), so they are written for SDAR alone: the directory stayed unloadable."""
+    from dlmjax.presets import load_checkpoint
+
+    path, model, _, _ = load_checkpoint(preset)
+    out = export_model(model, tmp_path / "ckpt", files_from=path)
+    save_head(random_head(model, num_modules=1, num_layers=2, seed=3), out)
+    config = json.loads((out / "config.json").read_text())
+    assert "num_mrp_heads" not in config and config.get("num_nextn_predict_layers") in (None, 0)  # LLaDA2 writes 0
+    load_model(out)
+    assert load_head(out, model.config).config.num_layers == 2
+
+
 def test_a_head_inside_the_model_shards_is_not_saved_over_but_refused(toy, tmp_path):
     """The reference code's layout: the head's tensors in model.safetensors. A second copy in
     mrp_head.safetensors made the directory unloadable (duplicate tensors)."""

@@ -78,6 +78,20 @@ def test_a_damaged_file_is_named_as_damaged(tmp_path):
             read_pt(tmp_path / f"{name}.pt")
 
 
+def test_a_crafted_pickle_that_calls_what_it_names_wrongly_is_named_as_damaged(tmp_path):
+    """Each raised a bare TypeError (a bug report) instead of naming the file."""
+    g = lambda module, name: pickle.GLOBAL + f"{module}\n{name}\n".encode()  # noqa: E731
+    one = pickle.BININT + (1).to_bytes(4, "little")
+    for name, body in {"od_of_an_int": g("collections", "OrderedDict") + pickle.MARK + one + pickle.TUPLE,
+                       "storage_called": g("torch", "FloatStorage") + pickle.EMPTY_TUPLE,
+                       "parameter_without_args": g("torch._utils", "_rebuild_parameter") + pickle.EMPTY_TUPLE}.items():
+        with zipfile.ZipFile(tmp_path / f"{name}.pt", "w") as archive:
+            archive.writestr("archive/data.pkl", pickle.PROTO + b"\x02" + body + pickle.REDUCE + pickle.STOP)
+            archive.writestr("archive/byteorder", "little")
+        with pytest.raises(CheckpointError, match=f"{name}.pt is damaged"):
+            read_pt(tmp_path / f"{name}.pt")
+
+
 def test_refuses_what_it_does_not_read_and_never_runs_code(tmp_path):
     torch.save({"flags": torch.tensor([True, False])}, tmp_path / "bool.pt")
     with pytest.raises(CheckpointError, match="torch.BoolStorage, which dlmjax does not read"):

@@ -378,6 +378,14 @@ def test_export_refuses_a_directory_with_a_config(tmp_path, capsys):
     (tmp_path / "out" / "config.json").write_text("{}")
     err = one_line_error(capsys, ["export", "random-sdar", str(tmp_path / "out")])
     assert "already holds a checkpoint (config.json)" in err
+    # part of one: a shard index or a drafter, which the export would keep beside its new weights
+    stale_index, stale_drafter = tmp_path / "index", tmp_path / "drafter"
+    (stale_index / "model.safetensors.index.json").parent.mkdir()
+    (stale_index / "model.safetensors.index.json").write_text("{}")
+    (stale_drafter / "drafter").mkdir(parents=True)
+    for target, name in ((stale_index, "model.safetensors.index.json"), (stale_drafter, "drafter")):
+        err = one_line_error(capsys, ["export", "random-sdar", str(target)])
+        assert f"already holds a checkpoint ({name})" in err
 
 
 KILL_DURING_EXPORT = textwrap.dedent("""

@@ -325,13 +325,15 @@ def head_tensors(head: MRPHead) -> dict[str, np.ndarray]:
 def save_head(head: MRPHead, ckpt_dir: str | Path) -> Path:
     """Write the head into its backbone's checkpoint directory: `mrp_head.safetensors` (PyTorch
     format, reference names), the index listing every tensor of the directory, and the head's
-    residual scale and shape in config.json (the keys of the reference code's SDARMRPConfig). An
+    residual scale in config.json, and on an SDAR backbone its shape (the keys of the reference
+    code's SDARMRPConfig). An
     earlier head in mrp_head.safetensors is replaced; one inside the model's shards (the reference
     code's own layout) is refused: export the checkpoint first (`dlmjax export SRC OUT`)."""
     ckpt_dir = Path(ckpt_dir)
     config_path = ckpt_dir / "config.json"
     config = json.loads(config_path.read_text())
-    check_compatible(head, load_config(ckpt_dir))
+    made_for = load_config(ckpt_dir)
+    check_compatible(head, made_for)
     shards = open_shards(ckpt_dir)
     in_shards = sorted({s.path.name for n, s in shards.items() if is_head_tensor(n) and s.path.name != HEAD_FILE})
     if in_shards:
@@ -346,6 +348,8 @@ def save_head(head: MRPHead, ckpt_dir: str | Path) -> Path:
     total = sum((ckpt_dir / f).stat().st_size for f in set(weight_map.values()))
     write_atomic(ckpt_dir / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config[SCALE_KEY] = head.config.residual_scale
-    config["num_mrp_heads"], config["num_nextn_predict_layers"] = head.config.num_modules, head.config.num_layers
+    if made_for.family == "sdar":  # the reference's SDARMRPConfig keys: another family's config refuses them
+        # (LLaDA2 reads num_nextn_predict_layers as its own multi-token-prediction layers)
+        config["num_mrp_heads"], config["num_nextn_predict_layers"] = head.config.num_modules, head.config.num_layers
     write_atomic(config_path, json.dumps(config, indent=2))
     return ckpt_dir

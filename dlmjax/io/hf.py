@@ -511,11 +511,14 @@ def export_model(
 
 
 def check_export_target(out_dir: Path) -> None:
-    """Refuse an output directory that already holds a checkpoint (weights or a config.json), or a file."""
+    """Refuse an output directory that already holds a checkpoint, or part of one (weights, a
+    config.json, a shard index, a drafter: the export keeps what it does not write, and a stale
+    index or drafter would be read with the new weights), or a file."""
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"{out_dir} is a file; export into an empty or new directory")
-    held = sorted(p.name for p in out_dir.glob("*.safetensors")) + (["config.json"] if (out_dir / "config.json").exists()
-                                                                    else [])
+    held = sorted(p.name for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+                  for p in out_dir.glob(pattern))
+    held += [name for name in ("config.json", "drafter") if (out_dir / name).exists()]
     if held:
         raise CheckpointError(f"{out_dir} already holds a checkpoint ({', '.join(held[:4])}); export into an empty "
                               "or new directory")

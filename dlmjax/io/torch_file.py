@@ -105,7 +105,8 @@ def read_pt(path: str | Path) -> Any:
             return _read_archive(archive, path)
     except CheckpointError:
         raise
-    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError, struct.error) as exc:
+    except (zipfile.BadZipFile, KeyError, EOFError, pickle.UnpicklingError, ValueError, struct.error, TypeError,
+            AttributeError, IndexError) as exc:  # a crafted or damaged pickle calls what it names wrongly
         raise CheckpointError(f"{path} is damaged ({type(exc).__name__}: {exc}); re-download or re-save it") from None
 
 
