@@ -17,6 +17,7 @@ and --kernels {auto,on,interpret,off} (dlmjax.kernels).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -31,10 +32,13 @@ from dlmjax.models.moe import EXPERT_DISPATCH
 from dlmjax.regenerate import add_parser as add_regenerate_parser
 from dlmjax.traces import add_parser as add_traces_parser
 from dlmjax.io.files import check_output_dir
-from dlmjax.validation import InputError, count_arg, seed_arg
+from dlmjax.validation import InputError, at_least_0_arg, count_arg, seed_arg
 
 # A mistake in what the user typed or pointed at: one line, exit 2. Anything else is a bug.
 USER_ERRORS = (InputError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+# the OSErrors of a path or a disk, not of dlmjax: a name too long, a link loop, a name taken, a
+# read-only filesystem, no space left
+PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP, errno.EEXIST, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
 
 
 def _drafter_for(path, model, decoders, drafter_dir, dtype):
@@ -50,10 +54,20 @@ def _drafter_for(path, model, decoders, drafter_dir, dtype):
         return None
     wanted = any(d.split(":")[0].strip() == "drafter" for d in decoders) if decoders else (
         drafter_dir is not None or find_drafter_dir(path) is not None)
+    if drafter_dir is not None and not wanted:
+        raise InputError(f"--drafter {drafter_dir} is for the drafter decoder, which none of the decoders named is; "
+                         "add --decoder drafter, or drop --drafter")
     return resolve_drafter(path, model.config, drafter_dir, dtype=dtype) if wanted else None
 
 
 CONTROLLER_DECODERS = ("tspd", "tspd+ce")  # decoders that read a per-token TSPD controller
+
+
+def _check_controller_used(specs, controller) -> None:
+    """--tspd-controller names a file for the TSPD decoders: refused where none of them runs."""
+    if controller is not None and not any(s.partition(":")[0].strip() in CONTROLLER_DECODERS for s in specs):
+        raise InputError(f"--tspd-controller {controller} is for the {' and '.join(CONTROLLER_DECODERS)} decoders, "
+                         "which none of the decoders is; add --decoder tspd, or drop --tspd-controller")
 
 
 def _with_controller(specs, model, model_dir, controller):
@@ -119,6 +133,7 @@ def cmd_generate(args) -> int:
     asked_drafter = args.drafter is not None and model.config.attention == "causal"  # --drafter DIR: decode with it
     decoder = args.decoder or ("drafter" if asked_drafter else default_decoders(model)[0])
     check_kind(parse_options(decoder)[0], model)  # before the drafter or controller it would need is looked for
+    _check_controller_used([decoder], args.tspd_controller)
     decoder = _with_controller([decoder], args.model, path, args.tspd_controller)[0]
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     prompts = args.prompt
@@ -246,18 +261,22 @@ def cmd_eval(args) -> int:
     for eval_set in eval_sets:
         for problem in eval_set.skipped if main else ():
             print(f"{eval_set.task}: skipped {problem}", file=sys.stderr)
-    decoders = _distinct_decoders(args.decoder or default_decoders(model, head, drafter))
+    # the TSPD decoders' controllers filled in first: `tspd` and `tspd:controller=M` are one decoder
+    decoders = args.decoder or default_decoders(model, head, drafter)
+    _check_controller_used(decoders + ([args.compare_to] if args.compare_to else []), args.tspd_controller)
+    decoders = _distinct_decoders(_with_controller(decoders, args.model, path, args.tspd_controller))
     reference = None  # --compare-to's decoder, as spelled in the runs (run first where it is not one of them)
     if args.compare_to is not None:
-        reference = next((d for d in decoders if spec_key(d) == spec_key(args.compare_to)), args.compare_to)
+        compared = _with_controller([args.compare_to], args.model, path, args.tspd_controller)[0]
+        reference = next((d for d in decoders if spec_key(d) == spec_key(compared)), compared)
         decoders = decoders if reference in decoders else [reference] + decoders
-    decoders = _with_controller(decoders, args.model, path, args.tspd_controller)
     settings = run_settings(
         getattr(args, "argv", None), backend="native", model=args.model, checkpoint=str(path),
         preset=None if preset is None else preset.name, dtype=model.config.dtype, decoders=decoders,
         compare_to=args.compare_to, tasks={s.task: {"rows": len(s.items), "max_new_tokens": s.max_new_tokens}
                                            for s in eval_sets},
-        data=absolute_if_local(args.data), strict_data=args.strict_data, limit=args.limit, batch_size=args.batch_size,
+        data=absolute_if_local(args.data), strict_data=args.strict_data, limit=args.limit,
+        batch_size=-(-args.batch_size // mesh.shape["data"]) * mesh.shape["data"],  # as Stream rounds it
         mesh=dict(mesh.shape), seed=args.seed, chat=args.chat, expert_dispatch=args.expert_dispatch,
         # what was used, also where it was found in the model's directory
         mrp_head=None if head is None else absolute_if_local(args.mrp_head or path),
@@ -285,7 +304,7 @@ def cmd_eval(args) -> int:
     if not main:  # every process decodes its part of each batch (and scores it all); process 0 writes
         return 0
     if reference is not None:
-        records = compare_to(records, outputs, _with_controller([reference], args.model, path, args.tspd_controller)[0])
+        records = compare_to(records, outputs, reference)
     table = report(records, outputs)
     print(table)
     print(f"wrote {args.out}/results.json, results.md, pareto.png" + (", outputs.jsonl" if args.save_outputs else ""))
@@ -433,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="native: dlmjax's own prompts and scorers (default); lm-eval: lm-evaluation-harness's task "
                          "definitions (prompts, few-shot examples, stops, filters, metrics) for gsm8k, humaneval, mbpp "
                          "and math500 (its minerva_math500) over the data dlmjax ships, offline")
-    ev.add_argument("--num-fewshot", type=int, default=None,
+    ev.add_argument("--num-fewshot", type=at_least_0_arg, default=None,
                     help="--backend lm-eval: few-shot examples per prompt (default: the task's, e.g. gsm8k 5)")
     ev.add_argument("--fewshot-as-multiturn", choices=("true", "false"), default=None,
                     help="--backend lm-eval with --chat: the few-shot examples as turns of their own (true, lm-eval's "
@@ -526,7 +545,10 @@ def _run(command: str, run) -> int:
                         "(settings.complete: false)"}
         print(f"dlmjax {command}: interrupted" + kept.get(command, ""), file=sys.stderr)
         return 130
-    except Exception:  # noqa: BLE001 (anything else is ours: keep the traceback)
+    except Exception as err:  # noqa: BLE001 (anything else is ours: keep the traceback)
+        if isinstance(err, OSError) and err.errno in PATH_ERRNOS:  # a path that cannot be, or a full disk
+            print(f"dlmjax {command}: error: {err}", file=sys.stderr)
+            return 2
         traceback.print_exc()
         print(f"dlmjax {command}: internal error: this is a bug in dlmjax, not a mistake in your input; "
               "please report it with the traceback above", file=sys.stderr)

@@ -160,7 +160,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="render each prompt as a user turn of the chat template (optionally with its variables, "
                         "'{\"enable_thinking\": false}'); train with the same data.chat")
     p.add_argument("--decoder", default=None, help="decoder spec (default: ar for causal models, as eval's first)")
-    p.add_argument("--drafter", default=None, help="a DFlash drafter for --decoder drafter (lossless: the ar tokens)")
+    p.add_argument("--drafter", default=None, help="decode with this DFlash drafter (the `drafter` decoder: the ar "
+                   "tokens, faster)")
     p.add_argument("--limit", type=count_arg, default=None, help="the first N usable rows only")
     p.add_argument("--batch-size", type=count_arg, default=32, help="rows decoded together")
     p.add_argument("--seed", type=seed_arg, default=0)
@@ -182,7 +183,7 @@ def run(args) -> int:
     from dlmjax.presets import load_checkpoint
 
     out, data = Path(args.out), Path(args.data).expanduser()
-    if out.exists():
+    if out.exists() or out.is_symlink():
         raise RegenerateError(f"{out} exists; pick another --out, or delete it to regenerate")
     if not out.parent.is_dir():
         raise RegenerateError(f"--out {out}: no directory {out.parent}; create it first")
@@ -204,7 +205,7 @@ def run(args) -> int:
                               "data=N); start it once, not under srun or with DLMJAX_* multi-process settings")
     mesh = _cli_mesh(args.mesh)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, mesh=mesh)
-    decoder = args.decoder or default_decoders(model)[0]
+    decoder = args.decoder or ("drafter" if args.drafter is not None else default_decoders(model)[0])
     check_kind(parse_options(decoder)[0], model)
     decoder = _with_controller([decoder], args.model, path, None)[0]
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)

@@ -161,6 +161,14 @@ def _int_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
+def at_least_0_arg(text: str) -> int:
+    """argparse type for an integer >= 0 (argparse reports anything else, exit 2)."""
+    value = _int_arg(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def count_arg(text: str) -> int:
     """argparse type for counts: an integer >= 1 (argparse reports anything else, exit 2)."""
     value = _int_arg(text)

@@ -78,6 +78,46 @@ def test_an_output_directory_that_is_a_file_is_refused_before_any_work(argv, tmp
     assert file.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("argv", [
+    ["eval", "--task", "toy-arith", "--limit", "2", "--out", "{link}"],
+    ["train", "configs/toy-ar.yaml", "--out", "{link}/run"],
+    ["traces", "--per-task", "2", "--out", "{link}"],
+])
+def test_an_output_path_through_a_link_to_nothing_or_too_long_is_one_line(argv, tmp_path, capsys):
+    """A dangling link passed the check (exists() follows it) and failed on mkdir as an internal
+    error; so did a name too long for the filesystem."""
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "gone")
+    root = str(Path(__file__).parents[1])
+    argv = [f"{root}/{a}" if a.endswith(".yaml") else a.format(link=link) for a in argv]
+    assert main(argv) == 2
+    assert f"{link} is a link to nothing" in capsys.readouterr().err
+    too_long = [a.replace(str(link), str(tmp_path / ("x" * 300))) for a in argv]
+    assert main(too_long) == 2
+    err = capsys.readouterr().err
+    assert "File name too long" in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "toy-ar", "--prompt", "1+1\n", "--decoder", "ar", "--drafter", "toy-ar"],
+     "--drafter toy-ar is for the drafter decoder, which none of the decoders named is"),
+    (["eval", "--model", "toy-ar", "--task", "toy-arith", "--limit", "1", "--decoder", "ar", "--drafter", "toy-ar",
+      "--out", "{tmp}/e"], "--drafter toy-ar is for the drafter decoder"),
+    (["generate", "--model", "toy-sdar", "--prompt", "1+1\n", "--decoder", "static", "--tspd-controller", "toy-sdar"],
+     "--tspd-controller toy-sdar is for the tspd and tspd+ce decoders, which none of the decoders is"),
+    (["eval", "--task", "toy-arith", "--limit", "1", "--decoder", "static", "--tspd-controller", "toy-sdar", "--out",
+      "{tmp}/e"], "--tspd-controller toy-sdar is for the tspd and tspd+ce decoders"),
+    (["eval", "--backend", "lm-eval", "--task", "gsm8k", "--num-fewshot", "-1", "--out", "{tmp}/e"], "-1 must be >= 0"),
+])
+def test_a_flag_that_would_be_ignored_is_refused(argv, message, tmp_path, capsys):
+    """They were accepted and ignored (a path that did not exist too), so the run was not the one asked for."""
+    try:
+        code = main([a.format(tmp=tmp_path) for a in argv])
+    except SystemExit as exit_:  # argparse's refusal
+        code = exit_.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["eval", "--task", "toy-arith", "--limit", "2"], ["export", "random-qwen3"],
                                      ["traces", "--per-task", "2"], ["train", "configs/toy-ar.yaml"]])
 def test_an_output_url_is_refused_before_any_work(command, tmp_path, monkeypatch, capsys):
@@ -299,8 +339,10 @@ def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path
     assert main([*args, "--decoder", "tspd+ce"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["tpf"] > 1.0 and row["tokens"]
+    # `tspd` and `tspd:controller=toy-sdar` are one decoder (it ran twice), for --compare-to too
     assert main(["eval", "--model", "toy-sdar", "--task", "toy-arith", "--limit", "1", "--no-progress",
-                 "--decoder", "tspd", "--out", str(tmp_path / "eval")]) == 0
+                 "--decoder", "tspd", "--decoder", "tspd:controller=toy-sdar", "--compare-to",
+                 "tspd:controller=toy-sdar", "--out", str(tmp_path / "eval")]) == 0
     runs = json.loads((tmp_path / "eval" / "results.json").read_text())["runs"]
     assert [r["decoder"] for r in runs] == ["tspd:controller=toy-sdar"]  # the label names it as the user did
     # a comma in the controller's path would split the decoder's options: named, not misread

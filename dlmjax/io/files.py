@@ -116,6 +116,9 @@ def check_output_dir(target: str | os.PathLike) -> Path:
                          "(e.g. gcsfuse) and pass the mount's path")
     path = Path(os.path.abspath(target))
     for folder in (path, *path.parents):
+        if folder.is_symlink() and not folder.exists():  # (exists() follows the link, to nothing)
+            raise InputError(f"output directory {target}: {folder} is a link to nothing ({os.readlink(folder)}); "
+                             "remove it or make its target")
         if folder.exists():
             if not folder.is_dir():
                 where = "is a file" if folder == path else f"lies under {folder}, which is a file"
