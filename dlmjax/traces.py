@@ -196,8 +196,12 @@ def concat(parts: list[dict], offsets: list[int]) -> dict:
 
 def trace_cache(cfg, cache: str) -> str:
     """The cache mode both decodes ran with: `cache` (--cache) on a bidirectional model; a
-    block-causal model's own exact cache."""
-    return "exact" if cfg.attention == "block_causal" else cache
+    block-causal model's own exact cache (another --cache is refused, as the decoders refuse it)."""
+    if cfg.attention != "block_causal":
+        return cache
+    if cache not in ("none", "exact"):
+        raise TraceError(f"--cache {cache}: a block-causal model decodes with its own exact cache; drop --cache")
+    return "exact"
 
 
 def refuse_causal(cfg, name: str) -> None:

@@ -362,6 +362,9 @@ def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path
     assert {"traces.npz", "meta.json"} <= {p.name for p in (tmp_path / "traces").iterdir()}
     assert main(["traces", "--seed", "1234", "--out", str(tmp_path / "t2")]) == 2
     assert "evaluation prompts" in capsys.readouterr().err
+    # toy-sdar is block-causal: its own exact cache, as the decoders refuse another (it was ignored)
+    assert main(["traces", "--model", "toy-sdar", "--cache", "dual", "--per-task", "2", "--out", str(tmp_path / "t4")]) == 2
+    assert "--cache dual: a block-causal model decodes with its own exact cache" in capsys.readouterr().err
     # over 8 devices a batch of 6 is rounded up, as eval's (it was refused)
     assert main(["traces", "--model", "toy-sdar", "--tasks", "toy-arith", "--per-task", "2", "--data-parallel",
                  "--batch-size", "6", "--out", str(tmp_path / "t3")]) == 0
