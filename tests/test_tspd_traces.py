@@ -217,8 +217,10 @@ def test_traces_refuse_whole_blocks_past_a_bidirectional_models_length_and_recor
     assert collect_traces(model, [prompt], max_new_tokens=new, batch_size=1, block=10)["label"].size  # a block that fits
 
     toy = dlmjax.load_model(resolve_model("toy-sdar"))
-    _, meta = traces_for_prompts(toy, tokenizer, ["1+2\n"], name="p", max_new_tokens=8, cache="dual")
-    assert meta["cache"] == "exact"  # a block-causal model's own cache, whatever --cache says
+    _, meta = traces_for_prompts(toy, tokenizer, ["1+2\n"], name="p", max_new_tokens=8)
+    assert meta["cache"] == "exact"  # a block-causal model's own cache; another is refused, as the decoders do
+    with pytest.raises(TraceError, match="--cache dual: a block-causal model decodes with its own exact cache"):
+        traces_for_prompts(toy, tokenizer, ["1+2\n"], name="p", max_new_tokens=8, cache="dual")
     _, meta = traces_for_prompts(model, tokenizer, ["1+2\n"], name="p", max_new_tokens=4, cache="prefix", block=4)
     assert meta["cache"] == "prefix"
 
