@@ -211,8 +211,8 @@ def run(args) -> int:
     drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
     if mesh is not None:
         model, head, drafter = (replicate_on(m, mesh) for m in (model, head, drafter))
-    settings = {"model": str(path.resolve()), "data": str(data.resolve()), "data_sha256": file_sha256(data), "field": args.field,
-                "response_field": args.response_field, "chat": args.chat, "decoder": decoder,
+    settings = {"model": str(path.resolve()), "data": str(data.resolve()), "data_sha256": file_sha256(data),
+                "field": args.field, "response_field": args.response_field, "chat": args.chat, "decoder": decoder,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed, "dtype": args.dtype, "limit": args.limit}
     summary = regenerate(model, tokenizer, usable, field=args.field, out=out, settings=settings, decoder=decoder,
                          max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, chat=args.chat,

@@ -337,8 +337,8 @@ def prompts_from_file(path: str | Path, *, field: str = "prompt") -> list[str]:
             raise TraceError(f"--prompts: {err}") from None
         usable, bad = usable_rows(rows, (field,))
         if bad:
-            raise TraceError(f"--prompts {path}: {len(bad)} row{'s' * (len(bad) > 1)} without a text field {field!r} ({'; '.join(bad[:5])}"
-                             f"{' ...' if len(bad) > 5 else ''}); fix them, or pass --field NAME")
+            raise TraceError(f"--prompts {path}: {len(bad)} row{'s' * (len(bad) > 1)} without a text field {field!r} "
+                             f"({'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}); fix them, or pass --field NAME")
         prompts = [row[field] for _, row in usable]
     elif field != "prompt":
         raise TraceError(f"--field {field} reads JSON objects, and {path} is read as text (one prompt per line); "

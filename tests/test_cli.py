@@ -363,7 +363,8 @@ def test_tspd_decoders_use_the_models_controller_and_traces_run(capsys, tmp_path
     assert main(["traces", "--seed", "1234", "--out", str(tmp_path / "t2")]) == 2
     assert "evaluation prompts" in capsys.readouterr().err
     # toy-sdar is block-causal: its own exact cache, as the decoders refuse another (it was ignored)
-    assert main(["traces", "--model", "toy-sdar", "--cache", "dual", "--per-task", "2", "--out", str(tmp_path / "t4")]) == 2
+    assert main(["traces", "--model", "toy-sdar", "--cache", "dual", "--per-task", "2",
+                 "--out", str(tmp_path / "t4")]) == 2
     assert "--cache dual: a block-causal model decodes with its own exact cache" in capsys.readouterr().err
     # over 8 devices a batch of 6 is rounded up, as eval's (it was refused)
     assert main(["traces", "--model", "toy-sdar", "--tasks", "toy-arith", "--per-task", "2", "--data-parallel",
@@ -423,6 +424,8 @@ def test_traces_from_a_prompt_file(capsys, tmp_path):
     from dlmjax.traces import prompts_from_file
 
     (tmp_path / "bom.jsonl.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf" + (tmp_path / "train.jsonl").read_bytes()))
-    assert prompts_from_file(tmp_path / "bom.jsonl.gz", field="question") == [q + "\n" for q in questions[:1] + questions]
-    (tmp_path / "splits.json").write_text(json.dumps({"train": [{"prompt": "train q"}], "test": [{"prompt": "test q"}]}))
+    read = prompts_from_file(tmp_path / "bom.jsonl.gz", field="question")
+    assert read == [q + "\n" for q in questions[:1] + questions]
+    splits = {"train": [{"prompt": "train q"}], "test": [{"prompt": "test q"}]}
+    (tmp_path / "splits.json").write_text(json.dumps(splits))
     assert prompts_from_file(tmp_path / "splits.json") == ["train q"]  # never a test split's

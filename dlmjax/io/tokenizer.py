@@ -111,8 +111,8 @@ class Tokenizer:
         default the tokenizer's `stop_ids`)."""
         template_vars = training_chat_vars(chat)
         (prompt_turn,) = self.user_turns([prompt], template_vars)
-        whole = self.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
-                                         add_generation_prompt=False, **template_vars)
+        conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        whole = self.apply_chat_template(conversation, add_generation_prompt=False, **template_vars)
         if not whole.startswith(prompt_turn):
             raise TokenizerError("the chat template writes this answer's turn elsewhere than after the prompt's turn "
                                  f"for generation ({prompt_turn[-40:]!r} is not followed by the answer; e.g. Qwen3's "
