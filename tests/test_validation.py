@@ -335,6 +335,9 @@ def test_unreadable_data_rows_are_skipped_with_line_numbers_or_refused(tmp_path,
     # --limit 1 evaluates row 1 alone: the problems of rows it never reached are not its own
     assert load_eval_set("gsm8k", data=data, limit=1).skipped == []
     assert load_eval_set("gsm8k", data=data, limit=2).skipped == loaded.skipped[:2]  # rows 1 and 4 evaluated
+    bad = tmp_path / "bad.jsonl"  # no usable row: every problem is reported, whatever the limit
+    bad.write_text("{not json\n" + json.dumps({"question": "q"}) + "\n")
+    assert len(load_eval_set("gsm8k", data=bad, limit=1).skipped) == 2
     with pytest.raises(DatasetError, match=r"gsm.jsonl: 3 unusable rows \(row 2: invalid JSON"):
         load_eval_set("gsm8k", data=data, strict=True)
     err = one_line_error(capsys, ["eval", "--model", "random-sdar", "--task", "gsm8k", "--data", str(data),

@@ -451,9 +451,9 @@ def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tok
         loaded = _math500(data, strict=strict)
     else:
         raise DatasetError(f"unknown task {name!r}; tasks: {', '.join(EVAL_TASKS)}")
-    if limit:  # the rows past the last one evaluated are not this run's: their problems are not reported
-        loaded.items = loaded.items[:limit]
-        last = loaded.items[-1].index + 1 if loaded.items else 0  # rows are numbered from 1
+    if limit and loaded.items:  # rows past the last one evaluated are not this run's: their problems are not
+        loaded.items = loaded.items[:limit]  # reported (with no usable row, all are: they say why)
+        last = loaded.items[-1].index + 1  # rows are numbered from 1
         loaded.skipped = [problem for problem in loaded.skipped if int(problem.split()[1].rstrip(":")) <= last]
     loaded.max_new_tokens = max_new_tokens or loaded.max_new_tokens
     return loaded

@@ -67,7 +67,11 @@ def check_backend_args(args, tasks: list[str]) -> None:
 
 def run_backend(args) -> int:
     """`dlmjax eval --backend lm-eval` (see the module docstring)."""
-    tasks = args.task or list(TOY_TASKS)
+    if not args.task:  # (the native backend's default, the toy tasks, has no lm-eval definition)
+        from dlmjax.lm_eval.tasks import TASKS
+
+        raise InputError(f"--backend lm-eval runs the tasks named with --task: {', '.join(TASKS)}")
+    tasks = args.task
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -99,7 +103,9 @@ def run_backend(args) -> int:
                   seed=args.seed, dtype=args.dtype, mrp_head=args.mrp_head, drafter=args.drafter,
                   tspd_controller=args.tspd_controller, max_new_tokens=args.max_new_tokens or 256,
                   progress=not args.no_progress)
-    decoders = args.decoder
+    from dlmjax.cli import _distinct_decoders
+
+    decoders = _distinct_decoders(args.decoder or [])  # two spellings of one decoder run once, as natively
     if not decoders:
         head = has_head(resolve_model(args.mrp_head, "--mrp-head") if args.mrp_head else lm.path) or None
         drafter = (args.drafter or find_drafter_dir(lm.path)) or None
