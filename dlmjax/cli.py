@@ -117,11 +117,26 @@ def _join_processes(args) -> bool:
     return is_main()
 
 
+def decoder_for(args, path, model, controller=None) -> tuple[str, object]:
+    """(decoder spec, DFlash drafter or None) that one decoder's command (generate, regenerate)
+    runs: --decoder; else `drafter` where --drafter names one for a causal model; else the model's
+    first default. The TSPD `controller` is filled in and the drafter loaded where it decodes."""
+    from dlmjax.decoding.api import check_kind
+    from dlmjax.decoding.spec import parse_options
+    from dlmjax.evaluation.runner import default_decoders
+
+    asked_drafter = args.drafter is not None and model.config.attention == "causal"  # --drafter DIR: decode with it
+    decoder = args.decoder or ("drafter" if asked_drafter else default_decoders(model)[0])
+    check_kind(parse_options(decoder)[0], model)  # before the drafter or controller it would need is looked for
+    _check_controller_used([decoder], controller)
+    decoder = _with_controller([decoder], args.model, path, controller)[0]
+    return decoder, _drafter_for(path, model, [decoder], args.drafter, args.dtype)
+
+
 def cmd_generate(args) -> int:
     main = _join_processes(args)
-    from dlmjax.decoding.api import check_kind, generate
-    from dlmjax.decoding.spec import parse_options
-    from dlmjax.evaluation.runner import default_decoders, replicate_on
+    from dlmjax.decoding.api import generate
+    from dlmjax.evaluation.runner import replicate_on
     from dlmjax.presets import load_checkpoint
     from dlmjax.sharding import make_mesh
 
@@ -130,12 +145,7 @@ def cmd_generate(args) -> int:
         mesh = make_mesh(model=1)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh,
                                                    expert_dispatch=args.expert_dispatch)
-    asked_drafter = args.drafter is not None and model.config.attention == "causal"  # --drafter DIR: decode with it
-    decoder = args.decoder or ("drafter" if asked_drafter else default_decoders(model)[0])
-    check_kind(parse_options(decoder)[0], model)  # before the drafter or controller it would need is looked for
-    _check_controller_used([decoder], args.tspd_controller)
-    decoder = _with_controller([decoder], args.model, path, args.tspd_controller)[0]
-    drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
+    decoder, drafter = decoder_for(args, path, model, args.tspd_controller)
     prompts = args.prompt
     if args.chat:
         prompts = tokenizer.user_turns(prompts)
@@ -215,7 +225,7 @@ def cmd_eval(args) -> int:
         if value is not None:
             raise InputError(f"{option} applies to --backend lm-eval (the native tasks are zero-shot and always "
                              "sandbox the code they run); add --backend lm-eval or drop it")
-    from dlmjax.decoding.spec import spec_key
+    from dlmjax.decoding.spec import distinct_specs, spec_key
     from dlmjax.evaluation.report import run_settings, write_report
     from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
     from dlmjax.evaluation.tasks import load_eval_set
@@ -264,7 +274,7 @@ def cmd_eval(args) -> int:
     # the TSPD decoders' controllers filled in first: `tspd` and `tspd:controller=M` are one decoder
     decoders = args.decoder or default_decoders(model, head, drafter)
     _check_controller_used(decoders + ([args.compare_to] if args.compare_to else []), args.tspd_controller)
-    decoders = _distinct_decoders(_with_controller(decoders, args.model, path, args.tspd_controller))
+    decoders = distinct_specs(_with_controller(decoders, args.model, path, args.tspd_controller))
     reference = None  # --compare-to's decoder, as spelled in the runs (run first where it is not one of them)
     if args.compare_to is not None:
         compared = _with_controller([args.compare_to], args.model, path, args.tspd_controller)[0]
@@ -309,17 +319,6 @@ def cmd_eval(args) -> int:
     print(table)
     print(f"wrote {args.out}/results.json, results.md, pareto.png" + (", outputs.jsonl" if args.save_outputs else ""))
     return 0
-
-
-def _distinct_decoders(specs: list[str]) -> list[str]:
-    """`specs` without repeats, two spellings of one decoder (tau=0.9, tau=0.90) being one: the
-    first spelling stays."""
-    from dlmjax.decoding.spec import spec_key
-
-    distinct: dict[tuple, str] = {}
-    for spec in specs:
-        distinct.setdefault(spec_key(spec), spec)
-    return list(distinct.values())
 
 
 def cmd_lm_eval(argv: list[str]) -> int:

@@ -173,11 +173,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from dlmjax.cli import _cli_mesh, _drafter_for, _with_controller
+    from dlmjax.cli import _cli_mesh, decoder_for
     from dlmjax.distributed import plan
-    from dlmjax.decoding.api import check_kind
-    from dlmjax.decoding.spec import parse_options
-    from dlmjax.evaluation.runner import default_decoders, replicate_on
+    from dlmjax.evaluation.runner import replicate_on
     from dlmjax.evaluation.tasks import DatasetError, read_rows, usable_rows
     from dlmjax.io.files import file_sha256
     from dlmjax.presets import load_checkpoint
@@ -205,10 +203,7 @@ def run(args) -> int:
                               "data=N); start it once, not under srun or with DLMJAX_* multi-process settings")
     mesh = _cli_mesh(args.mesh)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, mesh=mesh)
-    decoder = args.decoder or ("drafter" if args.drafter is not None else default_decoders(model)[0])
-    check_kind(parse_options(decoder)[0], model)
-    decoder = _with_controller([decoder], args.model, path, None)[0]
-    drafter = _drafter_for(path, model, [decoder], args.drafter, args.dtype)
+    decoder, drafter = decoder_for(args, path, model)
     if mesh is not None:
         model, head, drafter = (replicate_on(m, mesh) for m in (model, head, drafter))
     settings = {"model": str(path.resolve()), "data": str(data.resolve()), "data_sha256": file_sha256(data),

@@ -299,6 +299,15 @@ def spec_key(spec: str) -> tuple:
     return cls, tuple((f.name, options.get(f.name, f.default)) for f in dataclasses.fields(cls) if f.init)
 
 
+def distinct_specs(specs: list[str]) -> list[str]:
+    """`specs` without repeats, two spellings of one decoder (tau=0.9, tau=0.90) being one: the
+    first spelling stays."""
+    distinct: dict[tuple, str] = {}
+    for spec in specs:
+        distinct.setdefault(spec_key(spec), spec)
+    return list(distinct.values())
+
+
 def register_decoder(cls: type) -> type:
     """Class decorator for decoders defined in their own modules (MRP, PSD, TSPD); the package's
     __init__ imports each module, so they are registered whenever dlmjax.decoding is."""

@@ -83,6 +83,7 @@ def run_backend(args) -> int:
     check_backend_args(args, tasks)
 
     from dlmjax.decoding.api import _round_up
+    from dlmjax.decoding.spec import distinct_specs
     from dlmjax.evaluation.report import run_settings, write_report
     from dlmjax.evaluation.runner import default_decoders
     from dlmjax.heads.mrp import has_head
@@ -103,9 +104,7 @@ def run_backend(args) -> int:
                   seed=args.seed, dtype=args.dtype, mrp_head=args.mrp_head, drafter=args.drafter,
                   tspd_controller=args.tspd_controller, max_new_tokens=args.max_new_tokens or 256,
                   progress=not args.no_progress)
-    from dlmjax.cli import _distinct_decoders
-
-    decoders = _distinct_decoders(args.decoder or [])  # two spellings of one decoder run once, as natively
+    decoders = distinct_specs(args.decoder or [])  # two spellings of one decoder run once, as natively
     if not decoders:
         head = has_head(resolve_model(args.mrp_head, "--mrp-head") if args.mrp_head else lm.path) or None
         drafter = (args.drafter or find_drafter_dir(lm.path)) or None
