@@ -4,6 +4,7 @@ trains on; a stopped run resumes to the file an uninterrupted run writes."""
 import fcntl
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -96,6 +97,21 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_runs_file(rows_file, tmp_pat
     assert stopped.read_bytes() == whole.read_bytes() and not partial.exists()
     assert main(regenerate_argv(rows_file, stopped)) == 2  # a finished file is not overwritten
     assert "exists; pick another --out" in capsys.readouterr().err
+
+
+def test_drafter_alone_decodes_with_it_to_the_ar_answers(rows_file, tmp_path, monkeypatch):
+    """--drafter DIR with no --decoder decodes with the drafter (as `generate` does): lossless, so
+    the file is the `ar` one."""
+    from dlmjax.decoding import api
+
+    drafter = Path(__file__).resolve().parents[1] / "dlmjax/toy/checkpoints/toy-ar/drafter"
+    ar, drafted = tmp_path / "ar.jsonl", tmp_path / "drafted.jsonl"
+    assert main(regenerate_argv(rows_file, ar, "--limit", "4")) == 0
+    calls = []
+    real = api.generate_with_drafter
+    monkeypatch.setattr(api, "generate_with_drafter", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert main(regenerate_argv(rows_file, drafted, "--limit", "4", "--drafter", str(drafter))) == 0
+    assert calls and drafted.read_bytes() == ar.read_bytes()
 
 
 def test_a_diffusion_model_regenerates_with_its_decoder(rows_file, tmp_path):
