@@ -90,7 +90,7 @@ def _with_controller(specs, model, model_dir, controller):
     return filled
 
 
-def _cli_mesh(spec: str | None):
+def cli_mesh(spec: str | None):
     """The mesh `--mesh` names, or None without the option."""
     from dlmjax.sharding import parse_mesh
 
@@ -140,7 +140,7 @@ def cmd_generate(args) -> int:
     from dlmjax.presets import load_checkpoint
     from dlmjax.sharding import make_mesh
 
-    mesh = _cli_mesh(args.mesh)
+    mesh = cli_mesh(args.mesh)
     if mesh is None and jax.process_count() > 1:  # as eval: every device of every process on 'data'
         mesh = make_mesh(model=1)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh,
@@ -196,9 +196,12 @@ def cmd_export(args) -> int:
             extras.append("its TSPD controller")
         drafter_dir = find_drafter_dir(src)
         if drafter_dir is not None:  # DFlash format (vLLM and SGLang load it)
-            drafter = load_drafter(drafter_dir, model.config, target_dir=src)
-            save_drafter(drafter, stage / DRAFTER_SUBDIR, dtype=args.drafter_dtype)
-            extras.append(f"its DFlash drafter in {DRAFTER_SUBDIR}/ ({args.drafter_dtype})")
+            drafter, dtype = load_drafter(drafter_dir, model.config, target_dir=src), args.drafter_dtype or "bfloat16"
+            save_drafter(drafter, stage / DRAFTER_SUBDIR, dtype=dtype)
+            extras.append(f"its DFlash drafter in {DRAFTER_SUBDIR}/ ({dtype})")
+        elif args.drafter_dtype is not None:
+            raise InputError(f"--drafter-dtype sets the dtype of the DFlash drafter exported beside the model, and "
+                             f"{src} holds none (no {DRAFTER_SUBDIR}/); drop --drafter-dtype")
     print(f"wrote {args.format} checkpoint to {out}" + (f" (with {' and '.join(extras)})" if extras else ""))
     return 0
 
@@ -228,7 +231,7 @@ def cmd_eval(args) -> int:
     from dlmjax.decoding.spec import distinct_specs, spec_key
     from dlmjax.evaluation.report import run_settings, write_report
     from dlmjax.evaluation.runner import compare_to, default_decoders, run_eval
-    from dlmjax.evaluation.tasks import load_eval_set
+    from dlmjax.evaluation.tasks import TOY_TASKS, load_eval_set
     from dlmjax.io.dflash import find_drafter_dir
     from dlmjax.io.files import absolute_if_local
     from dlmjax.presets import load_checkpoint, load_eval_preset
@@ -246,7 +249,7 @@ def cmd_eval(args) -> int:
     args.model = args.model or "toy-sdar"
     args.chat = bool(args.chat)
     args.batch_size = args.batch_size or 64
-    mesh = _cli_mesh(args.mesh) or make_mesh(model=1)
+    mesh = cli_mesh(args.mesh) or make_mesh(model=1)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, head_from=args.mrp_head, mesh=mesh,
                                                    expert_dispatch=args.expert_dispatch)
     if preset is not None:
@@ -262,9 +265,12 @@ def cmd_eval(args) -> int:
         raise InputError(f"{err} (the preset's drafter is {preset.drafter}, from huggingface.co/{preset.drafter})"
                          ) from None
     tasks = list(dict.fromkeys(args.task or (list(preset.tasks) if preset is not None else
-                                             ["toy-arith", "toy-constraint"])))  # a task named twice runs once
+                                             list(TOY_TASKS))))  # a task named twice runs once
     if args.data is not None and len(tasks) != 1:
         raise InputError("--data applies to one task; pass a single --task with it")
+    if args.strict_data and all(t in TOY_TASKS for t in tasks):
+        raise InputError(f"--strict-data refuses a data file with unusable rows, and {', '.join(tasks)} read no file "
+                         "(they are generated); drop --strict-data")
     lengths = preset.tasks if preset is not None else {}
     eval_sets = [load_eval_set(t, data=args.data, limit=args.limit, max_new_tokens=args.max_new_tokens or lengths.get(t),
                                strict=args.strict_data) for t in tasks]
@@ -494,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("src", help="checkpoint directory or preset")
     exp.add_argument("out", help="output directory (new or empty)")
     exp.add_argument("--format", choices=("torch",), default="torch")
-    exp.add_argument("--drafter-dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+    exp.add_argument("--drafter-dtype", choices=("bfloat16", "float32", "float16"), default=None,
                      help="dtype of the DFlash drafter written beside the model (default bfloat16, as published)")
     exp.set_defaults(func=cmd_export)
     return parser

@@ -173,7 +173,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from dlmjax.cli import _cli_mesh, decoder_for
+    from dlmjax.cli import cli_mesh, decoder_for
     from dlmjax.distributed import plan
     from dlmjax.evaluation.runner import replicate_on
     from dlmjax.evaluation.tasks import DatasetError, read_rows, usable_rows
@@ -201,7 +201,7 @@ def run(args) -> int:
     if plan().mode in ("explicit", "slurm"):
         raise RegenerateError("regenerate runs as one process (split its rows over this host's devices with --mesh "
                               "data=N); start it once, not under srun or with DLMJAX_* multi-process settings")
-    mesh = _cli_mesh(args.mesh)
+    mesh = cli_mesh(args.mesh)
     path, model, tokenizer, head = load_checkpoint(args.model, dtype=args.dtype, mesh=mesh)
     decoder, drafter = decoder_for(args, path, model)
     if mesh is not None:

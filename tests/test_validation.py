@@ -343,6 +343,14 @@ def test_unreadable_data_rows_are_skipped_with_line_numbers_or_refused(tmp_path,
     err = one_line_error(capsys, ["eval", "--model", "random-sdar", "--task", "gsm8k", "--data", str(data),
                                   "--strict-data", "--no-progress", "--out", str(tmp_path / "out")])
     assert "drop --strict-data to skip them" in err
+    err = one_line_error(capsys, ["eval", "--model", "toy-sdar", "--task", "toy-arith", "--strict-data",
+                                  "--no-progress", "--out", str(tmp_path / "toy")])  # nothing it could refuse
+    assert "toy-arith read no file (they are generated); drop --strict-data" in err
+
+
+def test_export_refuses_a_drafter_dtype_without_a_drafter(tmp_path, capsys):
+    err = one_line_error(capsys, ["export", "toy-sdar", str(tmp_path / "out"), "--drafter-dtype", "float32"])
+    assert "holds none (no drafter/); drop --drafter-dtype" in err and not (tmp_path / "out").exists()
 
 
 # -- the CLI: user errors in one line, bugs with their traceback ---------------------------------------

@@ -28,6 +28,7 @@ TOY_SEED = 1234  # the toy eval prompts: the same for every evaluation and test 
 # Generation budget per toy task: the longest target plus EOS, rounded up to a block multiple
 # for every block size that divides 16.
 TOY_MAX_NEW_TOKENS = {"toy-arith": 48, "toy-constraint": 16}
+TOY_TASKS = tuple(TOY_MAX_NEW_TOKENS)
 TOY_DEFAULT_N = 128
 GSM8K_TEST = Path(__file__).parent / "data" / "gsm8k" / "test.jsonl"  # shipped, MIT (data/gsm8k/SOURCE.md)
 MBPP_TEST = Path(__file__).parent / "data" / "mbpp" / "test.jsonl"  # shipped, CC BY 4.0 (data/mbpp/SOURCE.md)
@@ -55,13 +56,22 @@ class EvalSet:
     items: list[EvalItem]
     max_new_tokens: int
     scorer: Callable[[list[EvalItem], list[str]], list[bool]]  # batched: sandboxes run in parallel
-    skipped: list[str] = field(default_factory=list)  # "row 12: missing 'answer'"
+    skipped: list["SkippedRow"] = field(default_factory=list)  # "row 12: missing 'answer'"
 
     def score(self, items: list[EvalItem], completions: list[str]) -> list[bool]:
         return self.scorer(items, completions)
 
 
 # ------------------------------------------------------------------------------------------- sources
+
+
+class SkippedRow(str):
+    """"row N: what is wrong", with N as `.row`: a row of the source that is reported and skipped."""
+
+    def __new__(cls, row: int, problem: str):
+        text = super().__new__(cls, f"row {row}: {problem}")
+        text.row = row
+        return text
 
 
 class _BadLine(str):
@@ -138,13 +148,13 @@ def read_rows(source: str | os.PathLike, *, split: str = "test", config: str | N
 
 def usable_rows(rows, required: tuple[str, ...], check=None, *, source=None, strict: bool = False):
     """([(row number, row), ...] that have the `required` non-empty string fields and pass
-    `check` (row -> problem or None), ["row N: what is wrong", ...] for the others). `strict`:
+    `check` (row -> problem or None), [SkippedRow "row N: what is wrong", ...] for the others). `strict`:
     any unusable row is a `DatasetError` that lists them."""
     usable, skipped = [], []
     for number, row in rows:
         problem = _fields(row, required) or (check(row) if check else None)
         if problem:
-            skipped.append(f"row {number}: {problem}")
+            skipped.append(SkippedRow(number, problem))
         else:
             usable.append((number, row))
     if strict and skipped:
@@ -425,7 +435,7 @@ def _math500(data, strict: bool = False) -> EvalSet:
     return EvalSet("math500", items, 512, scorer, skipped)
 
 
-EVAL_TASKS = ("toy-arith", "toy-constraint", "gsm8k", "gsm8k-cot", "humaneval", "humaneval-instruct", "mbpp",
+EVAL_TASKS = (*TOY_TASKS, "gsm8k", "gsm8k-cot", "humaneval", "humaneval-instruct", "mbpp",
               "mbpp-sanitized", "math500")
 
 
@@ -437,7 +447,7 @@ def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tok
     for option, value in (("limit", limit), ("max_new_tokens", max_new_tokens)):
         if value is not None:
             positive_int(option, value, error=DatasetError)
-    if name in ("toy-arith", "toy-constraint"):
+    if name in TOY_TASKS:
         if data is not None:
             raise DatasetError(f"{name} is generated (seed {TOY_SEED}); it takes no --data")
         loaded = _toy(name, limit)
@@ -454,6 +464,6 @@ def load_eval_set(name: str, *, data=None, limit: int | None = None, max_new_tok
     if limit and loaded.items:  # rows past the last one evaluated are not this run's: their problems are not
         loaded.items = loaded.items[:limit]  # reported (with no usable row, all are: they say why)
         last = loaded.items[-1].index + 1  # rows are numbered from 1
-        loaded.skipped = [problem for problem in loaded.skipped if int(problem.split()[1].rstrip(":")) <= last]
+        loaded.skipped = [problem for problem in loaded.skipped if problem.row <= last]
     loaded.max_new_tokens = max_new_tokens or loaded.max_new_tokens
     return loaded

@@ -19,10 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dlmjax.evaluation.tasks import TOY_TASKS
 from dlmjax.io.files import write_atomic
 from dlmjax.validation import InputError
-
-TOY_TASKS = ("toy-arith", "toy-constraint")
 
 
 def check_backend_args(args, tasks: list[str]) -> None:

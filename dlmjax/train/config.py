@@ -54,7 +54,7 @@ class RunConfigError(InputError):
     pass
 
 
-TOY_TASKS = {"toy-arith": 0.5, "toy-constraint": 0.5}
+TOY_TASK_WEIGHTS = {"toy-arith": 0.5, "toy-constraint": 0.5}
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class DataConfig:
     is recorded by its absolute path, so a run resumes from any working directory."""
 
     limits = {"seq_len": AT_LEAST_1, "seed": SEED_RANGE}
-    tasks: dict | None = None  # toy task -> weight (default TOY_TASKS where no files are given)
+    tasks: dict | None = None  # toy task -> weight (default TOY_TASK_WEIGHTS where no files are given)
     files: dict = field(default_factory=dict)  # JSONL file -> weight, in place of tasks
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -98,7 +98,7 @@ class DataConfig:
             raise RunConfigError("data.prompt_field, data.response_field and data.chat read the rows of data.files, "
                                  "which is not given: name the JSONL files (data.files={train.jsonl: 1}) or remove "
                                  "them")
-        object.__setattr__(self, "tasks", dict(TOY_TASKS) if self.tasks is None
+        object.__setattr__(self, "tasks", dict(TOY_TASK_WEIGHTS) if self.tasks is None
                            else {name: _coerce("float", weight) for name, weight in self.tasks.items()})
         if not self.tasks:
             raise RunConfigError(f"data.tasks is empty; give task weights, e.g. {{{next(iter(TASKS))}: 1.0}}")
