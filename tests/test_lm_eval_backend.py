@@ -27,7 +27,7 @@ from dlmjax.cli import main  # noqa: E402
 from dlmjax.evaluation.runner import evaluate_decoder  # noqa: E402
 from dlmjax.evaluation.tasks import EvalItem, EvalSet, load_eval_set  # noqa: E402
 from dlmjax.lm_eval.tasks import DATA, TASKS, write_tasks  # noqa: E402
-from dlmjax.presets import load_checkpoint  # noqa: E402
+from dlmjax.presets import load_checkpoint, resolve_model  # noqa: E402
 
 LIMIT = 4
 MAX_GEN = 32
@@ -288,6 +288,19 @@ def test_lm_eval_backend_refusals_name_the_fix(argv, message, capsys, tmp_path):
     assert main(["eval", "--backend", "lm-eval", "--out", str(tmp_path), *argv]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_settings_name_the_head_the_decoders_read_also_the_models_own(tmp_path):
+    """As the native backend: the MRP head a decoder read is recorded where it was found (toy-sdar
+    holds its own), and none where no decoder reads it."""
+    settings = {}
+    for decoder in ("mrp-direct", "static"):
+        out = tmp_path / decoder
+        assert main(["eval", "--backend", "lm-eval", "--task", "gsm8k", "--limit", "1", "--model", "toy-sdar",
+                     "--decoder", decoder, "--max-new-tokens", "8", "--out", str(out), "--no-progress"]) == 0
+        settings[decoder] = json.loads((out / "results.json").read_text())["settings"]
+    assert settings["mrp-direct"]["mrp_head"] == str(resolve_model("toy-sdar"))
+    assert settings["static"]["mrp_head"] is None and settings["static"]["drafter"] is None
 
 
 def test_the_backend_without_lm_eval_installed_is_one_line_naming_the_install(tmp_path):

@@ -87,6 +87,7 @@ def run_backend(args) -> int:
     from dlmjax.evaluation.runner import default_decoders
     from dlmjax.heads.mrp import has_head
     from dlmjax.io.dflash import find_drafter_dir
+    from dlmjax.io.files import absolute_if_local
     from dlmjax.lm_eval.tasks import TASKS, write_tasks
     from dlmjax.presets import resolve_model
 
@@ -109,8 +110,10 @@ def run_backend(args) -> int:
         drafter = (args.drafter or find_drafter_dir(lm.path)) or None
         decoders = default_decoders(lm.model, head, drafter)
 
+    uses_head = uses_drafter = False  # whether a decoder reads the MRP head, the drafter (for the settings)
     for decoder in decoders:  # every decoder checked (and what it needs found) before the first run
         lm.use_decoder(decoder)
+        uses_head, uses_drafter = uses_head or lm.head is not None, uses_drafter or lm.drafter is not None
     records, outputs, lm_results, tables = [], [], {}, []
     with tempfile.TemporaryDirectory(prefix="dlmjax-lm-eval-tasks-") as include:
         write_tasks(include, tasks)
@@ -143,8 +146,10 @@ def run_backend(args) -> int:
         getattr(args, "argv", None), backend="lm-eval", lm_eval_version=version("lm_eval"), model=args.model,
         checkpoint=str(lm.path), dtype=lm.model.config.dtype, decoders=list(decoders), tasks=list(tasks),
         num_fewshot=args.num_fewshot, limit=args.limit, max_new_tokens=args.max_new_tokens, batch_size=batch,
-        mesh=axes, seed=args.seed, chat=bool(args.chat), mrp_head=args.mrp_head, drafter=args.drafter,
-        expert_dispatch=args.expert_dispatch)
+        mesh=axes, seed=args.seed, chat=bool(args.chat), expert_dispatch=args.expert_dispatch,
+        # what was used, also where it was found in the model's directory (as the native backend)
+        mrp_head=absolute_if_local(args.mrp_head or lm.path) if uses_head else None,
+        drafter=absolute_if_local(args.drafter or find_drafter_dir(lm.path)) if uses_drafter else None)
     table = write_report(records, outputs if args.save_outputs else None, args.out, title=title, settings=settings)
     out_dir = Path(args.out)
     saved = json.loads((out_dir / "results.json").read_text())
