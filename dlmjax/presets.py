@@ -22,7 +22,7 @@ from dlmjax.io.tokenizer import Tokenizer, load_tokenizer
 from dlmjax.models.moe import dispatch_mismatch, set_expert_dispatch
 from dlmjax.models.transformer import Transformer, init_model
 from dlmjax.toy.tokenizer import save_char_tokenizer
-from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, InputError, check_fields, check_value
+from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, InputError, check_fields, check_value, limits_of
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
              max_position_embeddings=512, qk_norm=True)
@@ -141,7 +141,7 @@ class EvalPreset:
 
     def __post_init__(self):
         from dlmjax.config import FAMILIES
-        from dlmjax.decoding.spec import CAUSAL_DECODERS, parse_decoder, parse_options
+        from dlmjax.decoding.spec import CAUSAL_DECODERS, DecoderSpecError, parse_decoder, parse_options
         from dlmjax.evaluation.tasks import EVAL_TASKS as TASKS
 
         where = f"preset {self.path or self.name}"
@@ -158,9 +158,16 @@ class EvalPreset:
         for spec in self.decoders:
             if not isinstance(spec, str):
                 raise InputError(f"{where}: decoders are spec strings such as 'threshold:tau=0.9', not {spec!r}")
-            cls, options = parse_options(spec)  # not built: a TSPD decoder would read its controller file
-            if spec.split(":")[0].strip() not in ("tspd", "tspd+ce"):
-                parse_decoder(spec)
+            try:
+                cls, options = parse_options(spec)
+                if spec.split(":")[0].strip() in ("tspd", "tspd+ce"):  # not built: it would read its controller
+                    limits = limits_of(cls)
+                    for key, value in options.items():
+                        check_value(f"{cls.name}: {key}", value, limit=limits.get(key), error=DecoderSpecError)
+                else:
+                    parse_decoder(spec)
+            except DecoderSpecError as err:
+                raise InputError(f"{where}: decoder {spec!r}: {err}") from None
             if issubclass(cls, CAUSAL_DECODERS) != (family.attention == "causal"):
                 kind = "an autoregressive" if family.attention == "causal" else f"a {family.attention} diffusion"
                 raise InputError(f"{where}: decoder {spec!r} does not fit {kind} model ({self.family}); use "

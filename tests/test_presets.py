@@ -130,6 +130,11 @@ def test_malformed_presets_are_refused_with_the_fix(tmp_path):
         load_eval_preset(_write(tmp_path, GOOD.replace("block_size: 8", "block_size: null")))
     with pytest.raises(InputError, match="tspd: unknown option 'bogus'"):  # named at load, before any model
         load_eval_preset(_write(tmp_path, GOOD.replace('"threshold:tau=0.9"', '"tspd:bogus=1"')))
+    # an option out of its range names the file, the decoder and the range (TSPD's too, not built at load)
+    for spec, message in (("threshold:tau=2", r"threshold: tau=2.0 must be in \(0, 1\]"),
+                          ("tspd:depth=0", "tspd: depth=0 must be >= 1")):
+        with pytest.raises(InputError, match=rf"^preset \S+p.yaml: decoder '{spec}': {message}$"):
+            load_eval_preset(_write(tmp_path, GOOD.replace('"threshold:tau=0.9"', f'"{spec}"')))
     # decoders that do not fit the family are refused at load (they were only at run time)
     with pytest.raises(InputError, match=r"decoder 'ar' does not fit a block_causal diffusion model \(sdar\)"):
         load_eval_preset(_write(tmp_path, GOOD.replace('"threshold:tau=0.9"', '"ar"')))
