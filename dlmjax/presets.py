@@ -67,8 +67,11 @@ def _build(name: str, out_dir: Path) -> Path:
     export_model(init_model(cfg, seed=0), tmp)
     try:
         tmp.rename(out_dir)  # atomic: a half-built preset is never picked up
-    except OSError:  # another process built it first
+    except OSError:  # another process built it first, or something else is in the way
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "config.json").is_file():
+            raise InputError(f"the preset {name} is built in {out_dir}, which holds other files and no config.json; "
+                             f"delete it (or set DLMJAX_CACHE to another directory) and it is built again") from None
     return out_dir
 
 

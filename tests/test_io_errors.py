@@ -9,6 +9,7 @@ import dlmjax
 from dlmjax.config import ConfigError, from_hf_config
 from dlmjax.io.safetensors import CheckpointError, SafetensorsFile
 from dlmjax.io.tokenizer import load_tokenizer
+from dlmjax.validation import InputError
 
 QWEN3 = {
     "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
@@ -63,6 +64,17 @@ def test_the_python_api_takes_preset_names_as_the_cli_does():
     model = dlmjax.load_model("toy-sdar")  # the shipped model, as `--model toy-sdar`
     assert model.config.family == "sdar" and dlmjax.load_config("toy-ar").family == "qwen3"
     assert load_tokenizer("toy-sdar", model.config).encode("1+2=")
+
+
+def test_a_preset_cache_folder_holding_something_else_is_named_with_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLMJAX_CACHE", str(tmp_path))
+    stray = tmp_path / "presets" / "random-sdar"
+    stray.mkdir(parents=True)
+    (stray / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(InputError, match=r"random-sdar, which holds other files and no config.json; delete it"):
+        dlmjax.load_model("random-sdar")
+    (stray / "notes.txt").unlink()  # an empty folder is built into
+    assert dlmjax.load_model("random-sdar").config.family == "sdar"
 
 
 @pytest.mark.parametrize(
