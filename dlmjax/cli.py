@@ -343,6 +343,11 @@ def _train_mesh_overrides(args) -> list[str]:
 
     out = []
     if getattr(args, "mesh", None) is not None:
+        both = [o.partition("=")[0].strip() for o in args.overrides
+                if o.partition("=")[0].strip() in {f"mesh.{axis}" for axis in MESH_AXES}]
+        if both:
+            raise InputError(f"--mesh {args.mesh} and the override {both[0]}= both set the mesh's axes (--mesh "
+                             "replaces them all); give them in one of the two")
         sizes = parse_mesh_sizes(args.mesh)
         out += [f"mesh.{axis}={sizes.get(axis, 'null' if axis == 'data' else 1)}" for axis in MESH_AXES]
     if getattr(args, "device_memory", None) is not None:

@@ -289,7 +289,7 @@ def test_the_refusal_suggests_only_meshes_of_the_devices_the_run_has():
         assert "e.g. --mesh" not in fix and "train.batch_size (now 8)" in fix and "more devices" in fix
 
 
-def test_mesh_section_errors(tmp_path):
+def test_mesh_section_errors(tmp_path, capsys):
     with pytest.raises(RunConfigError, match="mesh.fsdp"):
         load_run_config("configs/mrp/toy-sdar.yaml", ["mesh.fsdp=0"])
     with pytest.raises(RunConfigError, match="unknown mesh keys"):
@@ -299,6 +299,11 @@ def test_mesh_section_errors(tmp_path):
     with pytest.raises(RunConfigError, match="must divide"):
         load_run_config("configs/mrp/toy-sdar.yaml", ["mesh.model=3"]).mesh.make()
     assert cli_main(["train", "configs/mrp/toy-sdar.yaml", "--out", str(tmp_path / "x"), "--mesh", "tensor=2"]) == 2
+    # --mesh replaces the mesh's axes: an axis also set by an override is refused, not silently dropped
+    assert cli_main(["train", "configs/mrp/toy-sdar.yaml", "mesh.data=2", "--out", str(tmp_path / "x"),
+                     "--mesh", "model=2"]) == 2
+    assert "--mesh model=2 and the override mesh.data= both set the mesh's axes" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_mrp_head_trains_on_a_sharded_backbone_as_on_one_device(tmp_path, capsys):
