@@ -68,7 +68,9 @@ def parse_mesh_sizes(spec: str) -> dict[str, int]:
     sizes = {}
     for part in spec.split(","):
         name, eq, value = part.strip().partition("=")
-        if not eq or name not in MESH_AXES or name in sizes or not value.strip().isdigit() or int(value) < 1:
+        value = value.strip()
+        if (not eq or name not in MESH_AXES or name in sizes or not (value.isascii() and value.isdigit())
+                or int(value) < 1):
             raise InputError(f"--mesh {spec!r}: write comma-separated AXIS=N with N >= 1, each axis once, axes "
                              f"{', '.join(MESH_AXES)} (e.g. --mesh data=2,model=4)")
         sizes[name] = int(value)

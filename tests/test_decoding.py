@@ -386,6 +386,20 @@ def test_a_mask_token_outside_the_vocabulary_is_refused():
         generate(model, [[1, 2]], max_new_tokens=4)
 
 
+@pytest.mark.parametrize("family,spec", [("llada", "static:block=4"), ("sdar", "threshold:tau=0.4"),
+                                         ("qwen3", "ar")])
+def test_a_pad_id_outside_the_vocabulary_pads_as_any_other(family, spec):
+    """A config's pad_token_id may lie past the embedding (vocab_size): the pad slots no query sees
+    must not turn the row into NaN (every token 0), alone (a bidirectional model pads its block)
+    or left-padded in a batch."""
+    model = peaky_model(family, seed=3)
+    expected = generate(model, PROMPTS, decoder=spec, max_new_tokens=MAX_NEW)
+    model.config = model.config.replace(pad_token_id=model.config.vocab_size)
+    got = generate(model, PROMPTS, decoder=spec, max_new_tokens=MAX_NEW)
+    assert [r.tokens for r in got.rows] == [r.tokens for r in expected.rows]
+    assert generate(model, PROMPTS[1:2], decoder=spec, max_new_tokens=MAX_NEW).rows[0].tokens == expected.rows[1].tokens
+
+
 def test_unknown_decoder_lists_valid_ones():
     names = decoder_names()
     assert {"ar", "drafter", "entropy", "mrp-direct", "mrp-remask", "mrp-spec", "psd", "static", "threshold"} <= set(names)

@@ -82,6 +82,14 @@ def layouts(model):
     }
 
 
+def test_chunk_parts_that_leave_keys_out_are_refused():
+    model = plain_model("float32")
+    tokens = jnp.ones((1, 6), jnp.int32)
+    with pytest.raises(ValueError, match=r"chunk_parts=\(2, 2\) must add up to the chunk's 6 tokens"):
+        model(tokens, chunk_parts=(2, 2))
+    assert model(tokens, chunk_parts=(2, 4)).logits.shape[:2] == (1, 6)
+
+
 def test_DLMJAX_INVARIANT_is_a_switch_read_when_used(monkeypatch, capsys):
     """1/true/on and 0/false/off/unset; anything else is refused where it is read (the CLI: one
     line, exit 2), not taken as "on" (`false` used to turn the 7-10x slower mode on)."""

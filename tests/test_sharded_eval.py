@@ -35,7 +35,7 @@ def test_mesh_option_parses_axes_and_names_the_fix():
     assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 1, "model": 4}
     assert dict(parse_mesh("model=2").shape)["data"] == 4  # data takes what the others leave
     assert dict(parse_mesh("data=1,model=1").shape) == {"data": 1, "fsdp": 1, "expert": 1, "model": 1}
-    for bad in ("data=2,data=4", "batch=2", "data", "data=x", "model=0"):
+    for bad in ("data=2,data=4", "batch=2", "data", "data=x", "model=0", "data=²"):  # a digit int() refuses
         with pytest.raises(InputError, match="AXIS=N"):
             parse_mesh(bad)
     with pytest.raises(InputError, match="must divide the number of devices"):

@@ -59,7 +59,7 @@ def _remove_stale(parent: Path) -> None:
     own = f"{PARTIAL}{_host()}"
     for leftover in parent.glob(f".*{PARTIAL}*"):
         head, _, pid = leftover.name.rpartition("-")
-        if head.endswith(own) and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if head.endswith(own) and pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(leftover) if leftover.is_dir() and not leftover.is_symlink() else leftover.unlink()
 
 

@@ -268,7 +268,9 @@ class Transformer(nnx.Module):
         )
 
     def embed_tokens(self, tokens_bl):
-        return jnp.take(self.embed[...], tokens_bl, axis=0)
+        # clipped: a pad id outside the vocabulary (a config's pad_token_id >= vocab_size) sits in slots
+        # no query sees, but jnp.take's default fills it with NaN, and 0 x NaN in attention is NaN
+        return jnp.take(self.embed[...], tokens_bl, axis=0, mode="clip")
 
     def lm_head_weight(self):
         """The lm_head as [D, V] (the embedding's transpose when tied)."""
@@ -284,7 +286,7 @@ class Transformer(nnx.Module):
     def token_logits(self, hidden_bkd, tokens_bk):
         """Final-normed hidden [..., D] -> float32 logits [...] of the given tokens only: what
         `lm_logits` holds at `tokens`, without the other columns."""
-        w_kd = jnp.moveaxis(jnp.take(self.lm_head_weight(), tokens_bk, axis=1), 0, -1)
+        w_kd = jnp.moveaxis(jnp.take(self.lm_head_weight(), tokens_bk, axis=1, mode="clip"), 0, -1)
         # row by row (fixed tiles in the invariant mode: mrp-remask's veto reads these against delta)
         return arithmetic.rowwise(lambda h, w: jnp.sum(h.astype(jnp.float32) * w.astype(jnp.float32), axis=-1),
                                   hidden_bkd, w_kd)
@@ -320,6 +322,9 @@ class Transformer(nnx.Module):
             raise ValueError(f"hidden_layers={hidden_layers}: give increasing indices in 0..{cfg.num_layers} (one "
                              "array comes back per index, in that order)")
         b, l = tokens_bl.shape
+        if chunk_parts and sum(chunk_parts) != l:
+            raise ValueError(f"chunk_parts={chunk_parts} must add up to the chunk's {l} tokens (keys left out of "
+                             "every part would be attended by no query)")
         if positions_bl is None:
             if cache is not None:
                 raise ValueError("pass positions_bl explicitly when forwarding against a cache")
