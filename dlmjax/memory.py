@@ -314,7 +314,8 @@ def training_fix(run, mesh) -> str:
                                                  "fsdp": sizes.get("fsdp", 1) * factor}.items() if v > 1 or k == "data")
         example = f", e.g. --mesh {more}"
     return (f"fix: a smaller train.batch_size (now {run.train.batch_size}) or data.seq_len (now {run.data.seq_len}), "
-            f"or split the weights over more devices with more model or fsdp (mesh: {{model: M, fsdp: F}} in the "
+            f"or split the weights over more devices with more model or fsdp, or expert for an MoE model's experts "
+            f"(mesh: {{model: M, fsdp: F}} in the "
             f"config or --mesh{example}), or more devices; --device-memory sets the capacity checked")
 
 

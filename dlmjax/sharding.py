@@ -238,6 +238,9 @@ def unsplit_weights(cfg, mesh: Mesh) -> list[str]:
             groups.append(("shared expert", f"intermediate size {cfg.shared_expert_intermediate_size}",
                            cfg.shared_expert_intermediate_size))
     out = [f"{name} ({units}, model={model})" for name, units, n in groups if n % model]
+    if model > 1 and cfg.num_experts:  # PARAM_AXES splits routed experts over 'expert' (and fsdp) only
+        out.append(f"routed experts ({cfg.num_experts} experts: model={model} never splits them; split them over "
+                   "expert=N or fsdp=N)")
     if expert > 1 and cfg.num_experts == 0:
         out.append(f"every weight (a dense model has no experts to split over expert={expert}: put those devices "
                    "on data)")

@@ -319,6 +319,12 @@ def test_mrp_head_trains_on_a_sharded_backbone_as_on_one_device(tmp_path, capsys
     out = capsys.readouterr().out
     assert "memory per device (mesh data=2,fsdp=2,model=2; 2 rows x 64 tokens)" in out and "frozen params" in out
     assert b.losses[1] == pytest.approx(a.losses[1], rel=1e-4, abs=1e-6)  # a KL of ~3e-4: fp32 sums reordered
+    assert "unsplit" not in capsys.readouterr().err  # 4 heads, 2 KV heads: model=2 splits every weight
+    # model=4 cannot split 2 KV heads: said before the run, as loading the model on that mesh says it
+    c = train(load_run_config("configs/mrp/toy-sdar.yaml", MRP_RUN + ["train.log_every=1", "mesh.model=4"]),
+              tmp_path / "c", progress=False)
+    assert "leave these weights unsplit over them: attention (2 KV heads, model=4)" in capsys.readouterr().err
+    assert c.losses[1] == pytest.approx(a.losses[1], rel=1e-4, abs=1e-6)
 
 
 def test_a_backbone_trains_fsdp_and_tensor_parallel_as_on_one_device(tmp_path, capsys):

@@ -46,7 +46,10 @@ def test_sharded_forward_equals_single_device(tmp_path, caplog):
     moe = dlmjax.ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                              num_heads=4, num_kv_heads=2, head_dim=8, attention="causal", qk_norm=True, num_experts=6,
                              num_experts_per_tok=2, moe_intermediate_size=16, moe_layers=(0, 1))
-    assert unsplit_weights(moe, make_mesh(expert=4, model=2)) == ["experts (6 experts, expert=4)"]
+    assert unsplit_weights(moe, make_mesh(expert=4, model=2)) == [
+        "routed experts (6 experts: model=2 never splits them; split them over expert=N or fsdp=N)",
+        "experts (6 experts, expert=4)"]
+    assert unsplit_weights(moe, make_mesh(expert=2, data=4)) == []
     # a dense model on an expert axis: every weight is copied there (it was said nowhere)
     assert unsplit_weights(sharded.config, make_mesh(expert=8)) == [
         "every weight (a dense model has no experts to split over expert=8: put those devices on data)"]

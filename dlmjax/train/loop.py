@@ -41,7 +41,7 @@ from dlmjax.io.tokenizer import Tokenizer, decode_stop_ids, load_tokenizer
 from dlmjax.models.transformer import Transformer, abstract_model, init_model
 from dlmjax.presets import resolve_model
 from dlmjax.memory import check_training_memory
-from dlmjax.sharding import param_sharding, placement, put_array
+from dlmjax.sharding import param_sharding, placement, put_array, unsplit_weights
 from dlmjax.toy.tokenizer import char_tokenizer, save_char_tokenizer, special_ids
 from dlmjax.train import objectives, unfused
 from dlmjax.train.config import RunConfig, RunConfigError, backbone_config, from_dict, read_yaml
@@ -528,8 +528,13 @@ def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, pr
     if trainee.frozen is not None:  # a frozen backbone: tensor-parallel / fsdp as its rules say
         frozen_graphdef, frozen = nnx.split(trainee.frozen)
         frozen_sh = placement(frozen, mesh, trainee.frozen.config if isinstance(trainee.frozen, Transformer) else None)
-    check_training_memory(run, mesh, cfg=getattr(trainee.frozen or trainee.abstract, "config", None),
-                          abstract=abstract, frozen=frozen, frozen_shardings=frozen_sh, show=main)
+    backbone_cfg = getattr(trainee.frozen or trainee.abstract, "config", None)
+    check_training_memory(run, mesh, cfg=backbone_cfg, abstract=abstract, frozen=frozen, frozen_shardings=frozen_sh,
+                          show=main)
+    unsplit = unsplit_weights(backbone_cfg, mesh) if isinstance(backbone_cfg, ModelConfig) else []
+    if main and unsplit:  # as loading a model on a mesh says it (io.hf.load_model)
+        print(f"note: the mesh's model/expert axes leave these weights unsplit over them: {'; '.join(unsplit)}",
+              file=sys.stderr)
     if main and cfg.warmup_steps > cfg.steps > 0:  # step s applies schedule(s) (`make_optimizer`)
         print(f"note: train.warmup_steps={cfg.warmup_steps} > train.steps={cfg.steps}: the learning rate rises for "
               f"the whole run and peaks at {float(schedule(cfg.steps)):.3g}, not train.lr={cfg.lr:g}; set "
