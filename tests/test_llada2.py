@@ -49,7 +49,8 @@ _FORWARDS = {}
 
 
 def reference_llada2(model, prompt, *, tau, steps, editing_threshold=None, max_post_steps=16, max_new=MAX_NEW):
-    """(tokens, forwards, edits, post-step limit hits) of the procedure, one full forward per step."""
+    """(tokens, forwards, edits, post-step limit hits, stopped early) of the procedure, one full
+    forward per step."""
     block = BLOCK
     start = (len(prompt) // block) * block
     num_blocks = math.ceil((len(prompt) - start + max_new) / block)
@@ -85,13 +86,18 @@ def reference_llada2(model, prompt, *, tau, steps, editing_threshold=None, max_p
             for c in chosen + edited:
                 seq[c] = pred[c]
             edits += len(edited)
+            generated = seq[len(prompt):]
+            if (editing_threshold is None and any(seq[c] == EOS for c in chosen)
+                    and MASK not in generated[: generated.index(EOS)]):  # LLaDA2.0's early stop
+                out = generated[: min(generated.index(EOS) + 1, max_new)]
+                return out, forwards, edits, limit_hits, True
             if not masked and not edited:
                 break
             step += bool(masked)
         if EOS in seq[len(prompt) : cols[-1] + 1]:
             break
     out = seq[len(prompt) : len(prompt) + max_new]
-    return (out[: out.index(EOS) + 1] if EOS in out else out), forwards, edits, limit_hits
+    return (out[: out.index(EOS) + 1] if EOS in out else out), forwards, edits, limit_hits, False
 
 
 @pytest.fixture(scope="module")
@@ -113,25 +119,39 @@ ALONE = (0, 3)  # rows also decoded alone: one that starts mid-block, one whose 
 # compile of its own, so not all of them)
 
 
-@pytest.mark.parametrize("spec", list(CASES))
-def test_llada2_matches_reference_loop_batch_and_alone(model, spec):
+def matches_reference(model, spec):
+    """Tokens and per-row forwards of `spec` equal the reference loop's, in a batch and alone (rows
+    ALONE); the reference's (edits, post-step limit hits, stopped early) per row."""
     together = generate(model, PROMPTS, decoder=spec, max_new_tokens=MAX_NEW)
     stats = []
     for i, prompt in enumerate(PROMPTS):
-        tokens, forwards, edits, hits = reference_llada2(model, prompt, **CASES[spec])
-        stats.append((edits, hits))
+        tokens, forwards, *row_stats = reference_llada2(model, prompt, **CASES[spec])
+        stats.append(row_stats)
         row = together.rows[i]
         assert row.tokens == tokens, (spec, i)
         assert row.nfe == forwards, (spec, i)
         if i in ALONE:
             alone = generate(model, [prompt], decoder=spec, max_new_tokens=MAX_NEW).rows[0]
             assert (alone.tokens, alone.nfe) == (row.tokens, row.nfe), (spec, i)
+    assert together.tpf > 1.0 or "steps=3" not in spec
+    return stats
+
+
+@pytest.mark.parametrize("spec", list(CASES))
+def test_llada2_matches_reference_loop_batch_and_alone(model, spec):
+    stats = matches_reference(model, spec)
     if "editing" in spec:  # the edits and the post-step limit must have been exercised
-        assert sum(e for e, _ in stats) > 0, "no token was ever edited: the test is vacuous"
+        assert sum(e for e, _, _ in stats) > 0, "no token was ever edited: the test is vacuous"
         if "max_post_steps=2" in spec:
-            assert sum(h for _, h in stats) > 0, "no block reached max_post_steps"
-    else:
-        assert together.tpf > 1.0 or "steps=3" not in spec
+            assert sum(h for _, h, _ in stats) > 0, "no block reached max_post_steps"
+
+
+@pytest.mark.parametrize("spec", [s for s in CASES if "editing" not in s])
+def test_llada2_stops_right_after_an_eos_with_nothing_masked_before_it(spec):
+    """LLaDA2.0's generate() returns after the step that commits an EOS with every generated
+    position before it filled; the masks after it are never decoded (a model that writes EOS early)."""
+    stats = matches_reference(peaked_sdar(seed=4), spec)
+    assert sum(early for _, _, early in stats) >= 2, "no row stopped early: the test is vacuous"
 
 
 def test_default_is_one_token_per_step_at_block_32():

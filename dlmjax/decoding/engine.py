@@ -34,7 +34,8 @@ A round (`decode_round`), per row:
    versions of the block ("copies") the round's forward evaluates: one for the policy decoders,
    the drafts for PSD and MRP spec;
 2. a row whose block is now complete (no mask left, and the plan does not keep it open for token
-   editing: `Plan.open`) finishes (EOS, or its last block) or moves to its next block;
+   editing: `Plan.open`) finishes (EOS, or its last block) or moves to its next block; a row the
+   plan stops (`Plan.stop`, LLaDA2.0's EOS early stop) finishes with masks left after its EOS;
 3. one forward evaluates every row's copies (a row that moved: its new block, storing the old);
 4. the decoder's `resolve` reads the forward: the accepted copy (PSD, MRP spec), the logits
    that seed the row's next round, and the decoder's next carry. Rows that forwarded copies of
@@ -123,6 +124,9 @@ class Plan:
     # [B] bool: rows that keep working on their block although no mask is left in it (token
     # editing, dlmjax.decoding.llada2); None: a block is complete when its masks are gone
     open: Any = None
+    # [B] bool: rows that finish now although masks are left in their block (LLaDA2.0's early
+    # stop on an EOS with nothing masked before it: the masks after it are never output); None: none
+    stop: Any = None
 
 
 class LayoutError(InputError):
@@ -204,6 +208,7 @@ class BlockForwards:
     # `no_eos` and `eos_last`, LLaDA's logits_eos_inf and confidence_eos_eot_inf)
     banned_ids: tuple[int, ...] = ()
     last_ids: tuple[int, ...] = ()
+    eos_ids: tuple[int, ...] = ()  # the tokens a row finishes after (the run's stop ids)
 
     @property
     def lead(self) -> int:
@@ -516,6 +521,8 @@ def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos)
     canvas = fwd.put_block(st.canvas, st.block, plan.tokens)
 
     left = jnp.any(plan.tokens == mask_id, axis=-1) & ~st.done  # rows still denoising this block
+    if plan.stop is not None:  # an early stop: the row's masks are left as they are
+        left = left & ~plan.stop
     if plan.open is not None:  # token editing: a block without masks may still be open
         left = left | (plan.open & ~st.done)
     complete = ~st.done & ~left
@@ -592,7 +599,7 @@ def _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cach
     banned = model.config.eos_token_ids if decoder is not None and decoder.no_eos else ()
     last = tuple(eos_ids) if decoder is not None and decoder.eos_last else ()
     return BlockForwards(model, rows, geometry, cache_mode, mask_id, head, from_hidden, banned_ids=banned,
-                         last_ids=last)
+                         last_ids=last, eos_ids=tuple(eos_ids))
 
 
 def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_ids, pad_id, stop_at,

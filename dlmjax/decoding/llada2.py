@@ -18,11 +18,15 @@ of a block-causal model, from each forward of the block:
   the filled block ("post steps"), each applying T2T, until a step edits nothing or
   `max_post_steps` post steps have run (a post step that would exceed it runs no forward).
   Without editing a block ends with its last mask.
-- A row stops after the block that holds its EOS, once that block is complete (no mask left and,
-  with editing, its post steps done), as every decoder here. That is generate()'s
-  `eos_early_stop=True`, the model cards' setting: it checks for EOS after each block, so edits
-  inside the EOS block (after the EOS too) run as here. (diffusers' LLaDA2 pipeline checks after
-  every step instead; that is not the authors' procedure.)
+- Early stop on EOS (generate()'s `eos_early_stop=True`, the model cards' setting). Without
+  editing (LLaDA2.0's generate()): a row stops right after a step that commits an EOS, if no
+  generated position before its first EOS is masked; the masks after the EOS are never decoded
+  (fewer forwards than finishing the block, the same tokens). Otherwise, and with editing
+  (LLaDA2.1's generate() checks after each block, so edits inside the EOS block run), a row
+  stops after the block that holds its EOS, once that block is complete (no mask left and, with
+  editing, its post steps done), as every decoder here. The EOS looked for is any of the run's
+  stop ids, from the row's first generated position (generate() searches from the prompt's
+  start: an EOS inside the prompt would end its generation empty).
 
 Engine mapping (engine.decode_round): a round's plan is one step's commit from the latest
 logits; the round's forward is the next step's forward. The plan keeps, per row, its block, the
@@ -55,6 +59,18 @@ def quota_commit(scores: policies.Scores, masked_bk, tau: float, quota_b):
     most confident ones. Equals (above tau) | (ranked within the quota)."""
     ranked = policies.rank_positions(scores.confidence, masked_bk) < quota_b[:, None]
     return masked_bk & ((scores.confidence > tau) | ranked)
+
+
+def eos_early_stop(fwd, state, after_bk, committed_bk):
+    """[B] rows whose step committed an EOS with no generated position masked before the first
+    EOS of their block (earlier blocks hold none: a row stops at the end of a block with one)."""
+    eos = jnp.asarray(fwd.eos_ids or (-1,), jnp.int32)
+    k = after_bk.shape[1]
+    generated = fwd.block_start(state.block)[:, None] + jnp.arange(k)[None, :] >= fwd.rows.out_start[:, None]
+    is_eos = jnp.isin(after_bk, eos) & generated
+    first_eos = jnp.argmax(is_eos, axis=-1)  # 0 where none: then no EOS was committed either
+    masked_before = jnp.any((after_bk == fwd.mask_id) & (jnp.arange(k)[None, :] < first_eos[:, None]), axis=-1)
+    return jnp.any(committed_bk & is_eos, axis=-1) & ~masked_before
 
 
 @register_decoder
@@ -119,7 +135,7 @@ class LLaDA2(DiffusionDecoder):
         filled = ~jnp.any(after == fwd.mask_id, axis=-1)
         carry = {"block": state.block, "step": step + has_mask, "post": post, "closed": closed | filled}
         if not self.editing:
-            return Plan(tokens=after, copies=after[:, None], carry=carry)
+            return Plan(tokens=after, copies=after[:, None], carry=carry, stop=eos_early_stop(fwd, state, after, m2t))
         post = post + filled  # the next step is a post step
         ended = (~has_mask & ~jnp.any(edit, axis=-1)) | (filled & (post > self.max_post_steps))
         still_open = ~closed & ~ended
