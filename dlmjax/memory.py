@@ -5,14 +5,16 @@ The estimate is the sum of
   backbone split over 'model' or 'fsdp', and MoE experts split over 'expert', count 1/n of their
   size; a replicated (data-parallel) head counts whole on every device;
 - the optimiser state of the trained parameters, placed like them (AdamW: two moments);
-- the gradients of the trained parameters and the update made from them, each placed like them:
-  a step holds both before it applies the update (XLA's temporaries of a train step whose
-  parameters dominate are twice the trained parameters);
+- the gradients of the trained parameters and the update made from them, the update placed like
+  them: a step holds both before it applies the update (XLA's temporaries of a train step whose
+  parameters dominate are twice the trained parameters); under fsdp the gradients are whole until
+  their reduce-scatter;
 - the activations of one step for the rows a device holds (`activation_bytes`): what the backward
   of each trained layer keeps, attention scores materialised (an upper bound where a flash kernel
   runs), the fp32 logits the loss reads, and a frozen backbone's forward (no gradient: one layer's
   transient plus the outputs kept);
-- the all-gathered weights of one layer under fsdp (XLA gathers a layer's weights where it uses them);
+- the weights gathered whole over fsdp: of one layer at a time for a frozen backbone (a forward
+  only), of every layer for a trained one (the forward's gathered weights are kept for its backward);
 - a KV cache where one is held (`kv_cache_bytes`, decoding; training holds none).
 
 It is an estimate (XLA fuses and rematerialises; compiler workspace is not counted), meant to
@@ -173,6 +175,27 @@ def fsdp_gather_bytes(layer_tree, shardings, fsdp: int) -> int:
     return tree_bytes(layer_tree, shardings) * fsdp
 
 
+def _split_over(sharding, axis: str) -> bool:
+    spec = getattr(sharding, "spec", ())
+    return any(e == axis or (isinstance(e, tuple) and axis in e) for e in spec)
+
+
+def fsdp_whole_bytes(tree, shardings, fsdp: int) -> tuple[int, int]:
+    """(bytes of the leaves split over 'fsdp', gathered whole over it; per-device bytes of the
+    others): a trained tree's weights as the forward keeps them for the backward, and its
+    gradients before their reduce-scatter."""
+    leaves = jax.tree.leaves(tree)
+    placements = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    gathered = rest = 0
+    for leaf, placed in zip(leaves, placements):
+        size = shard_bytes(leaf.shape, leaf.dtype, placed)
+        if fsdp > 1 and _split_over(placed, "fsdp"):
+            gathered += size * fsdp
+        else:
+            rest += size
+    return gathered, rest
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Per-device bytes of a run, by kind."""
@@ -182,7 +205,7 @@ class MemoryEstimate:
     optimizer: int = 0  # the optimiser state of the trained params
     gradients: int = 0  # the gradients of the trained params and the update made from them
     activations: int = 0  # one step's activations for the device's rows
-    fsdp_gather: int = 0  # one layer's weights gathered whole (fsdp)
+    fsdp_gather: int = 0  # weights gathered whole over fsdp (a frozen backbone's largest layer, trained weights)
     kv_cache: int = 0  # decoding only
     mesh: str = ""  # e.g. "data=2,fsdp=2,model=2"
     rows_per_device: int = 0
@@ -195,7 +218,7 @@ class MemoryEstimate:
     def parts(self) -> list[tuple[str, int]]:
         return [("frozen params", self.frozen_params), ("trained params", self.trained_params),
                 ("optimizer state", self.optimizer), ("gradients + update", self.gradients),
-                ("activations", self.activations), ("fsdp gather (1 layer)", self.fsdp_gather),
+                ("activations", self.activations), ("fsdp gathered weights", self.fsdp_gather),
                 ("KV cache", self.kv_cache)]
 
     def lines(self) -> list[str]:
@@ -292,12 +315,19 @@ def training_estimate(run, cfg, mesh, *, frozen=None, frozen_shardings=None, tra
             run.objective, cfg, rows=rows, seq_len=run.data.seq_len, model=sizes.get("model", 1),
             head_layers=head_layers, chain_steps=run.mrp.chain_steps, anchors=run.drafter.anchors_per_row,
             block=run.drafter.block_size, target_layers=target_layers)
-    backbone = (frozen, frozen_shardings) if frozen is not None else (trained, trained_shardings)
-    gather = fsdp_gather_bytes(*largest_layer(*backbone), sizes.get("fsdp", 1)) if cfg is not None else 0
+    fsdp = sizes.get("fsdp", 1)
+    # A trained tree split over fsdp: the forward's gathered weights of every layer are kept for the
+    # backward, and the gradients are whole until their reduce-scatter (XLA's plan of such a step on
+    # 8 CPU devices: about twice the weights gathered whole; tests/test_memory.py measures it).
+    trained_gathered, trained_rest = fsdp_whole_bytes(trained, trained_shardings, fsdp)
+    gather = trained_gathered
+    if frozen is not None and cfg is not None:  # a forward only: one layer gathered at a time
+        gather += fsdp_gather_bytes(*largest_layer(frozen, frozen_shardings), fsdp)
+    trained_bytes = tree_bytes(trained, trained_shardings)
     return MemoryEstimate(
         frozen_params=tree_bytes(frozen, frozen_shardings) if frozen is not None else 0,
-        trained_params=tree_bytes(trained, trained_shardings), optimizer=tree_bytes(opt, opt_shardings),
-        gradients=2 * tree_bytes(trained, trained_shardings), activations=activations, fsdp_gather=gather,
+        trained_params=trained_bytes, optimizer=tree_bytes(opt, opt_shardings),
+        gradients=trained_bytes + trained_gathered + trained_rest, activations=activations, fsdp_gather=gather,
         rows_per_device=rows, seq_len=run.data.seq_len,
         mesh=",".join(f"{k}={v}" for k, v in sizes.items() if v > 1 or k == "data"))
 

@@ -196,35 +196,50 @@ def test_mrp_activation_estimate_at_a_vocabulary_where_logits_dominate(chain_ste
 
 
 @pytest.mark.usefixtures("kernel_numerics")
-def test_a_train_step_whose_parameters_dominate_is_not_under_estimated():
-    """A backbone trained whole on one short row: XLA's buffers for the real train step (arguments
-    plus temporaries; outputs alias the donated arguments) are mostly params, moments, gradients and
-    the update. The estimate without the gradients and the update was a third short. (The estimate
-    is for the default numerics; the invariant mode's tiles need more, README's memory section.)"""
+@pytest.mark.parametrize("mesh_spec,layers", [("data=1", 2), ("fsdp=8", 2), ("fsdp=8", 8), ("data=2,fsdp=4", 8),
+                                             ("fsdp=2,model=4", 8)])
+def test_a_train_step_whose_parameters_dominate_is_not_under_estimated(mesh_spec, layers):
+    """A backbone trained whole on one short row per device: XLA's buffers for the real train step
+    (arguments plus temporaries; outputs alias the donated arguments) are mostly params, moments,
+    gradients and the update. The estimate without the gradients and the update was a third short;
+    under fsdp, counting one layer gathered, 2-2.6x short (XLA keeps every layer's gathered weights
+    for the backward, and the gradients whole until their reduce-scatter). (The estimate is for
+    the default numerics; the invariant mode's tiles need more, README's memory section.)"""
     from dlmjax.memory import training_estimate
     from dlmjax.train.loop import make_train_step
     from dlmjax.train.objectives import block_diffusion_loss
 
-    cfg = DENSE.replace(hidden_size=256, intermediate_size=1024, head_dim=64, vocab_size=512)
+    cfg = DENSE.replace(hidden_size=256, intermediate_size=1024, head_dim=64, vocab_size=512, num_layers=layers)
     graphdef, params = nnx.split(init_model(cfg, seed=0))
     tx = optax.adamw(1e-3)
-    opt_state = tx.init(params)
-    rows, seq = 1, 16
+    mesh = parse_mesh(mesh_spec)
+    param_sh = placement(params, mesh, cfg)
+    opt_sh = optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params), param_sh,
+                                   transform_non_params=lambda _: NamedSharding(mesh, P()))
+    params = jax.device_put(params, param_sh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    rows, seq = mesh.shape["data"] * mesh.shape["fsdp"], 16  # one row per data-parallel device
+    rows_sh = NamedSharding(mesh, P(("data", "fsdp"), None))
     batch = {"tokens": jnp.zeros((rows, seq), jnp.int32), "valid": jnp.ones((rows, seq), bool),
              "target": jnp.ones((rows, seq), bool)}
+    batch = jax.device_put(batch, rows_sh)
 
     def loss(model, frozen, batch, key):
         return block_diffusion_loss(model, batch, key, block=4, mask_id=1)
 
     step = make_train_step(graphdef, None, loss, tx, lambda s: 1e-3)
-    analysis = step.lower(params, opt_state, None, batch, jax.random.key(0), 0).compile().memory_analysis()
+    with jax.set_mesh(mesh):
+        analysis = step.lower(params, opt_state, None, batch, jax.random.key(0), 0).compile().memory_analysis()
     needed = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
     run = load_run_config("configs/toy-sdar.yaml", [f"train.batch_size={rows}", f"data.seq_len={seq}"])
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    estimate = training_estimate(run, cfg, make_mesh(data=1), trained=params, trained_shardings=one, opt=opt_state,
-                                 opt_shardings=one)
-    assert estimate.gradients == 2 * estimate.trained_params
-    assert needed * 0.9 <= estimate.total <= needed * 2, (estimate, analysis)
+    estimate = training_estimate(run, cfg, mesh, trained=params, trained_shardings=param_sh, opt=opt_state,
+                                 opt_shardings=opt_sh)
+    if mesh.shape["fsdp"] == 1:
+        assert estimate.gradients == 2 * estimate.trained_params and estimate.fsdp_gather == 0
+    else:  # every weight gathered whole once, for the backward; the gradients whole, then the update
+        whole = estimate.trained_params * mesh.shape["fsdp"]
+        assert estimate.fsdp_gather == whole and estimate.gradients == whole + estimate.trained_params
+    assert needed * 0.9 <= estimate.total <= needed * 2, (mesh_spec, layers, estimate, analysis)
 
 
 def test_parse_memory_and_refusal():
