@@ -3,7 +3,9 @@
 The estimate is the sum of
 - the parameters as placed: each array's per-device shard (`NamedSharding.shard_shape`), so a
   backbone split over 'model' or 'fsdp', and MoE experts split over 'expert', count 1/n of their
-  size; a replicated (data-parallel) head counts whole on every device;
+  size; a replicated (data-parallel) head counts whole on every device; in a multi-process run
+  the whole copies process 0 evaluates with too (the frozen backbone's, `train.loop.frozen_mesh`,
+  and the trained params', gathered for evaluation and export);
 - the optimiser state of the trained parameters, placed like them (AdamW: two moments);
 - the gradients of the trained parameters and the update made from them, the update placed like
   them: a step holds both before it applies the update (XLA's temporaries of a train step whose
@@ -201,6 +203,7 @@ class MemoryEstimate:
     """Per-device bytes of a run, by kind."""
 
     frozen_params: int = 0  # the frozen backbone (or target), as placed
+    whole_copies: int = 0  # multi-process: frozen and trained params whole on a device (process 0 evaluates alone)
     trained_params: int = 0  # what the run trains, as placed
     optimizer: int = 0  # the optimiser state of the trained params
     gradients: int = 0  # the gradients of the trained params and the update made from them
@@ -216,7 +219,8 @@ class MemoryEstimate:
         return sum(value for _, value in self.parts())
 
     def parts(self) -> list[tuple[str, int]]:
-        return [("frozen params", self.frozen_params), ("trained params", self.trained_params),
+        return [("frozen params", self.frozen_params), ("whole copies (eval)", self.whole_copies),
+                ("trained params", self.trained_params),
                 ("optimizer state", self.optimizer), ("gradients + update", self.gradients),
                 ("activations", self.activations), ("fsdp gathered weights", self.fsdp_gather),
                 ("KV cache", self.kv_cache)]
@@ -299,10 +303,13 @@ def largest_layer(tree, shardings):
 
 
 def training_estimate(run, cfg, mesh, *, frozen=None, frozen_shardings=None, trained, trained_shardings, opt,
-                      opt_shardings) -> MemoryEstimate:
+                      opt_shardings, whole_copies: bool = False) -> MemoryEstimate:
     """The per-device estimate of a training run (`run`: a RunConfig) whose backbone config is `cfg`
     (None: a run without one, e.g. tspd), with its trees (arrays or ShapeDtypeStructs) and where
-    they are placed. The rows a device holds are batch_size over the data-parallel axes."""
+    they are placed. The rows a device holds are batch_size over the data-parallel axes.
+    `whole_copies`: the frozen and the trained trees are also held whole on a device (a multi-process
+    run's first device of each process: `train.loop.frozen_mesh`, and the trained params gathered
+    for process 0's evaluation and export)."""
     from dlmjax.sharding import data_parallel_size, mesh_sizes
 
     sizes = mesh_sizes(mesh)
@@ -326,6 +333,8 @@ def training_estimate(run, cfg, mesh, *, frozen=None, frozen_shardings=None, tra
     trained_bytes = tree_bytes(trained, trained_shardings)
     return MemoryEstimate(
         frozen_params=tree_bytes(frozen, frozen_shardings) if frozen is not None else 0,
+        whole_copies=(tree_bytes(frozen, None) if frozen is not None else 0) + tree_bytes(trained, None)
+        if whole_copies else 0,
         trained_params=trained_bytes, optimizer=tree_bytes(opt, opt_shardings),
         gradients=trained_bytes + trained_gathered + trained_rest, activations=activations, fsdp_gather=gather,
         rows_per_device=rows, seq_len=run.data.seq_len,
@@ -362,7 +371,8 @@ def check_training_memory(run, mesh, *, cfg, abstract, frozen=None, frozen_shard
 
     estimate = training_estimate(run, cfg, mesh, frozen=frozen, frozen_shardings=frozen_shardings,
                                  trained=abstract["params"], trained_shardings=placed(abstract["params"]),
-                                 opt=abstract["opt_state"], opt_shardings=placed(abstract["opt_state"]))
+                                 opt=abstract["opt_state"], opt_shardings=placed(abstract["opt_state"]),
+                                 whole_copies=jax.process_count() > 1)
     if capacity is None and getattr(run.mesh, "device_memory", None) is not None:
         capacity = parse_memory(run.mesh.device_memory)
     if capacity is None:

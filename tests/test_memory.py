@@ -242,6 +242,25 @@ def test_a_train_step_whose_parameters_dominate_is_not_under_estimated(mesh_spec
     assert needed * 0.9 <= estimate.total <= needed * 2, (mesh_spec, layers, estimate, analysis)
 
 
+def test_a_multi_process_runs_whole_copies_are_counted():
+    """Across processes the frozen backbone also loads whole on each process's first device
+    (train.loop.frozen_mesh: process 0 evaluates alone), and the trained params are gathered
+    whole there for evaluation and export; the estimate counts both."""
+    from dlmjax.memory import training_estimate
+
+    mesh = make_mesh(model=2, fsdp=4)
+    _, frozen = nnx.split(init_model(DENSE, seed=0))
+    frozen_sh = placement(frozen, mesh, DENSE)
+    run = load_run_config("configs/mrp/toy-sdar.yaml", ["train.batch_size=8"])
+    head = {"w": jnp.zeros((32, 64))}
+    kw = dict(frozen=frozen, frozen_shardings=frozen_sh, trained=head, trained_shardings=NamedSharding(mesh, P()),
+              opt={}, opt_shardings={})
+    one, several = (training_estimate(run, DENSE, mesh, whole_copies=copies, **kw) for copies in (False, True))
+    whole = tree_bytes(frozen, None) + 32 * 64 * 4
+    assert one.whole_copies == 0 and several.whole_copies == whole > 4 * several.frozen_params
+    assert several.total == one.total + whole and "whole copies (eval)" in str(several)
+
+
 def test_parse_memory_and_refusal():
     assert parse_memory("16GiB") == 16 * GiB and parse_memory("512 MiB") == 512 * MiB and parse_memory(2) == 2 * GiB
     for bad in ("lots", "-1GB", "16 parsecs", 0):

@@ -488,8 +488,10 @@ def _gathered(params, mesh: Mesh):
     they are used as they are."""
     if jax.process_count() == 1:
         return params
-    replicated = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))(params)  # every process calls this
-    return jax.device_put(jax.device_get(replicated), jax.local_devices()[0])
+    replicate = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))  # every process calls it, in tree order
+    # a leaf at a time to the host: each device holds one array whole at once, not every trained param
+    host = jax.tree.map(lambda leaf: jax.device_get(replicate(leaf)), params)
+    return jax.device_put(host, jax.local_devices()[0])
 
 
 def train(run: RunConfig, run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True,
