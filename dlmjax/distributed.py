@@ -106,9 +106,10 @@ def plan(coordinator: str | None = None, num_processes: int | None = None, proce
             raise InputError(f"process id {process_id} is out of range for {num_processes} processes; ids run "
                              f"0..{num_processes - 1}")
         return Launch("explicit", coordinator, num_processes, process_id)
-    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")  # the step's (a batch script: 1)
+    # the step's task count (a batch script's own step: 1), named by the variable it came from
+    tasks_var = "SLURM_STEP_NUM_TASKS" if environ.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
     if environ.get("SLURM_JOB_ID") and environ.get("SLURM_STEP_NODELIST") and environ.get("SLURM_PROCID") and \
-            (_count("SLURM_STEP_NUM_TASKS", tasks, 1) or 1) > 1:
+            (_count(tasks_var, environ.get(tasks_var), 1) or 1) > 1:
         return Launch("slurm")
     if _on_tpu_vm(environ):
         return Launch("tpu")

@@ -398,7 +398,7 @@ def load_model(
     ckpt_dir = checkpoint_path(ckpt_dir)
     cfg = load_config(ckpt_dir, family=family, dtype=dtype)
     unsplit = unsplit_weights(cfg, mesh) if mesh is not None else []
-    if unsplit:  # each device holds these whole: the memory a split would save is not saved
+    if unsplit and jax.process_index() == 0:  # each device holds these whole (said once, by process 0)
         log.warning("%s: the mesh's model/expert axes leave these weights unsplit over them, as their sizes do not "
                     "divide by those axes: %s; choose axis sizes that divide them to split them", ckpt_dir,
                     "; ".join(unsplit))
