@@ -397,6 +397,11 @@ TINY = ["--batch", "2", "--hidden", "64", "--layers", "1", "--max-new", "8", "--
     ("eval_data_parallel_cpu.py", ["--limit", "4", "--batch-size", "4", "--widths", "1", "2"]),
     ("decode_throughput.py", ["--prompts", "2", "--batches", "1", "--max-new", "8", "--decoders", "static",
                               "--out", "results"]),  # in the test's own directory
+    ("fused_projections.py", ["--hidden", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+                              "--intermediate", "128", "--tokens", "4", "--dtypes", "float32", "--layers", "1",
+                              "--warmup", "1", "--repeats", "1", "--out", "results"]),
+    ("invariant_parts.py", ["--shape", "sdar-mini", "--batches", "1", "--repeats", "1"]),
+    ("psd_toy.py", ["--limit", "4", "--taus", "0.9", "--depths", "2", "--out", "results"]),
 ])
 def test_benchmark_scripts_run_from_anywhere_on_this_checkout(script, args, tmp_path):
     """Run as their README commands run them, from another directory with no PYTHONPATH: each puts
@@ -409,8 +414,10 @@ def test_benchmark_scripts_run_from_anywhere_on_this_checkout(script, args, tmp_
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # as `python benchmarks/SCRIPT` runs it (its own folder first on the path), then which dlmjax ran
-    probe = "import os, sys, runpy; sys.argv = sys.argv[1:]; sys.path[0] = os.path.dirname(sys.argv[0]); " \
-            "runpy.run_path(sys.argv[0], run_name='__main__'); print('DLMJAX_FROM', sys.modules['dlmjax'].__file__)"
+    probe = ("import os, sys, runpy\nsys.argv = sys.argv[1:]; sys.path[0] = os.path.dirname(sys.argv[0])\n"
+             "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit as end:  # raise SystemExit(main()): 0 or None is a success\n    assert not end.code\n"
+             "print('DLMJAX_FROM', sys.modules['dlmjax'].__file__)")
     done = subprocess.run([sys.executable, "-c", probe, str(ROOT / "benchmarks" / script), *args], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
