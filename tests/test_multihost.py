@@ -82,7 +82,8 @@ def test_plan_single_explicit_and_slurm():
      "DLMJAX_NUM_PROCESSES='two' is not an integer"),
     (("h:1", 2, 0), {"DLMJAX_DISTRIBUTED": "off"}, "turns multi-process off"),
     # the variable named is the one the value came from
-    ((None, None, None), {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "eight", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "0"},
+    ((None, None, None),
+     {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "eight", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "0"},
      "SLURM_NTASKS='eight' is not an integer"),
 ])
 def test_plan_refuses_half_given_settings(args, env, match):
