@@ -258,6 +258,12 @@ def rope_fields(raw: dict) -> dict:
     params = raw.get("rope_parameters")
     if params is None:
         theta, scaling, key = raw.get("rope_theta", 10000.0), raw.get("rope_scaling"), "rope_scaling"
+        inner = scaling.get("rope_theta") if isinstance(scaling, dict) else None
+        if inner is not None:  # transformers 5 reads it first (rope_scaling becomes its rope_parameters)
+            if raw.get("rope_theta") is not None and raw["rope_theta"] != inner:
+                raise ConfigError(f"config.json's `rope_theta` ({raw['rope_theta']!r}) and `rope_scaling.rope_theta` "
+                                  f"({inner!r}) disagree (transformers 4 reads the first, 5 the second); keep one")
+            theta = inner
     else:
         if not isinstance(params, dict) or "rope_theta" not in params:
             raise ConfigError(f"rope_parameters={params!r} has no rope_theta; expected {{'rope_type': 'default', "

@@ -331,6 +331,29 @@ def test_linear_rope_with_an_unread_original_length_loads_as_linear():
         rope_fields({**base, "rope_scaling": {**base["rope_scaling"], "beta_fast": 32}})
 
 
+def test_a_rope_theta_inside_the_older_rope_scaling_is_read_as_transformers_5_reads_it(tmp_path):
+    """transformers 5 turns `rope_scaling` into its `rope_parameters`, so a `rope_theta` inside it
+    is the one its model uses (it was accepted and ignored: logits 0.6-0.9 off); beside a different
+    top-level `rope_theta` (transformers 4 reads that one) the config is refused."""
+    from dlmjax.config import ConfigError
+
+    params = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}
+    model = torch_model("llama", seed=3, rope_parameters=params)
+    model.save_pretrained(tmp_path / "new")
+    raw = json.loads((tmp_path / "new" / "config.json").read_text())
+    tokens = random_tokens(2, 12)
+    old = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_theta")}
+    old["rope_scaling"] = params
+    (tmp_path / "new" / "config.json").write_text(json.dumps(old))
+    ours = dlmjax.load_model(tmp_path / "new")
+    assert ours.config.rope_theta == 1000.0
+    assert max_diff(ours(jnp.asarray(tokens)).logits, torch_logits(model, tokens)) <= TOL
+    (tmp_path / "new" / "config.json").write_text(json.dumps({**old, "rope_theta": 10000.0}))
+    with pytest.raises(ConfigError, match=r"`rope_theta` \(10000.0\) and `rope_scaling.rope_theta` \(1000.0\) "
+                                          "disagree"):
+        dlmjax.load_model(tmp_path / "new")
+
+
 @pytest.mark.parametrize("family, changes, lost, hint", [
     ("qwen3", dict(attention="block_causal", block_size=4), "'attention': 'block_causal'", "family sdar"),
     ("llama", dict(shift_logits=True), "'shift_logits': True", None),
