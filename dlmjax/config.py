@@ -410,6 +410,10 @@ def _from_hf_layout(raw: dict, fam: Family, problems: tuple[str, ...] = ()) -> M
     problems = [*problems, *_check_fixed(raw, _HF_FIXED, fam.name)]
     if fam.name == "fast_dllm_v2" and "block_size" in raw:  # its block is `bd_size`; a second key would be ambiguous
         problems.append(f"`block_size` = {raw['block_size']!r} (Fast-dLLM v2 names its block `bd_size`; use that key)")
+    if fam.name == "dream" and raw.get("head_dim") not in (None, raw["hidden_size"] // raw["num_attention_heads"]):
+        problems.append(f"`head_dim` = {raw['head_dim']!r} (modeling_dream.py uses hidden_size / num_attention_heads "
+                        f"= {raw['hidden_size'] // raw['num_attention_heads']} and reads no head_dim; remove it or set "
+                        "it to that)")
     layer_types = raw.get("layer_types")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         problems.append(f"`layer_types` = {sorted(set(map(str, layer_types)))} (only full_attention layers are implemented)")
@@ -639,6 +643,8 @@ def _to_dense(cfg: ModelConfig) -> dict:
         "dtype": cfg.dtype,
         **_token_ids(cfg),
     }
+    if cfg.family == "dream":  # as published: modeling_dream.py takes hidden_size / num_attention_heads
+        del out["head_dim"]
     if cfg.family in QWEN2_BIAS_FAMILIES:
         if not cfg.qkv_bias or cfg.o_bias:
             raise ConfigError(f"family {cfg.family} always has q/k/v biases and no o bias")

@@ -361,6 +361,8 @@ def test_a_rope_theta_inside_the_older_rope_scaling_is_read_as_transformers_5_re
     ("llada", dict(o_bias=True), "'o_bias': True", None),
     ("llada", dict(qk_norm=True), "'qk_norm': True", None),
     ("sdar", dict(attention="bidirectional", block_size=None), "'attention': 'bidirectional'", None),
+    # modeling_dream.py takes hidden_size / num_attention_heads and reads no head_dim
+    ("dream", dict(head_dim=8), "head_dim", None),
 ])
 def test_export_refuses_a_config_its_familys_checkpoint_cannot_hold(family, changes, lost, hint):
     """A config.json that would load as another model (other attention, logits, norms or biases)
@@ -370,7 +372,8 @@ def test_export_refuses_a_config_its_familys_checkpoint_cannot_hold(family, chan
     fam = dlmjax.config.FAMILIES[family]
     cfg = ModelConfig(vocab_size=96, **{**PRESETS["random-qwen3"], "family": family, "attention": fam.attention,
                                         "shift_logits": fam.shift_logits, "qk_norm": fam.qk_norm,
-                                        "block_size": 4 if fam.attention == "block_causal" else None})
+                                        "block_size": 4 if fam.attention == "block_causal" else None,
+                                        "qkv_bias": family in dlmjax.config.QWEN2_BIAS_FAMILIES})
     to_hf_config(cfg)  # the family's own settings export
     cfg = cfg.replace(**changes)
     with pytest.raises(ConfigError, match=f"family {family}'s config.json cannot express .*{lost}") as err:
