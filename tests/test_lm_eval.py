@@ -206,6 +206,33 @@ def test_malformed_requests_are_refused(toy_ar_lm):
                                     request("1+2=", "3", kind="loglikelihood")])[0] == (0.0, True)
 
 
+def test_sampling_requests_read_as_lm_eval_reads_them_and_unmet_ones_are_said_once_per_task(toy_ar_lm, caplog):
+    """lm-eval samples where do_sample is set, else where temperature > 0; a greedy decoder given
+    such a task (every pass@k repeat alike), or gen_kwargs dlmjax does not apply, is said once per
+    task, not once per request (it said nothing for {"temperature": 0.7} or {"do_sample": True})."""
+    def sampling(kwargs):
+        return parse_generation_request(0, request("1+2\n", kwargs), 7).sampling
+
+    assert sampling({"temperature": 0.7}) and sampling({"do_sample": True})
+    assert not sampling({"do_sample": False, "temperature": 0.7}) and not sampling({"temperature": 0.0})
+    assert not sampling({})
+    with pytest.raises(RequestError, match="temperature='hot' must be a number"):
+        sampling({"temperature": "hot"})
+    asks = [request("1+2\n", {"until": ["\n"], "max_gen_toks": 4, "temperature": 0.7, "top_k": 5})] * 3
+    with caplog.at_level("WARNING", logger="dlmjax.lm_eval.model"):
+        toy_ar_lm.generate_until(asks)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert [w for w in warnings if "asks for sampling" in w] == [
+        "task task_x asks for sampling (do_sample, or temperature > 0); the decoder ar is greedy (dlmjax samples as "
+        "its decoder spec says: set temperature=T, top_p=P in model_args decoder=, or 0 for greedy)"]
+    assert [w for w in warnings if "not applied" in w] == [
+        "task task_x: gen_kwargs top_k are not applied (the decoder spec says how to sample)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dlmjax.lm_eval.model"):
+        toy_ar_lm.generate_until([request("1+2\n", {"until": ["\n"], "max_gen_toks": 4, "do_sample": False})])
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # greedy asked, greedy decoded
+
+
 def test_progress_false_hides_dlmjaxs_bars(toy_ar_lm, capsys):
     """`dlmjax eval --backend lm-eval --no-progress` passes progress=false: no dlmjax bar."""
     prompt = [request("1+2\n", {"until": ["\n"], "max_gen_toks": 4})]
@@ -330,6 +357,9 @@ def test_stop_strings_that_are_special_tokens_cut_the_answer():
     assert finish_text(tokens, tokenizer, [eos]) == "x=1"
     assert finish_text(tokens, tokenizer, ["#"]) == "x=1y=2"  # no stop string met: the special token is dropped
     assert finish_text(tokenizer.encode("12+7-3"), tokenizer, ["-"]) == "12+7"
+    # a stop string across a special token left out is cut too, as lm-eval's HF model cuts the text without them
+    tokens = tokenizer.encode("7\n") + [tokenizer.eos_id] + tokenizer.encode("\n1+2")
+    assert finish_text(tokens, tokenizer, ["\n\n"]) == "7"
 
 
 def test_a_row_stops_only_once_its_cut_cannot_change():
@@ -352,6 +382,9 @@ def test_a_row_stops_only_once_its_cut_cannot_change():
     assert cut_is_settled("7\nQuestion: what" + "x" * 20, ["Question:"])
     assert not cut_is_settled("7\nQuestion:", ["Question:"])
     assert not cut_is_settled("anything at all", []) and not cut_is_settled("no stop here" * 5, ["\n"])
+    # a byte-fallback tokenizer's unfinished run: one U+FFFD per byte, any number of them may change
+    # ("abxy" + the first bytes of "éé😀" is "abxy" + 7 x U+FFFD; the whole text cuts at "xyé")
+    assert not cut_is_settled("abxy" + "\ufffd" * 7, ["xyé", "y"])
 
     @settings(max_examples=3000, deadline=None, derandomize=True)
     @given(st.text("ab:", max_size=40), st.lists(st.text("ab:", min_size=1, max_size=4), min_size=1, max_size=4),

@@ -30,7 +30,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm.auto import tqdm
 
 from dlmjax.decoding.api import Stream, _block_size, _round_up, mask_token_id
-from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, parse_decoder
+from dlmjax.decoding.spec import CAUSAL_DECODERS, DrafterDecoding, decoder_spec, parse_decoder
 from dlmjax.io.tokenizer import TokenizerError
 from dlmjax.lm_eval.likelihood import causal_logprobs, greedy_continuation, masked_diffusion_bound
 from dlmjax.lm_eval.metrics import TaskMetrics
@@ -92,6 +92,8 @@ class GenerationRequest:
     context: str
     until: list[str]
     max_gen_toks: int
+    sampling: bool = False  # what lm-eval's rule reads from gen_kwargs (do_sample, else temperature > 0)
+    ignored: tuple[str, ...] = ()  # gen_kwargs dlmjax does not apply (its decoder spec says how to sample)
 
 
 def check_model_args(args: dict) -> dict:
@@ -147,11 +149,14 @@ def _bool_arg(args: dict, key: str) -> bool:
 
 def finish_text(tokens: list[int], tokenizer, until: list[str]) -> str:
     """A response as lm-eval's own models give it: the generated tokens cut at the first stop
-    string (lm-eval's `postprocess_generated_text`), then without special tokens. The cut reads
-    the text with its special tokens, so a stop string such as `<|im_end|>` cuts too (LLaDA's
-    evaluation decodes so; lm-eval's HF model stops at such a string while generating)."""
+    string (lm-eval's `postprocess_generated_text`), then without special tokens, and cut again
+    there. The first cut reads the text with its special tokens, so a stop string such as
+    `<|im_end|>` cuts too (LLaDA's evaluation decodes so; lm-eval's HF model stops at such a string
+    while generating); the second, as lm-eval's HF model cuts, the text without them, where a stop
+    string can span a special token left out. (The text the first cut keeps fixes the second, so a
+    row stopped once its first cut settles (`cut_is_settled`) keeps its response.)"""
     text = postprocess_generated_text(tokenizer.decode(tokens, skip_special_tokens=False), until, None)
-    return tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True)
+    return postprocess_generated_text(tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True), until, None)
 
 
 # the last characters of a decoded prefix can change with the tokens after it: an unfinished
@@ -170,6 +175,9 @@ def cut_is_settled(prefix: str, until: list[str]) -> bool:
     terms = [term for term in until if term]
     if not terms:
         return False
+    # a run of byte tokens that ends mid-character decodes to one U+FFFD per byte (byte-fallback
+    # tokenizers): all of them may change, however many, before the margin
+    prefix = prefix.rstrip("\ufffd")
     cut = len(postprocess_generated_text(prefix, terms, None))
     return cut <= len(prefix) - _UNSETTLED_TAIL - sum(map(len, terms))
 
@@ -194,10 +202,40 @@ def parse_generation_request(index: int, request, default_max: int) -> Generatio
                    if gen_kwargs.get(k) is not None), default_max)
     if not isinstance(budget, int) or budget < 1:
         raise RequestError(f"{where}: max_gen_toks={budget!r} must be a positive integer")
-    if gen_kwargs.get("do_sample") and float(gen_kwargs.get("temperature", 0.0) or 0.0) > 0:
-        log.warning("%s asks for sampling; dlmjax samples as its decoder says (add temperature=T to the decoder "
-                    "spec in model_args)", where)
-    return GenerationRequest(index, str(request.task_name), context, list(until), budget)
+    try:
+        temperature = float(gen_kwargs.get("temperature") or 0.0)
+    except (TypeError, ValueError):
+        raise RequestError(f"{where}: temperature={gen_kwargs['temperature']!r} must be a number") from None
+    do_sample = gen_kwargs.get("do_sample")
+    sampling = bool(do_sample) if do_sample is not None else temperature > 0  # lm-eval's normalize_gen_kwargs
+    ignored = tuple(sorted(k for k, v in gen_kwargs.items() if v is not None and k not in _APPLIED_GEN_KWARGS))
+    return GenerationRequest(index, str(request.task_name), context, list(until), budget, sampling, ignored)
+
+
+# gen_kwargs dlmjax applies (the budget's aliases, stop strings) or reads (sampling, whose how is
+# the decoder spec's); the others (top_p, top_k, repetition_penalty, ...) are named, once per task
+_APPLIED_GEN_KWARGS = {"until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens", "do_sample",
+                       "temperature"}
+
+
+def warn_unmet_generation_kwargs(requests: list[GenerationRequest], decoder_samples: bool, spec: str) -> None:
+    """One warning per task whose gen_kwargs ask for what the decoder does not do: sampling from a
+    greedy decoder (every repeat of a pass@k task alike) or greedy decoding from a sampling one,
+    and the kwargs dlmjax does not apply."""
+    by_task = defaultdict(list)
+    for req in requests:
+        by_task[req.task].append(req)
+    for task, reqs in by_task.items():
+        asks = {req.sampling for req in reqs}
+        if asks != {decoder_samples}:
+            wanted = "sampling (do_sample, or temperature > 0)" if True in asks else "greedy decoding"
+            log.warning("task %s asks for %s; the decoder %s %s (dlmjax samples as its decoder spec says: set "
+                        "temperature=T, top_p=P in model_args decoder=, or 0 for greedy)", task, wanted, spec,
+                        "samples" if decoder_samples else "is greedy")
+        ignored = sorted({name for req in reqs for name in req.ignored})
+        if ignored:
+            log.warning("task %s: gen_kwargs %s are not applied (the decoder spec says how to sample)", task,
+                        ", ".join(ignored))
 
 
 def sampling_ids(requests) -> list[int]:
@@ -407,6 +445,7 @@ class DlmjaxLM(TemplateLM):
                                  "guide generation (LLaDA's generation evaluations run at cfg 0): drop cfg for "
                                  "generation tasks")
         parsed = [parse_generation_request(i, r, self.max_new_tokens) for i, r in enumerate(requests)]
+        warn_unmet_generation_kwargs(parsed, getattr(self.decoder, "temperature", 0.0) > 0, decoder_spec(self.decoder))
         streams = sampling_ids(requests)
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         groups = defaultdict(list)  # one stream per (task, budget)
