@@ -170,6 +170,12 @@ def test_chat_rows_end_with_the_models_end_of_turn_then_eos(sdar, rows_file, tmp
     assert tokenizer.chat_row("q", "end a turn with <|eot_id|>, then", True) == (
         "<|start_header_id|>user<|end_header_id|>\n\nq<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
         "end a turn with <|eot_id|>, then<|eot_id|>")
+    # nor does an answer the markup after it holds ("e" is in "more", "eot" in "<|eot_id|>"): the row
+    # ran to the turn's end
+    tokenizer.chat_template = two_turns
+    for short in ("e", "eot", "id", "|>", "more"):
+        assert tokenizer.chat_row("q", short, True)[1] == short + "<|eot_id|>", short
+    tokenizer.chat_template = llada
 
     capsys.readouterr()
     # a template that writes something before the assistant's header for one answer: that row is skipped

@@ -119,11 +119,24 @@ class Tokenizer:
                                  "template moves a <think> block out of an answer rendered with enable_thinking: "
                                  "false)")
         turn = whole[len(prompt_turn):]
-        answer_at = turn.rfind(answer.strip())  # a stop token's text inside the answer does not end it
-        after = answer_at + len(answer.strip()) if answer_at >= 0 else 0
+        after = self._answer_end(prompt_turn, turn, answer, conversation[:1], template_vars)
         stops = [self.backend.id_to_token(i) for i in (self.stop_ids if stop_ids is None else stop_ids)]
         ends = [turn.index(stop, after) + len(stop) for stop in stops if stop and stop in turn[after:]]
         return prompt_turn, turn[: min(ends)] if ends else turn
+
+    def _answer_end(self, prompt_turn: str, turn: str, answer: str, user: list, template_vars: dict) -> int:
+        """Where the answer's text ends in its rendered assistant `turn`: before the markup the
+        template closes a turn with, as a placeholder answer shows it (a stop token's text inside
+        the answer, or an answer such as "e" that the closing "<|im_end|>" holds, is not its end);
+        for a template whose framing depends on the answer, after the answer's last occurrence."""
+        marked = self.apply_chat_template(user + [{"role": "assistant", "content": _ANSWER_MARK}],
+                                          add_generation_prompt=False, **template_vars)
+        if marked.startswith(prompt_turn) and _ANSWER_MARK in marked:
+            opening, _, closing = marked[len(prompt_turn):].partition(_ANSWER_MARK)
+            if turn.startswith(opening) and turn.endswith(closing) and len(turn) >= len(opening) + len(closing):
+                return len(turn) - len(closing)
+        answer_at = turn.rfind(answer.strip())
+        return answer_at + len(answer.strip()) if answer_at >= 0 else 0
 
     def require_mask(self) -> int:
         if self.mask_id is None:
@@ -146,6 +159,7 @@ def training_chat_vars(chat) -> dict:
     return {**(chat if isinstance(chat, dict) else {}), "strftime_now": TRAINING_DATE.strftime}
 
 
+_ANSWER_MARK = "\x00dlmjax-answer\x00"  # a placeholder answer, to find the markup around an answer
 _CONTINUE_MARK = "\x00dlmjax-continue\x00 "  # appended to the message to continue; cut off after rendering
 
 
