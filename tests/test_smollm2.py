@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import importlib.util
+import json
 import struct
 from pathlib import Path
 
@@ -206,10 +207,12 @@ def test_truncated_file_is_refused(tmp_path):
         convert_gguf(path, tmp_path / "out")
 
 
-def _tiny_llama_gguf(path, *, tokenizer=True, dtype=np.float32):
+def _tiny_llama_gguf(path, *, tokenizer=True, dtype=np.float32, metadata=None):
     """A one-layer llama GGUF of 32 tokens: a byte-level (gpt2-type) vocabulary without
-    `<|endoftext|>`, as Llama-3-style vocabularies are."""
+    `<|endoftext|>`, as Llama-3-style vocabularies are; `metadata`: more keys (float or str values)."""
     writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (metadata or {}).items():
+        (writer.add_string if isinstance(value, str) else writer.add_float32)(key, value)
     vocab, dim, ffn, heads = 32, 16, 32, 2
     writer.add_embedding_length(dim)
     writer.add_block_count(1)
@@ -259,6 +262,33 @@ def test_the_tokenizer_comes_from_the_gguf_alone(tmp_path):
     tok = load_tokenizer(out, cfg)
     assert cfg.vocab_size == 32 and tok.encode("abcde") == [28, 30, 6]  # "ab" "cd" "e": the GGUF's merges
     assert tok.eos_id == 1
+
+
+@pytest.mark.parametrize("metadata, expected", [
+    ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),  # llama.cpp: linear by default
+    ({"llama.rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),  # the older key
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 8.0}, {"rope_type": "linear", "factor": 8.0}),
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, {"rope_type": "default"}),  # never scales
+    ({"llama.rope.scaling.factor": 1.0}, {"rope_type": "default"}),
+    ({}, {"rope_type": "default"}),
+])
+def test_linear_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path, metadata, expected):
+    """A GGUF's linear RoPE factor (SuperHOT-style long-context conversions) was dropped: the
+    converted model ran unscaled."""
+    import dlmjax
+
+    out = convert_gguf(_tiny_llama_gguf(tmp_path / "t.gguf", metadata=metadata), tmp_path / "out")
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope == {**expected, "rope_theta": 10000.0}
+    cfg = dlmjax.load_config(out)
+    assert (cfg.rope_scaling, cfg.rope_factor) == ((expected["rope_type"], expected["factor"])
+                                                   if "factor" in expected else ("none", cfg.rope_factor))
+
+
+def test_other_rope_scalings_are_refused(tmp_path):
+    path = _tiny_llama_gguf(tmp_path / "yarn.gguf", metadata={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(GGUFError, match="rope scaling 'yarn' is not supported"):
+        convert_gguf(path, tmp_path / "out")
 
 
 def test_a_failed_conversion_leaves_nothing_that_loads(tmp_path):

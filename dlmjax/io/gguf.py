@@ -94,8 +94,20 @@ def _check_llama(reader, path: Path) -> None:
             "(general.architecture = 'llama')"
         )
     scaling = _field(reader, "llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise GGUFError(f"{path.name}: rope scaling {scaling!r} is not supported (only unscaled RoPE)")
+    if scaling not in (None, "none", "linear"):
+        raise GGUFError(f"{path.name}: rope scaling {scaling!r} is not supported (unscaled and linear RoPE are)")
+
+
+def rope_parameters(reader) -> dict:
+    """transformers' rope_parameters as llama.cpp reads the GGUF: the scaling type defaults to
+    linear, its factor is `rope.scaling.factor` or the older `rope.scale_linear` (0 or absent:
+    none), and type none never scales."""
+    theta = _f32(_field(reader, "llama.rope.freq_base", 10000.0))
+    factor = _field(reader, "llama.rope.scaling.factor")
+    factor = float(_field(reader, "llama.rope.scale_linear", 0.0) if factor is None else factor)
+    if _field(reader, "llama.rope.scaling.type") == "none" or factor in (0.0, 1.0):
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "linear", "rope_theta": theta, "factor": _f32(factor)}
 
 
 def llama_config(reader, *, vocab_size: int, tied: bool) -> dict:
@@ -119,7 +131,7 @@ def llama_config(reader, *, vocab_size: int, tied: bool) -> dict:
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": _f32(_required(reader, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_parameters": {"rope_type": "default", "rope_theta": _f32(_field(reader, "llama.rope.freq_base", 10000.0))},
+        "rope_parameters": rope_parameters(reader),
         "max_position_embeddings": int(_field(reader, "llama.context_length", 4096)),
         "tie_word_embeddings": tied,
         "attention_bias": False,
