@@ -201,6 +201,10 @@ def test_malformed_requests_are_refused(toy_ar_lm):
     assert parse_generation_request(0, request("1+2\n", {"until": None}), 7).max_gen_toks == 7
     assert parse_generation_request(0, request("1+2\n", {"max_completion_tokens": 5}), 7).max_gen_toks == 5
     assert parse_generation_request(0, request("1+2\n", {"max_new_tokens": None, "max_tokens": 3}), 7).max_gen_toks == 3
+    assert parse_generation_request(0, request("1+2\n", {"max_gen_toks": 5.0}), 7).max_gen_toks == 5  # as int() reads it
+    for bad in (True, 2.5):
+        with pytest.raises(RequestError, match=f"max_gen_toks={bad!r} must be a positive integer"):
+            parse_generation_request(0, request("1+2\n", {"max_gen_toks": bad}), 7)
     # an empty continuation is the log-likelihood of no tokens, as lm-eval's HF model scores it
     assert toy_ar_lm.loglikelihood([request("1+2", "", kind="loglikelihood"),
                                     request("1+2=", "3", kind="loglikelihood")])[0] == (0.0, True)

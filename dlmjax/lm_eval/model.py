@@ -200,7 +200,9 @@ def parse_generation_request(index: int, request, default_max: int) -> Generatio
     # lm-eval's aliases, in its order; one set to None counts as absent (lm-eval's normalize_gen_kwargs)
     budget = next((gen_kwargs[k] for k in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
                    if gen_kwargs.get(k) is not None), default_max)
-    if not isinstance(budget, int) or budget < 1:
+    if isinstance(budget, float) and budget.is_integer():  # lm-eval's own models take int() of it
+        budget = int(budget)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise RequestError(f"{where}: max_gen_toks={budget!r} must be a positive integer")
     try:
         temperature = float(gen_kwargs.get("temperature") or 0.0)
