@@ -46,9 +46,9 @@ def shard_bytes(shape, dtype, sharding) -> int:
     return math.prod(int(n) for n in shard) * np.dtype(dtype).itemsize
 
 
-def tree_bytes(tree, shardings) -> int:
-    """Per-device bytes of a tree of arrays or ShapeDtypeStructs, each leaf placed with the
-    matching leaf of `shardings` (a tree of the same structure, or one sharding for all)."""
+def placed_leaves(tree, shardings) -> list[tuple]:
+    """[(leaf, its sharding)] of a tree of arrays or ShapeDtypeStructs and `shardings` (a tree of
+    the same structure, or one sharding for all, or None: unsharded)."""
     leaves = jax.tree.leaves(tree)
     if not isinstance(shardings, jax.sharding.Sharding) and shardings is not None:
         placements = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
@@ -56,7 +56,13 @@ def tree_bytes(tree, shardings) -> int:
             raise ValueError(f"{len(leaves)} arrays but {len(placements)} shardings")
     else:
         placements = [shardings] * len(leaves)
-    return sum(shard_bytes(leaf.shape, leaf.dtype, s) for leaf, s in zip(leaves, placements))
+    return list(zip(leaves, placements))
+
+
+def tree_bytes(tree, shardings) -> int:
+    """Per-device bytes of a tree of arrays or ShapeDtypeStructs, each leaf placed with the
+    matching leaf of `shardings` (a tree of the same structure, or one sharding for all)."""
+    return sum(shard_bytes(leaf.shape, leaf.dtype, s) for leaf, s in placed_leaves(tree, shardings))
 
 
 def placed_bytes(tree) -> dict:
@@ -186,10 +192,8 @@ def fsdp_whole_bytes(tree, shardings, fsdp: int) -> tuple[int, int]:
     """(bytes of the leaves split over 'fsdp', gathered whole over it; per-device bytes of the
     others): a trained tree's weights as the forward keeps them for the backward, and its
     gradients before their reduce-scatter."""
-    leaves = jax.tree.leaves(tree)
-    placements = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     gathered = rest = 0
-    for leaf, placed in zip(leaves, placements):
+    for leaf, placed in placed_leaves(tree, shardings):
         size = shard_bytes(leaf.shape, leaf.dtype, placed)
         if fsdp > 1 and _split_over(placed, "fsdp"):
             gathered += size * fsdp
