@@ -207,7 +207,7 @@ def test_truncated_file_is_refused(tmp_path):
         convert_gguf(path, tmp_path / "out")
 
 
-def _tiny_llama_gguf(path, *, tokenizer=True, dtype=np.float32, metadata=None):
+def _tiny_llama_gguf(path, *, tokenizer=True, dtype=np.float32, metadata=None, kv_heads=1):
     """A one-layer llama GGUF of 32 tokens: a byte-level (gpt2-type) vocabulary without
     `<|endoftext|>`, as Llama-3-style vocabularies are; `metadata`: more keys (float or str values)."""
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -218,7 +218,7 @@ def _tiny_llama_gguf(path, *, tokenizer=True, dtype=np.float32, metadata=None):
     writer.add_block_count(1)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
-    writer.add_head_count_kv(1)
+    writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_context_length(64)
     writer.add_rope_dimension_count(dim // heads)
@@ -283,6 +283,18 @@ def test_linear_rope_scaling_is_read_as_llama_cpp_reads_it(tmp_path, metadata, e
     cfg = dlmjax.load_config(out)
     assert (cfg.rope_scaling, cfg.rope_factor) == ((expected["rope_type"], expected["factor"])
                                                    if "factor" in expected else ("none", cfg.rope_factor))
+
+
+def test_per_layer_head_counts_of_one_value_convert_and_others_are_refused(tmp_path):
+    """Newer llama.cpp writers may store a head count per layer; one value for all is that value,
+    different values are named (int() of the list was a TypeError)."""
+    import dlmjax
+
+    out = convert_gguf(_tiny_llama_gguf(tmp_path / "one.gguf", kv_heads=[1]), tmp_path / "out")
+    assert dlmjax.load_config(out).num_kv_heads == 1
+    path = _tiny_llama_gguf(tmp_path / "two.gguf", kv_heads=[1, 2])
+    with pytest.raises(GGUFError, match=r"'llama.attention.head_count_kv' differs between layers \(\[1, 2\]\)"):
+        convert_gguf(path, tmp_path / "out2")
 
 
 def test_other_rope_scalings_are_refused(tmp_path):

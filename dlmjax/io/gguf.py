@@ -81,6 +81,18 @@ def _required(reader, key: str):
     return value
 
 
+def _count(reader, key: str, default=None) -> int:
+    """An integer hyperparameter; a per-layer array (newer llama.cpp writers) of one value is that value."""
+    value = _required(reader, key) if default is None else _field(reader, key, default)
+    if isinstance(value, (list, tuple, np.ndarray)):
+        values = {int(v) for v in value}
+        if len(values) != 1:
+            raise GGUFError(f"GGUF metadata {key!r} differs between layers ({sorted(values)}); a llama model with "
+                            "per-layer sizes is not supported")
+        value = values.pop()
+    return int(value)
+
+
 def _f32(value) -> float:
     """GGUF floats are float32; keep the shortest decimal that round-trips (1e-05, not 9.99e-06)."""
     return float(str(np.float32(value)))
@@ -112,10 +124,13 @@ def rope_parameters(reader) -> dict:
 
 def llama_config(reader, *, vocab_size: int, tied: bool) -> dict:
     """A transformers Llama config.json dict from the GGUF metadata."""
-    hidden = int(_required(reader, "llama.embedding_length"))
-    n_heads = int(_required(reader, "llama.attention.head_count"))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // n_heads))
-    rope_dim = int(_field(reader, "llama.rope.dimension_count", head_dim))
+    hidden = _count(reader, "llama.embedding_length")
+    n_heads = _count(reader, "llama.attention.head_count")
+    head_dim = _count(reader, "llama.attention.key_length", hidden // n_heads)
+    rope_dim = _count(reader, "llama.rope.dimension_count", head_dim)
+    if _count(reader, "llama.attention.value_length", head_dim) != head_dim:
+        raise GGUFError(f"value heads of {_count(reader, 'llama.attention.value_length')} beside key heads of "
+                        f"{head_dim} are not supported (a llama model's are equal)")
     if rope_dim != head_dim:
         raise GGUFError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
@@ -124,15 +139,15 @@ def llama_config(reader, *, vocab_size: int, tied: bool) -> dict:
         "model_type": "llama",
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(_required(reader, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_required(reader, "llama.block_count")),
+        "intermediate_size": _count(reader, "llama.feed_forward_length"),
+        "num_hidden_layers": _count(reader, "llama.block_count"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(_field(reader, "llama.attention.head_count_kv", n_heads)),
+        "num_key_value_heads": _count(reader, "llama.attention.head_count_kv", n_heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": _f32(_required(reader, "llama.attention.layer_norm_rms_epsilon")),
         "rope_parameters": rope_parameters(reader),
-        "max_position_embeddings": int(_field(reader, "llama.context_length", 4096)),
+        "max_position_embeddings": _count(reader, "llama.context_length", 4096),
         "tie_word_embeddings": tied,
         "attention_bias": False,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
