@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlmjax.distributed import is_main
 from dlmjax.io.files import staged_dir
 from dlmjax.heads.controller import BLOCK_FEATURES, Controller, check_features, model_fingerprint, save_controller
 from dlmjax.traces import TraceError, load_traces, refuse_causal
@@ -119,7 +120,7 @@ def tspd_trainee(run, run_dir: Path):
         missing = [f for f in features if f not in meta["features"]]
         if missing:
             raise TraceError(f"traces {t.traces} lack features {missing}; collect them again with `dlmjax traces`")
-        if "stable" in features and meta.get("rollout", "egp") == "egp":
+        if "stable" in features and meta.get("rollout", "egp") == "egp" and is_main():  # said once, by process 0
             print(f"warning: tspd.features has `stable`, and {t.traces} are EGP traces, where a token is committed "
                   "the round its argmax is right: every traced token with stable >= 1 is labelled 0, so the "
                   "controller learns that a stable argmax is not final (the opposite of what it meets when it "
