@@ -114,9 +114,9 @@ class EGPTracer(DiffusionDecoder):
         return Plan(tokens=after, copies=after[:, None], carry=carry)
 
 
-def _loop(decoder, fwd, state, eos):
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              partial(engine.decode_round, decoder, fwd, seed_key=None, eos=eos), state)
+def _loop(decoder, fwd, state):
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), partial(engine.decode_round, decoder, fwd, seed_key=None),
+                              state)
 
 
 _STATIC = ("graphdef", "geometry", "cache_mode", "mask_id", "eos_ids", "max_rounds", "rollout")
@@ -130,13 +130,13 @@ def _reference_and_trace(graphdef, params, canvas, rows, *, geometry, cache_mode
     greedy decoder's rounds (from hidden states through `residual_argmax` where it runs)."""
     static = Static()
     model = nnx.merge(graphdef, params)
-    fwd = BlockForwards(model, rows, geometry, cache_mode, mask_id, scores_from_hidden=static.scores_from_hidden(model))
-    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
-    ystar = _loop(static, fwd, engine.start(fwd, canvas, static), eos).canvas
+    fwd = BlockForwards(model, rows, geometry, cache_mode, mask_id, scores_from_hidden=static.scores_from_hidden(model),
+                        eos_ids=tuple(eos_ids))
+    ystar = _loop(static, fwd, engine.start(fwd, canvas, static)).canvas
     tracer = EGPTracer(max_rounds=max_rounds, rollout=rollout)
     state = engine.start(fwd, canvas, tracer)
     state = state.replace(carry={**state.carry, "ystar": ystar})
-    final = _loop(tracer, fwd, state, eos)
+    final = _loop(tracer, fwd, state)
     return ystar, final.carry, final.canvas
 
 

@@ -204,11 +204,11 @@ def test_invariant_mode_mrp_spec_equals_static():
 @partial(arithmetic.jit, static_argnames=("graphdef", "geometry", "decoder", "rounds"))
 def _round_logits(graphdef, state, canvas, rows, geometry, decoder, rounds):
     """Every row's block logits after the prefill and after each of `rounds` engine rounds."""
-    fwd = engine.BlockForwards(nnx.merge(graphdef, state), rows, geometry, "exact", VOCAB - 1)
+    fwd = engine.BlockForwards(nnx.merge(graphdef, state), rows, geometry, "exact", VOCAB - 1, eos_ids=(VOCAB - 2,))
     start = engine.start(fwd, canvas, decoder)
 
     def one_round(st, _):
-        st = engine.decode_round(decoder, fwd, st, seed_key=jax.random.key(0), eos=jnp.asarray([VOCAB - 2]))
+        st = engine.decode_round(decoder, fwd, st, seed_key=jax.random.key(0))
         return st, st.logits
 
     _, logits = jax.lax.scan(one_round, start, None, length=rounds)

@@ -103,7 +103,7 @@ def test_drafts_make_no_model_call_and_a_round_is_one_forward(sdar):
     geometry, canvas, rows = engine.plan_layout([PROMPTS[1]], block=4, max_new_tokens=MAX_NEW, block_causal=True,
                                                 pad_id=PAD, mask_id=MASK)
     model = CountingModel(sdar)
-    fwd = engine.BlockForwards(model, rows, geometry, "exact", MASK)
+    fwd = engine.BlockForwards(model, rows, geometry, "exact", MASK, eos_ids=(EOS,))
     state = engine.start(fwd, jnp.asarray(canvas))
     assert int(state.forwards) == 1 and int(state.nfe[0]) == 1  # the prefill yields block 0's logits
     decoder = PSD(policy="topk", depth=4)
@@ -111,7 +111,7 @@ def test_drafts_make_no_model_call_and_a_round_is_one_forward(sdar):
     model.calls = 0
     plan = decoder.plan(fwd, state, tokens, tokens == MASK, None)
     assert model.calls == 0 and plan.copies.shape == (1, 4, 4)
-    after = engine.decode_round(decoder, fwd, state, seed_key=jax.random.key(0), eos=jnp.asarray([EOS]))
+    after = engine.decode_round(decoder, fwd, state, seed_key=jax.random.key(0))
     assert int(after.forwards) == 2 and int(after.nfe[0]) == 2
     assert int(after.committed[0]) >= 2, "the verification accepted no draft beyond the first commit"
 

@@ -128,7 +128,7 @@ def test_ce_carry_resets_per_block(sdar):
     fwd = engine.BlockForwards(sdar, rows, geometry, "exact", req.mask_id)
     decoder = parse_decoder("ce:tau=0.7")
     state = engine.start(fwd, jnp.asarray(canvas), decoder)
-    step = jax.jit(lambda st: engine.decode_round(decoder, fwd, st, seed_key=None, eos=jnp.asarray([-1])))
+    step = jax.jit(lambda st: engine.decode_round(decoder, fwd, st, seed_key=None))
     prev, resets = None, 0
     for _ in range(3 * MAX_NEW):
         if bool(jnp.all(state.done)):

@@ -84,18 +84,18 @@ def test_drafts_make_no_model_call_and_a_round_is_one_forward(sdar):
     geometry, canvas, rows = engine.plan_layout([PROMPTS[1]], block=4, max_new_tokens=MAX_NEW, block_causal=True,
                                                 pad_id=PAD, mask_id=MASK)
     model = CountingModel(sdar)
-    fwd = engine.BlockForwards(model, rows, geometry, "exact", MASK)
+    fwd = engine.BlockForwards(model, rows, geometry, "exact", MASK, eos_ids=(EOS,))
     decoder = parse_decoder("ce:tau=0.7,depth=4")
     state = engine.start(fwd, jnp.asarray(canvas), decoder)
     block = fwd.block_tokens(state.canvas, state.block)
     model.calls = 0
     plan = decoder.plan(fwd, state, block, block == MASK, None)
     assert model.calls == 0 and plan.copies.shape == (1, 4, 4)
-    after = engine.decode_round(decoder, fwd, state, seed_key=jax.random.key(0), eos=jnp.asarray([EOS]))
+    after = engine.decode_round(decoder, fwd, state, seed_key=jax.random.key(0))
     assert int(after.forwards) == 2 and int(after.nfe[0]) == 2
     # the round calls the model where ce one step per forward does (its forward's cache branches)
     traced, model.calls = model.calls, 0
-    engine.decode_round(parse_decoder("ce:tau=0.7"), fwd, state, seed_key=jax.random.key(0), eos=jnp.asarray([EOS]))
+    engine.decode_round(parse_decoder("ce:tau=0.7"), fwd, state, seed_key=jax.random.key(0))
     assert traced == model.calls
     # the carry has observed the seed and the logits of the accepted copy's predecessors: as many
     # rounds as the accepted depth (the accepted copy's own logits seed the next round)

@@ -125,7 +125,8 @@ class Plan:
     # editing, dlmjax.decoding.llada2); None: a block is complete when its masks are gone
     open: Any = None
     # [B] bool: rows that finish now although masks are left in their block (LLaDA2.0's early
-    # stop on an EOS with nothing masked before it: the masks after it are never output); None: none
+    # stop on an EOS with nothing masked before it: the masks after it are never output); a row is
+    # stopped only so, since `finalize` keeps its tokens up to the first EOS; None: none
     stop: Any = None
 
 
@@ -208,7 +209,12 @@ class BlockForwards:
     # `no_eos` and `eos_last`, LLaDA's logits_eos_inf and confidence_eos_eot_inf)
     banned_ids: tuple[int, ...] = ()
     last_ids: tuple[int, ...] = ()
-    eos_ids: tuple[int, ...] = ()  # the tokens a row finishes after (the run's stop ids)
+    eos_ids: tuple[int, ...] = ()  # the tokens a row finishes after (the run's stop ids; none: no EOS ends a row)
+
+    @property
+    def eos(self):
+        """`eos_ids` as an int32 array (-1, no token, where there are none)."""
+        return jnp.asarray(self.eos_ids or (-1,), jnp.int32)
 
     @property
     def lead(self) -> int:
@@ -511,7 +517,7 @@ def start(fwd: BlockForwards, canvas, decoder=None) -> DecodeState:
                        forwards=jnp.ones((), jnp.int32), carry=carry)
 
 
-def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos) -> DecodeState:
+def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key) -> DecodeState:
     """One round for every row: plan, finish or move on, one forward, resolve (module docstring)."""
     mask_id, k = fwd.mask_id, fwd.geometry.block
     tokens = fwd.block_tokens(st.canvas, st.block)
@@ -527,7 +533,9 @@ def decode_round(decoder, fwd: BlockForwards, st: DecodeState, *, seed_key, eos)
         left = left | (plan.open & ~st.done)
     complete = ~st.done & ~left
     last = st.block + 1 >= fwd.rows.blocks_needed
-    finished = complete & (last | _eos_seen(canvas, fwd.rows, fwd.block_start(st.block) + k, eos))
+    finished = complete & (last | _eos_seen(canvas, fwd.rows, fwd.block_start(st.block) + k, fwd.eos))
+    if plan.stop is not None:  # a stopped row finishes, whatever its block holds
+        finished = finished | (plan.stop & ~st.done)
     done = st.done | finished
     ready = complete & ~finished
     moves = ready & jnp.all(ready | done) if fwd.sync_blocks else ready
@@ -602,18 +610,17 @@ def _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cach
                          last_ids=last, eos_ids=tuple(eos_ids))
 
 
-def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, eos_ids, pad_id, stop_at,
+def _run_rounds(decoder, fwd: BlockForwards, state: DecodeState, seed_key, pad_id, stop_at,
                 forward_limit=None):
     """Rounds until every row is done, `stop_at` rows are, or the batch's forward count reaches
     `forward_limit` (None: no limit); (state, DecodeOutput of every row)."""
-    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
-
     def going(s):
         going = ~jnp.all(s.done) & (jnp.sum(s.done) < stop_at)
         return going if forward_limit is None else going & (s.forwards < forward_limit)
 
-    state = jax.lax.while_loop(going, partial(decode_round, decoder, fwd, seed_key=seed_key, eos=eos), state)
-    tokens, num_generated = finalize(state.canvas, fwd.rows, fwd.geometry, mask_id=fwd.mask_id, pad_id=pad_id, eos=eos)
+    state = jax.lax.while_loop(going, partial(decode_round, decoder, fwd, seed_key=seed_key), state)
+    tokens, num_generated = finalize(state.canvas, fwd.rows, fwd.geometry, mask_id=fwd.mask_id, pad_id=pad_id,
+                                     eos=fwd.eos)
     return state, DecodeOutput(tokens=tokens, num_generated=num_generated, nfe=state.nfe, committed=state.committed,
                                forwards=state.forwards)
 
@@ -623,7 +630,7 @@ def decode(graphdef, params, canvas, rows: Rows, seed_key, head_params=None, *, 
            mask_id, pad_id, eos_ids, head_graphdef=None):
     """Decode a laid-out batch. An MRP head (decoders mrp-*) comes as (head_graphdef, head_params)."""
     fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id, decoder, eos_ids)
-    return _run_rounds(decoder, fwd, start(fwd, canvas, decoder), seed_key, eos_ids, pad_id, canvas.shape[0])[1]
+    return _run_rounds(decoder, fwd, start(fwd, canvas, decoder), seed_key, pad_id, canvas.shape[0])[1]
 
 
 # -- continuous batching: slots that take the next prompt when their row is done (api.Stream) --
@@ -636,7 +643,7 @@ def decode_until(graphdef, params, state: DecodeState, rows: Rows, seed_key, sto
     `forward_limit` forwards in all (a traced int: the caller's next look at the rows):
     (state, DecodeOutput)."""
     fwd = _forwards(graphdef, params, rows, head_graphdef, head_params, geometry, cache_mode, mask_id, decoder, eos_ids)
-    return _run_rounds(decoder, fwd, state, seed_key, eos_ids, pad_id, stop_at, forward_limit)
+    return _run_rounds(decoder, fwd, state, seed_key, pad_id, stop_at, forward_limit)
 
 
 @partial(arithmetic.jit, static_argnames=("graphdef", "head_graphdef", "decoder", "geometry", "cache_mode", "mask_id"))

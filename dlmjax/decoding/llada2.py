@@ -64,10 +64,9 @@ def quota_commit(scores: policies.Scores, masked_bk, tau: float, quota_b):
 def eos_early_stop(fwd, state, after_bk, committed_bk):
     """[B] rows whose step committed an EOS with no generated position masked before the first
     EOS of their block (earlier blocks hold none: a row stops at the end of a block with one)."""
-    eos = jnp.asarray(fwd.eos_ids or (-1,), jnp.int32)
     k = after_bk.shape[1]
     generated = fwd.block_start(state.block)[:, None] + jnp.arange(k)[None, :] >= fwd.rows.out_start[:, None]
-    is_eos = jnp.isin(after_bk, eos) & generated
+    is_eos = jnp.isin(after_bk, fwd.eos) & generated
     first_eos = jnp.argmax(is_eos, axis=-1)  # 0 where none: then no EOS was committed either
     masked_before = jnp.any((after_bk == fwd.mask_id) & (jnp.arange(k)[None, :] < first_eos[:, None]), axis=-1)
     return jnp.any(committed_bk & is_eos, axis=-1) & ~masked_before
