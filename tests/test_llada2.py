@@ -48,16 +48,21 @@ def full_probs(model, seq):
 _FORWARDS = {}
 
 
-def reference_llada2(model, prompt, *, tau, steps, editing_threshold=None, max_post_steps=16, max_new=MAX_NEW):
-    """(tokens, forwards, edits, post-step limit hits, stopped early) of the procedure, one full
-    forward per step."""
+def reference_llada2(model, prompt, *, tau, steps, editing_threshold=None, max_post_steps=16, max_new=MAX_NEW,
+                     stops=(EOS,)):
+    """(tokens, forwards, committed tokens, edits, post-step limit hits, stopped early) of the
+    procedure, one full forward per step; `stops`: the ids a row ends at."""
+
+    def first_stop(tokens):
+        return next((i for i, t in enumerate(tokens) if t in stops), None)
+
     block = BLOCK
     start = (len(prompt) // block) * block
     num_blocks = math.ceil((len(prompt) - start + max_new) / block)
     seq = list(prompt) + [MASK] * (start + num_blocks * block - len(prompt))
     steps = min(steps, max_new)
     quota = [block // steps + (s < block % steps) for s in range(steps)]
-    forwards = edits = limit_hits = 0
+    forwards = committed = edits = limit_hits = 0
     for b in range(num_blocks):
         cols = range(start + b * block, start + (b + 1) * block)
         step = post = 0
@@ -85,19 +90,20 @@ def reference_llada2(model, prompt, *, tau, steps, editing_threshold=None, max_p
                           and pred[c] != seq[c]]
             for c in chosen + edited:
                 seq[c] = pred[c]
-            edits += len(edited)
+            committed, edits = committed + len(chosen), edits + len(edited)
             generated = seq[len(prompt):]
-            if (editing_threshold is None and any(seq[c] == EOS for c in chosen)
-                    and MASK not in generated[: generated.index(EOS)]):  # LLaDA2.0's early stop
-                out = generated[: min(generated.index(EOS) + 1, max_new)]
-                return out, forwards, edits, limit_hits, True
+            if (editing_threshold is None and any(seq[c] in stops for c in chosen)
+                    and MASK not in generated[: first_stop(generated)]):  # LLaDA2.0's early stop
+                out = generated[: min(first_stop(generated) + 1, max_new)]
+                return out, forwards, committed, edits, limit_hits, True
             if not masked and not edited:
                 break
             step += bool(masked)
-        if EOS in seq[len(prompt) : cols[-1] + 1]:
+        if first_stop(seq[len(prompt) : cols[-1] + 1]) is not None:
             break
     out = seq[len(prompt) : len(prompt) + max_new]
-    return (out[: out.index(EOS) + 1] if EOS in out else out), forwards, edits, limit_hits, False
+    end = first_stop(out)
+    return (out if end is None else out[: end + 1]), forwards, committed, edits, limit_hits, False
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +126,19 @@ ALONE = (0, 3)  # rows also decoded alone: one that starts mid-block, one whose 
 
 
 def matches_reference(model, spec):
-    """Tokens and per-row forwards of `spec` equal the reference loop's, in a batch and alone (rows
-    ALONE); the reference's (edits, post-step limit hits, stopped early) per row."""
+    """Tokens, per-row forwards and committed tokens (TPF) of `spec` equal the reference loop's, in
+    a batch and alone (rows ALONE); the reference's (edits, post-step limit hits, stopped early)
+    per row."""
     together = generate(model, PROMPTS, decoder=spec, max_new_tokens=MAX_NEW)
     stats = []
     for i, prompt in enumerate(PROMPTS):
-        tokens, forwards, *row_stats = reference_llada2(model, prompt, **CASES[spec])
+        tokens, forwards, committed, *row_stats = reference_llada2(model, prompt, **CASES[spec],
+                                                                   stops=model.config.eos_token_ids)
         stats.append(row_stats)
         row = together.rows[i]
         assert row.tokens == tokens, (spec, i)
         assert row.nfe == forwards, (spec, i)
+        assert row.tpf == pytest.approx(committed / forwards), (spec, i)
         if i in ALONE:
             alone = generate(model, [prompt], decoder=spec, max_new_tokens=MAX_NEW).rows[0]
             assert (alone.tokens, alone.nfe) == (row.tokens, row.nfe), (spec, i)
@@ -146,11 +155,15 @@ def test_llada2_matches_reference_loop_batch_and_alone(model, spec):
             assert sum(h for _, h, _ in stats) > 0, "no block reached max_post_steps"
 
 
+@pytest.mark.parametrize("stops", [(EOS,), (EOS, 23)])
 @pytest.mark.parametrize("spec", [s for s in CASES if "editing" not in s])
-def test_llada2_stops_right_after_an_eos_with_nothing_masked_before_it(spec):
+def test_llada2_stops_right_after_an_eos_with_nothing_masked_before_it(spec, stops):
     """LLaDA2.0's generate() returns after the step that commits an EOS with every generated
-    position before it filled; the masks after it are never decoded (a model that writes EOS early)."""
-    stats = matches_reference(peaked_sdar(seed=4), spec)
+    position before it filled; the masks after it are never decoded (a model that writes EOS early;
+    any of its stop ids)."""
+    model = peaked_sdar(seed=4)
+    model.config = model.config.replace(eos_token_ids=stops)
+    stats = matches_reference(model, spec)
     assert sum(early for _, _, early in stats) >= 2, "no row stopped early: the test is vacuous"
 
 
