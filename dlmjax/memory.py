@@ -183,19 +183,16 @@ def fsdp_gather_bytes(layer_tree, shardings, fsdp: int) -> int:
     return tree_bytes(layer_tree, shardings) * fsdp
 
 
-def _split_over(sharding, axis: str) -> bool:
-    spec = getattr(sharding, "spec", ())
-    return any(e == axis or (isinstance(e, tuple) and axis in e) for e in spec)
-
-
 def fsdp_whole_bytes(tree, shardings, fsdp: int) -> tuple[int, int]:
     """(bytes of the leaves split over 'fsdp', gathered whole over it; per-device bytes of the
     others): a trained tree's weights as the forward keeps them for the backward, and its
     gradients before their reduce-scatter."""
+    from dlmjax.sharding import spec_uses_axis
+
     gathered = rest = 0
     for leaf, placed in placed_leaves(tree, shardings):
         size = shard_bytes(leaf.shape, leaf.dtype, placed)
-        if fsdp > 1 and _split_over(placed, "fsdp"):
+        if fsdp > 1 and spec_uses_axis(getattr(placed, "spec", ()), "fsdp"):
             gathered += size * fsdp
         else:
             rest += size

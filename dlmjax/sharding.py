@@ -195,13 +195,18 @@ def _units(logical_axes, shape, cfg) -> list[int]:
     return [size // 2 if name == "mlp_pairs" else per_axis.get(name, size) for name, size in zip(logical_axes, shape)]
 
 
+def spec_uses_axis(spec, axis: str) -> bool:
+    """Whether a PartitionSpec splits some dimension over mesh axis `axis` (alone or with others)."""
+    return any(e == axis or (isinstance(e, tuple) and axis in e) for e in spec)
+
+
 def with_fsdp(spec: P, shape, sizes: dict[str, int], axis: str | None = "fsdp") -> P:
     """`spec` with the largest dimension it leaves unsharded split over `axis` (fsdp), if that
     axis is in the mesh with size > 1 and the dimension divides by it (the first of equal ones);
     `spec` unchanged otherwise."""
     n = sizes.get(axis, 1) if axis is not None else 1
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    if n <= 1 or any(axis == e or (isinstance(e, tuple) and axis in e) for e in entries):
+    if n <= 1 or spec_uses_axis(entries, axis):
         return spec
     free = [i for i, e in enumerate(entries) if e is None and shape[i] % n == 0 and shape[i] >= n]
     if not free:
