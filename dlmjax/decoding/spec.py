@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from dlmjax.decoding import policies
 from dlmjax.decoding.engine import Plan
-from dlmjax.validation import AT_LEAST_0, AT_LEAST_1, INT32_MAX, OPEN_UNIT, STEPS, InputError, OneOf, Range, check_fields
+from dlmjax.validation import (AT_LEAST_0, AT_LEAST_1, INT32_MAX, OPEN_UNIT, STEPS, InputError, OneOf, Range,
+                               check_fields, check_value, limits_of)
 
 CACHE_MODES = ("none", "prefix", "dual")
 
@@ -350,8 +351,8 @@ def parse_decoder(spec: str):
 
 
 def parse_options(spec: str) -> tuple[type, dict]:
-    """A spec's decoder class and its options, each named and typed, before the decoder is built
-    (a TSPD decoder reads its controller file when built)."""
+    """A spec's decoder class and its options, each named, typed and within its range, before the
+    decoder is built (a TSPD decoder reads its controller file when built)."""
     if not isinstance(spec, str):
         raise DecoderSpecError(f"decoder {spec!r} is neither a spec string (e.g. 'threshold:tau=0.9') nor a decoder "
                                f"config; valid decoders: {', '.join(decoder_names())}")
@@ -361,6 +362,7 @@ def parse_options(spec: str) -> tuple[type, dict]:
         raise DecoderSpecError(f"unknown decoder {name!r}; valid decoders: {', '.join(decoder_names())}")
     cls = DECODERS[name]
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    limits = limits_of(cls)
     kwargs = {}
     for item in filter(None, (o.strip() for o in options.split(","))):
         key, eq, value = item.partition("=")
@@ -371,5 +373,6 @@ def parse_options(spec: str) -> tuple[type, dict]:
             raise DecoderSpecError(f"{name}: unknown option {key!r}; valid options: {', '.join(fields)}")
         if key in kwargs:
             raise DecoderSpecError(f"{name}: option {key!r} is given twice; keep one")
-        kwargs[key] = _convert(value, fields[key].type, key, name)
+        kwargs[key] = check_value(f"{name}: {key}", _convert(value, fields[key].type, key, name), fields[key].type,
+                                  limits.get(key), error=DecoderSpecError)
     return cls, kwargs
