@@ -343,8 +343,8 @@ def _train_mesh_overrides(args) -> list[str]:
 
     out = []
     if getattr(args, "mesh", None) is not None:
-        both = [o.partition("=")[0].strip() for o in args.overrides
-                if o.partition("=")[0].strip() in {f"mesh.{axis}" for axis in MESH_AXES}]
+        axes = {f"mesh.{axis}" for axis in MESH_AXES}
+        both = [key for key in (o.partition("=")[0].strip() for o in args.overrides) if key in axes]
         if both:
             raise InputError(f"--mesh {args.mesh} and the override {both[0]}= both set the mesh's axes (--mesh "
                              "replaces them all); give them in one of the two")
